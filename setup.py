@@ -1,0 +1,52 @@
+"""zerogpt: ZeRO-style GPT pretraining when memory is the limit.
+
+Install:  pip install torch==2.13.0 && pip install -e '.[dev]'
+(torch is pinned first so pip does not pull a multi-GB CUDA build on CPU machines;
+deepspeed is built without build isolation against that torch, see .ci/run.)
+"""
+from setuptools import find_packages, setup
+
+INSTALL_REQUIRES = [
+    "torch>=2.3",
+    "numpy",
+    "transformers>=4.40",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "ftfy",
+    "langdetect",
+    "datasketch",
+    "tldextract",
+    "aiohttp",
+    "trafilatura",
+    "lxml_html_clean",
+    "ninja",
+    "tensorboard",
+    "tqdm",
+    "rich",
+    "matplotlib",
+    "psutil",
+]
+
+setup(
+    name="zerogpt",
+    version="0.1.0",
+    description="ZeRO-sharded GPT pretraining with CPU/disk offload, config files and a webtext pipeline",
+    packages=find_packages(include=["zerogpt", "zerogpt.*", "model_zoo", "model_zoo.*",
+                                    "data_pipeline", "data_pipeline.*"]),
+    package_data={"data_pipeline": ["assets/*", "assets/**/*"]},
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require={
+        "dev": ["pytest", "pytest-timeout"],
+        "deepspeed": ["deepspeed"],
+    },
+    entry_points={
+        "console_scripts": [
+            "zerogpt-estimate=zerogpt.estimate:main",
+            "zerogpt-export=zerogpt.export:main",
+            "zerogpt-generate=zerogpt.generate:main",
+            "zerogpt-pipeline=data_pipeline.__main__:main",
+        ]
+    },
+)
