@@ -1,0 +1,48 @@
+"""Models for zerogpt: the GPT-2 family (gpt.py), local Hugging Face causal LMs (hf.py), and `build_model`,
+which turns a config's `model = dict(type=..., **kwargs)` into an nn.Module. Knows nothing about ZeRO or data.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from model_zoo.gpt import (GPT, GPTConfig, GPTLMLoss, GPTOutput, from_hf, gpt2_large, gpt2_medium, gpt2_small,
+                           gpt2_tiny, gpt2_xl, to_hf)
+
+__all__ = ["GPT", "GPTConfig", "GPTLMLoss", "GPTOutput", "from_hf", "to_hf", "gpt2_tiny", "gpt2_small",
+           "gpt2_medium", "gpt2_large", "gpt2_xl", "build_model"]
+
+
+def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None) -> nn.Module:
+    """Build the model a config describes.
+
+    Args:
+        model_cfg: `dict(type=<callable>, **kwargs)` -> type(**kwargs); or `dict(type="hf", path=DIR, **kwargs)`
+            -> a local Hugging Face causal LM (model_zoo.hf.load_hf_causal_lm).
+        vocab_size: the tokenizer's vocabulary; passed to a callable as vocab_size unless the config sets it,
+            and checked against an HF model's embedding size.
+    Example:
+        >>> build_model(dict(type=gpt2_tiny, checkpoint=True), vocab_size=512).config.vocab_size
+        512
+    """
+    kwargs = dict(model_cfg)
+    if "type" not in kwargs:
+        raise ValueError(f"model config needs a 'type', e.g. model = dict(type=gpt2_small); got {model_cfg!r}")
+    kind = kwargs.pop("type")
+    if kind == "hf":
+        from model_zoo.hf import load_hf_causal_lm
+
+        if "path" not in kwargs:
+            raise ValueError("model = dict(type='hf') needs path=DIR (a local save_pretrained directory)")
+        model = load_hf_causal_lm(kwargs.pop("path"), **kwargs)
+        rows = model.get_input_embeddings().num_embeddings
+        if vocab_size is not None and vocab_size > rows:
+            raise ValueError(f"the tokenizer has {vocab_size} tokens but the HF model's embedding has only {rows} "
+                             f"rows; use the model's own tokenizer (data.tokenizer) or resize the model")
+        return model
+    if not callable(kind):
+        raise TypeError(f"model.type must be a callable (e.g. gpt2_small) or 'hf', got {kind!r}")
+    if vocab_size is not None and "vocab_size" not in kwargs:
+        kwargs["vocab_size"] = vocab_size
+    return kind(**kwargs)

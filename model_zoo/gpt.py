@@ -1,0 +1,415 @@
+"""GPT-2 in plain PyTorch: model, factories (tiny .. xl), GPTLMLoss, and exact Hugging Face conversion.
+
+Module names follow GPT-2/HF (transformer.wte, h[i].attn.c_attn, ln_f, lm_head) so conversion is a lookup
+table. This file knows nothing about ZeRO; its only promise to the engine is that every parameter is used
+inside the forward of the module that owns it (stage 3 gathers parameters in module pre-forward hooks), e.g.
+position embeddings go through `self.wpe(pos)` and the tied head through `self.lm_head(x)`.
+
+Vocabulary padding: the embedding/head have `padded_vocab_size` rows (a multiple of 64, for matmul speed),
+but logits are sliced to the real `vocab_size` before they are returned or fed to the loss, so padded rows
+never affect the loss or sampling and receive zero gradient.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
+
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "GPTOutput", "GPTLMLoss",
+           "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "from_hf", "to_hf"]
+
+KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each (B, nh, T_past, hs)
+
+_GELU_APPROXIMATE = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+@dataclass
+class GPTConfig:
+    """Shape and regularisation of a GPT-2 model."""
+
+    vocab_size: int = 50257
+    """Real vocabulary size (tokenizer); the embedding is padded up to `padded_vocab_size`."""
+    max_position_embeddings: int = 1024
+    """Longest sequence (learned position embeddings)."""
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    n_inner: int | None = None
+    """MLP hidden width; None = 4 * n_embd."""
+    dropout: float = 0.0
+    """Embedding, attention and residual dropout (GPT-2 used 0.1; 0.0 is usual for pretraining)."""
+    layer_norm_epsilon: float = 1e-5
+    activation: str = "gelu_new"
+    """"gelu_new" (GPT-2's tanh approximation) or "gelu" (exact)."""
+    checkpoint: bool = False
+    """Activation checkpointing per block: recompute block activations in backward to save memory."""
+    pad_vocab_multiple: int = 64
+    """Pad the embedding rows to a multiple of this for faster matmuls."""
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.activation not in _GELU_APPROXIMATE:
+            raise ValueError(f"activation must be one of {sorted(_GELU_APPROXIMATE)}, got {self.activation!r}")
+        for name in ("vocab_size", "max_position_embeddings", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+@dataclass
+class GPTOutput:
+    """What `GPT.forward` returns when labels or use_cache are given."""
+
+    logits: torch.Tensor
+    """(B, T, vocab_size), compute dtype."""
+    loss: torch.Tensor | None = None
+    """Scalar mean cross-entropy over labels != -100 (fp32)."""
+    past_key_values: KVCache | None = None
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.dropout = config.n_head, config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, layer_past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                use_cache: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if layer_past is not None:
+            k = torch.cat([layer_past[0], k], dim=2)  # (B, nh, T_past + T, hs)
+            v = torch.cat([layer_past[1], v], dim=2)
+        present = (k, v) if use_cache else None
+        T_past = k.size(2) - T
+        dropout_p = self.dropout if self.training else 0.0
+        if T_past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        elif T == 1:  # one new token sees the whole cache
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        else:  # SDPA's is_causal aligns top-left; with a cache the mask must align bottom-right
+            mask = torch.ones(T, T_past + T, dtype=torch.bool, device=x.device).tril(diagonal=T_past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+        return self.resid_dropout(self.c_proj(y)), present
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        hidden = config.n_inner or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, hidden)
+        self.act = nn.GELU(approximate=_GELU_APPROXIMATE[config.activation])
+        self.c_proj = nn.Linear(hidden, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, layer_past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                use_cache: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        a, present = self.attn(self.ln_1(x), layer_past, use_cache)
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))
+        return x, present
+
+
+class GPT(nn.Module):
+    """GPT-2 language model.
+
+    `model(input_ids)` -> logits (B, T, vocab_size). With `labels` (B, T) -> GPTOutput(loss, logits): labels are
+    ALIGNED with input_ids (labels[:, t] is the target for position t, i.e. already shifted, as zerogpt's
+    datasets yield them; -100 is ignored). Note Hugging Face shifts internally instead: for HF-style
+    `labels=input_ids` use `GPTLMLoss()(logits, input_ids)`. With `use_cache=True` the output also carries
+    `past_key_values` to pass back in for incremental decoding.
+
+    Example:
+        >>> model = gpt2_tiny()
+        >>> model(torch.randint(0, 1024, (2, 16))).shape
+        torch.Size([2, 16, 1024])
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.max_position_embeddings, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        # Tie: the head OWNS the same Parameter object, so module hooks on lm_head see it (named_parameters
+        # lists it once, as transformer.wte.weight).
+        self.lm_head.weight = self.transformer.wte.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections N(0, 0.02/sqrt(2*n_layer))."""
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                # GPT-2 paper §2.3: scale the weights of residual layers by 1/sqrt(N), N = 2 residual adds per block.
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj") else 0.02
+                if module is not self.lm_head:  # the head's weight is wte's, initialised below
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        with torch.no_grad():  # padded vocab rows: never a real token; keep them zero (they get zero grad)
+            self.transformer.wte.weight[self.config.vocab_size:].zero_()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                past_key_values: KVCache | None = None, use_cache: bool = False) -> torch.Tensor | GPTOutput:
+        """Args: input_ids (B, T) int64 token ids < vocab_size; labels (B, T) aligned targets or None;
+        past_key_values from a previous call with use_cache=True. Returns logits (B, T, vocab_size) or GPTOutput.
+        """
+        B, T = input_ids.shape
+        T_past = past_key_values[0][0].size(2) if past_key_values is not None else 0
+        if T_past + T > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {T_past + T} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}; use a shorter SEQ_LEN or build the model with "
+                             f"max_position_embeddings={T_past + T}")
+        pos = torch.arange(T_past, T_past + T, dtype=torch.long, device=input_ids.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))  # (B, T, C)
+        presents = []
+        for i, block in enumerate(self.transformer.h):
+            layer_past = past_key_values[i] if past_key_values is not None else None
+            if self.config.checkpoint and self.training and not use_cache and torch.is_grad_enabled():
+                x, present = activation_checkpoint(block, x, use_reentrant=False)
+            else:
+                x, present = block(x, layer_past, use_cache)
+            presents.append(present)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab_size): padding sliced off
+        if labels is None and not use_cache:
+            return logits
+        loss = GPTLMLoss(shift=False)(logits, labels) if labels is not None else None
+        return GPTOutput(logits=logits, loss=loss, past_key_values=tuple(presents) if use_cache else None)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample `max_new_tokens` tokens after `input_ids` (B, T) with a KV cache; temperature 0 = greedy."""
+        out_ids, past, step_ids = input_ids, None, input_ids
+        for _ in range(max_new_tokens):
+            if (past[0][0].size(2) if past else 0) + step_ids.size(1) > self.config.max_position_embeddings:
+                past, step_ids = None, out_ids[:, -self.config.max_position_embeddings:]  # window slides: recompute
+            out = self(step_ids, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1, :].float()
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            out_ids = torch.cat([out_ids, next_id], dim=1)
+            step_ids = next_id
+        return out_ids
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters counted once (the tied head is wte). non_embedding=True drops the position embedding and
+        the padded vocab rows, keeping wte's real rows because as the LM head they do matmul work (nanoGPT)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+            n -= (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 * L * H * Q * T."""
+        c = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_head * c.head_dim * seq_len
+
+
+class GPTLMLoss(nn.Module):
+    """Next-token cross-entropy, mean over targets != ignore_index, computed in fp32.
+
+    shift=True (default, the Colossal-AI tutorial form): `loss(logits, input_ids)` predicts input_ids[t+1]
+    from position t. shift=False: `loss(logits, labels)` with labels already aligned (labels[t] = next token
+    of input_ids[t]), as zerogpt's datasets yield them. `logits` may also be any output object with `.logits`
+    (GPTOutput, Hugging Face CausalLMOutput).
+
+    Example:
+        >>> logits, ids = torch.randn(2, 8, 100), torch.randint(0, 100, (2, 8))
+        >>> GPTLMLoss()(logits, ids).shape
+        torch.Size([])
+    """
+
+    def __init__(self, ignore_index: int = -100, shift: bool = True):
+        super().__init__()
+        self.ignore_index, self.shift = ignore_index, shift
+
+    def forward(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        logits = getattr(logits, "logits", logits)
+        if self.shift:
+            logits, labels = logits[..., :-1, :], labels[..., 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                               ignore_index=self.ignore_index)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Factories: model = dict(type=gpt2_small, checkpoint=True) in a config calls these with the dict's kwargs.
+
+_SIZES = {
+    "gpt2_tiny": dict(n_layer=2, n_head=2, n_embd=64, vocab_size=1024, max_position_embeddings=256),
+    "gpt2_small": dict(n_layer=12, n_head=12, n_embd=768),    # 124M
+    "gpt2_medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 355M
+    "gpt2_large": dict(n_layer=36, n_head=20, n_embd=1280),   # 774M
+    "gpt2_xl": dict(n_layer=48, n_head=25, n_embd=1600),      # 1.5B
+}
+
+
+def _build(size: str, pretrained: str | None, overrides: dict[str, Any]) -> GPT:
+    names = {f.name for f in fields(GPTConfig)}
+    unknown = set(overrides) - names
+    if unknown:
+        import difflib
+        hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+        raise TypeError(f"{size}() got unknown keyword(s) " + ", ".join(
+            f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in sorted(unknown))
+            + f"; valid: {', '.join(sorted(names))}")
+    config = GPTConfig(**{**_SIZES[size], **overrides})
+    if pretrained is None:
+        return GPT(config)
+    from transformers import GPT2LMHeadModel  # optional dependency, only for pretrained=DIR
+
+    model = from_hf(GPT2LMHeadModel.from_pretrained(pretrained, local_files_only=True),
+                    dropout=config.dropout, checkpoint=config.checkpoint)
+    arch = ("n_layer", "n_head", "n_embd")
+    if any(getattr(model.config, k) != getattr(config, k) for k in arch):
+        got = ", ".join(f"{k}={getattr(model.config, k)}" for k in arch)
+        raise ValueError(f"{size}(pretrained={pretrained!r}): the checkpoint has {got}, which is not {size}; "
+                         f"use the matching factory or model = dict(type='hf', path=...)")
+    return model
+
+
+def gpt2_tiny(pretrained: str | None = None, **overrides: Any) -> GPT:
+    """2 layers, width 64, 2 heads, vocab 1024, 256 positions: tests and the CPU demo.
+
+    Overrides: any GPTConfig field (vocab_size, max_position_embeddings, dropout, checkpoint, ...);
+    pretrained=DIR loads a local Hugging Face GPT-2 of the same shape.
+    """
+    return _build("gpt2_tiny", pretrained, overrides)
+
+
+def gpt2_small(pretrained: str | None = None, **overrides: Any) -> GPT:
+    """GPT-2 small, 124M: 12 layers, width 768, 12 heads (overrides as gpt2_tiny)."""
+    return _build("gpt2_small", pretrained, overrides)
+
+
+def gpt2_medium(pretrained: str | None = None, **overrides: Any) -> GPT:
+    """GPT-2 medium, 355M: 24 layers, width 1024, 16 heads (overrides as gpt2_tiny)."""
+    return _build("gpt2_medium", pretrained, overrides)
+
+
+def gpt2_large(pretrained: str | None = None, **overrides: Any) -> GPT:
+    """GPT-2 large, 774M: 36 layers, width 1280, 20 heads (overrides as gpt2_tiny)."""
+    return _build("gpt2_large", pretrained, overrides)
+
+
+def gpt2_xl(pretrained: str | None = None, **overrides: Any) -> GPT:
+    """GPT-2 XL, 1.5B: 48 layers, width 1600, 25 heads (overrides as gpt2_tiny)."""
+    return _build("gpt2_xl", pretrained, overrides)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face conversion. HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def from_hf(hf_model: Any, **overrides: Any) -> GPT:
+    """Convert a transformers GPT2LMHeadModel into a GPT with identical outputs (fp32 logits within 1e-5).
+
+    Args:
+        hf_model: transformers.GPT2LMHeadModel (any size).
+        overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
+    """
+    hc = hf_model.config
+    unsupported = {k: getattr(hc, k, None) for k in ("scale_attn_by_inverse_layer_idx", "add_cross_attention")
+                   if getattr(hc, k, False)}
+    if not getattr(hc, "scale_attn_weights", True):
+        unsupported["scale_attn_weights"] = False
+    if unsupported or hc.activation_function not in _GELU_APPROXIMATE:
+        raise ValueError(f"from_hf supports standard GPT-2 configs only; unsupported settings: "
+                         f"{unsupported or {'activation_function': hc.activation_function}}")
+    config = GPTConfig(vocab_size=hc.vocab_size, max_position_embeddings=hc.n_positions, n_layer=hc.n_layer,
+                       n_head=hc.n_head, n_embd=hc.n_embd, n_inner=hc.n_inner, dropout=hc.resid_pdrop,
+                       layer_norm_epsilon=hc.layer_norm_epsilon, activation=hc.activation_function)
+    config = replace(config, **overrides)
+    model = GPT(config)
+    hf_state = hf_model.state_dict()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            src = hf_state[name].to(param.dtype)
+            if name.endswith(_CONV1D):
+                src = src.t()
+            if name == "transformer.wte.weight":
+                param.zero_()
+                param[: config.vocab_size].copy_(src)
+            else:
+                param.copy_(src)
+    return model
+
+
+def to_hf(model: GPT) -> Any:
+    """Convert a GPT into a transformers GPT2LMHeadModel with identical outputs (padded vocab rows dropped)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = model.config
+    hc = GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.n_embd,
+                    n_layer=c.n_layer, n_head=c.n_head, n_inner=c.n_inner, activation_function=c.activation,
+                    resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
+                    layer_norm_epsilon=c.layer_norm_epsilon, tie_word_embeddings=True,
+                    # GPT-2's <|endoftext|> is 50256; a smaller (own-tokenizer) vocab has no such id.
+                    bos_token_id=50256 if c.vocab_size > 50256 else None,
+                    eos_token_id=50256 if c.vocab_size > 50256 else None)
+    hf_model = GPT2LMHeadModel(hc)
+    hf_params = dict(hf_model.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            src = param.detach()
+            if name.endswith(_CONV1D):
+                src = src.t()
+            if name == "transformer.wte.weight":
+                src = src[: c.vocab_size]
+            hf_params[name].copy_(src.to(hf_params[name].dtype))
+    hf_model.tie_weights()
+    return hf_model.to(next(model.parameters()).device)
