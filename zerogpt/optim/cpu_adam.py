@@ -1,0 +1,297 @@
+"""Fused Adam(W) for fp32 master parameters on the host (CPUAdam) and on any device (HybridAdam).
+
+Owns the kernel choice -- DeepSpeed's vectorised `cpu_adam` op (JIT-built once with ninja, cached in
+~/.cache/torch_extensions) or torch's fused Adam as fallback -- and the per-param state
+("step", "exp_avg", "exp_avg_sq"). It does not own where that state lives: the engine may pre-allocate
+the state tensors (pinned, or memory-mapped for disk offload) and the step updates them in place.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+
+__all__ = ["CPUAdam", "HybridAdam", "cpu_adam_backend"]
+
+_log = logging.getLogger("zerogpt.optim")
+
+ENV_VAR = "ZEROGPT_CPU_ADAM"
+_BACKEND_CHOICES = ("auto", "deepspeed", "torch")
+BACKEND_DEEPSPEED = "deepspeed"
+BACKEND_TORCH = "torch-fused"
+
+# The compiled op is a process-wide resource (like any loaded extension), so it is cached here:
+# None = not tried yet; otherwise (module or None, error message or None).
+_ds_op_cache: tuple[Any, str | None] | None = None
+_announced: set[str] = set()
+_optimizer_ids = itertools.count()
+
+
+def _load_deepspeed_op() -> tuple[Any, str | None]:
+    """Build/load DeepSpeed's cpu_adam op once per process; returns (op or None, failure reason)."""
+    global _ds_op_cache
+    if _ds_op_cache is None:
+        try:
+            from deepspeed.ops.op_builder import CPUAdamBuilder  # heavy, optional
+
+            _ds_op_cache = (CPUAdamBuilder().load(verbose=False), None)
+        except Exception as e:  # ImportError, compiler missing, ninja missing, ...
+            _ds_op_cache = (None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return _ds_op_cache
+
+
+def _resolve_backend(prefer: str | None) -> str:
+    """Pick the CPU kernel: explicit `prefer`, else $ZEROGPT_CPU_ADAM, else auto (DeepSpeed if it builds)."""
+    source = "backend argument"
+    if prefer is None:
+        prefer, source = os.environ.get(ENV_VAR, "auto") or "auto", f"${ENV_VAR}"
+    prefer = prefer.lower()
+    if prefer in ("torch-fused", "fused"):
+        prefer = "torch"
+    if prefer not in _BACKEND_CHOICES:
+        raise ValueError(f"{source}={prefer!r} is not a CPU Adam backend; valid: {', '.join(_BACKEND_CHOICES)} "
+                         f"(e.g. {ENV_VAR}=torch to force torch's fused Adam)")
+    if prefer == "torch":
+        _announce(BACKEND_TORCH, f"zerogpt CPU Adam: using torch fused Adam (requested by {source})")
+        return BACKEND_TORCH
+    op, err = _load_deepspeed_op()
+    if op is not None:
+        _announce(BACKEND_DEEPSPEED, "zerogpt CPU Adam: using DeepSpeed's cpu_adam op")
+        return BACKEND_DEEPSPEED
+    if prefer == "deepspeed":
+        raise RuntimeError(f"{source} asks for the DeepSpeed CPU Adam op but it failed to build/load ({err}); "
+                           f"install deepspeed + ninja and a C++ compiler, or set {ENV_VAR}=torch")
+    if "fallback" not in _announced:  # warn once per process, training goes on with the fallback
+        _announced.add("fallback")
+        warnings.warn(f"zerogpt CPU Adam: DeepSpeed cpu_adam op unavailable ({err}); falling back to torch's "
+                      f"fused Adam on CPU (same math, usually slower). Set {ENV_VAR}=torch to silence this.",
+                      RuntimeWarning, stacklevel=3)
+    return BACKEND_TORCH
+
+
+def _announce(key: str, msg: str) -> None:
+    if key not in _announced:
+        _announced.add(key)
+        _log.info(msg)
+
+
+def cpu_adam_backend(prefer: str | None = None) -> str:
+    """Which kernel CPUAdam uses for host-resident params: "deepspeed" or "torch-fused".
+
+    Builds the DeepSpeed op on first call (about a minute, then cached on disk).
+    Args: prefer: "auto" | "deepspeed" | "torch"; None reads $ZEROGPT_CPU_ADAM (default auto).
+    Example: >>> zerogpt.optim.cpu_adam_backend() in ("deepspeed", "torch-fused")  # True
+    """
+    return _resolve_backend(prefer)
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam / AdamW over fp32 params on the CPU with a fused vectorised kernel.
+
+    Same math as torch.optim.AdamW (adamw_mode=True, decoupled weight decay) or torch.optim.Adam
+    (adamw_mode=False, L2 added to the gradient). Grads may be fp32, bf16 or fp16 (set
+    `p.grad_dtype = None` to attach a low-precision grad to an fp32 master); they are read as fp32.
+    State tensors already present in `self.state[p]` (e.g. memory-mapped by the engine for disk offload)
+    are updated in place and never reallocated, by `step` and by `load_state_dict` alike.
+
+    Args:
+        params: iterable of tensors or param-group dicts (fp32, on CPU; HybridAdam also takes CUDA).
+        lr, betas, eps, weight_decay: as torch.optim.AdamW.
+        bias_correction: divide by (1 - beta^t) as in the Adam paper (torch always does).
+        adamw_mode: True = AdamW (decoupled decay), False = Adam (L2 penalty).
+        amsgrad: must be False (not supported by the fused kernels).
+        backend: "auto" | "deepspeed" | "torch"; None reads $ZEROGPT_CPU_ADAM.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4); opt = CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+        >>> model(torch.randn(2, 4)).sum().backward(); opt.step()
+    """
+
+    _allow_device_params = False  # HybridAdam flips this
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], lr: float = 1e-3,
+                 bias_correction: bool = True, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, adamw_mode: bool = True, amsgrad: bool = False,
+                 backend: str | None = None) -> None:
+        name = type(self).__name__
+        if amsgrad:
+            raise ValueError(f"{name}(amsgrad=True) is not supported: the fused CPU kernels implement plain "
+                             f"Adam/AdamW; use torch.optim.AdamW(amsgrad=True) or pass amsgrad=False")
+        if not 0.0 <= lr:
+            raise ValueError(f"{name}: invalid lr={lr}; must be >= 0")
+        if not 0.0 <= eps:
+            raise ValueError(f"{name}: invalid eps={eps}; must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"{name}: invalid betas={betas}; each must be in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"{name}: invalid weight_decay={weight_decay}; must be >= 0")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, adamw_mode=adamw_mode, amsgrad=False)
+        super().__init__(params, defaults)
+        self.backend = _resolve_backend(backend)
+        self._ds_ids: dict[bool, int] = {}  # adamw_mode -> id of the op-side optimizer object
+
+    # -- torch.optim.Optimizer plumbing -------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        name = type(self).__name__
+        if param_group.get("amsgrad", False):
+            raise ValueError(f"{name}: param group with amsgrad=True is not supported; set amsgrad=False")
+        for p in (param_group["params"] if not isinstance(param_group["params"], torch.Tensor)
+                  else [param_group["params"]]):
+            if p.dtype != torch.float32:
+                raise TypeError(f"{name} steps fp32 master params; got a {p.dtype} param of shape "
+                                f"{tuple(p.shape)}. Keep fp32 masters (the engine does) or use torch.optim.AdamW")
+            if p.device.type != "cpu" and not self._allow_device_params:
+                raise ValueError(f"{name} needs params on the CPU; got one on {p.device} with shape "
+                                 f"{tuple(p.shape)}. Use zerogpt.optim.HybridAdam for device-resident params")
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_ds_ids", {})
+        self.__dict__.setdefault("backend", _resolve_backend(None))
+
+    def __del__(self) -> None:
+        # The op keeps one C++ object per id in a global map; free ours (pytest runs many optimizers).
+        op = _ds_op_cache[0] if _ds_op_cache else None
+        for opt_id in getattr(self, "_ds_ids", {}).values():
+            try:
+                op.destroy_adam(opt_id)
+            except Exception:
+                pass
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Standard torch loading, but copies into state tensors that already exist (in place)."""
+        keep = {p: {k: self.state[p][k] for k in ("exp_avg", "exp_avg_sq") if k in self.state.get(p, {})}
+                for g in self.param_groups for p in g["params"] if p in self.state}
+        super().load_state_dict(state_dict)
+        for p, old in keep.items():
+            for k, buf in old.items():
+                new = self.state[p].get(k)
+                if new is not None and new is not buf and new.shape == buf.shape:
+                    buf.copy_(new)
+                    self.state[p][k] = buf
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None,
+             params: Iterable[torch.Tensor] | None = None) -> Any:
+        """One Adam(W) update of every param with a grad (or only of `params`, a subset).
+
+        `params` lets the engine step chunk by chunk as each chunk's grads arrive on the host,
+        overlapping the CPU step with the copies of the next chunk.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        only = None
+        if params is not None:
+            only = {id(p) for p in params}
+            known = {id(p) for g in self.param_groups for p in g["params"]}
+            if not only <= known:
+                raise ValueError(f"{type(self).__name__}.step(params=...): {len(only - known)} tensor(s) are not "
+                                 f"in this optimizer's param groups; pass the same tensors given at construction")
+        for group in self.param_groups:
+            host, dev = [], []
+            for p in group["params"]:
+                if p.grad is None or (only is not None and id(p) not in only):
+                    continue
+                if p.grad.is_sparse:
+                    raise TypeError(f"{type(self).__name__} does not support sparse gradients")
+                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+                state = self._init_state(p)
+                (host if p.device.type == "cpu" else dev).append((p, grad, state))
+            if host:
+                if self.backend == BACKEND_DEEPSPEED:
+                    self._step_deepspeed(group, host)
+                else:
+                    self._step_torch(group, host)
+            if dev:
+                self._step_torch(group, dev)
+        return loss
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        """Create missing state lazily; validate (never replace) state the engine pre-allocated."""
+        state = self.state[p]
+        step = state.get("step")
+        if step is None:
+            step = torch.zeros((), dtype=torch.float32)
+        elif not isinstance(step, torch.Tensor):
+            step = torch.tensor(float(step), dtype=torch.float32)
+        # fused device kernels read the step on the param's device; the CPU path keeps it on the CPU
+        state["step"] = step.to(device=p.device, dtype=torch.float32)
+        for key in ("exp_avg", "exp_avg_sq"):
+            buf = state.get(key)
+            if buf is None:
+                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            elif buf.shape != p.shape or buf.dtype != torch.float32 or buf.device != p.device:
+                raise RuntimeError(f"pre-allocated state[{key!r}] must be fp32 {tuple(p.shape)} on {p.device}; "
+                                   f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
+        return state
+
+    def _ds_id(self, op: Any, group: dict) -> int:
+        adamw = bool(group["adamw_mode"])
+        if adamw not in self._ds_ids:
+            opt_id = next(_optimizer_ids)
+            beta1, beta2 = group["betas"]
+            op.create_adam(opt_id, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], adamw, False)
+            self._ds_ids[adamw] = opt_id
+        return self._ds_ids[adamw]
+
+    def _step_deepspeed(self, group: dict, items: list) -> None:
+        op = _load_deepspeed_op()[0]
+        opt_id = self._ds_id(op, group)
+        beta1, beta2 = group["betas"]
+        for p, grad, state in items:
+            state["step"] += 1
+            tensors = [p, grad, state["exp_avg"], state["exp_avg_sq"]]
+            # the op writes through data pointers of contiguous tensors; stage strided ones and copy back
+            work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+            op.adam_update(opt_id, int(state["step"].item()), group["lr"], beta1, beta2, group["eps"],
+                           group["weight_decay"], group["bias_correction"], *work)
+            for t, w in zip(tensors, work):
+                if w is not t and t is not grad:
+                    t.copy_(w)
+
+    def _step_torch(self, group: dict, items: list) -> None:
+        ps, gs, ms, vs, steps = ([it[0] for it in items], [it[1] for it in items],
+                                 [it[2]["exp_avg"] for it in items], [it[2]["exp_avg_sq"] for it in items],
+                                 [it[2]["step"] for it in items])
+        beta1, beta2 = group["betas"]
+        if group["bias_correction"]:
+            from torch.optim.adam import adam as torch_adam  # functional form of torch.optim.Adam/AdamW
+
+            torch_adam(ps, gs, ms, vs, [], steps, fused=True, amsgrad=False, beta1=beta1,
+                       beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                       maximize=False, decoupled_weight_decay=bool(group["adamw_mode"]))
+            return
+        # torch's kernels always bias-correct; this rare mode runs as plain foreach ops instead
+        torch._foreach_add_(steps, 1)
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd and group["adamw_mode"]:
+            torch._foreach_mul_(ps, 1 - lr * wd)
+        elif wd:
+            gs = torch._foreach_add(gs, ps, alpha=wd)
+        torch._foreach_lerp_(ms, gs, 1 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
+        denom = torch._foreach_add(torch._foreach_sqrt(vs), group["eps"])
+        torch._foreach_addcdiv_(ps, ms, denom, value=-lr)
+
+
+class HybridAdam(CPUAdam):
+    """CPUAdam that also accepts device-resident params: host params go through the CPU kernel,
+    CUDA params through torch's fused Adam(W) (the fastest device path), in the same step.
+
+    Example:
+        >>> opt = HybridAdam(model.parameters(), lr=1.5e-4, weight_decay=1e-2)  # params on CPU or CUDA
+    """
+
+    _allow_device_params = True
