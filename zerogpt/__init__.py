@@ -1,0 +1,52 @@
+"""zerogpt: ZeRO-sharded GPT pretraining with CPU/disk offload, driven by Python config files.
+
+Public API (DESIGN §3): Config, launch_from_torch, initialize, ZeroInitContext, Engine, Trainer. Everything
+except Config is imported on first use, so `import zerogpt` stays fast and never imports transformers.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+from zerogpt.config import Config
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "launch_from_torch": "zerogpt.launch",
+    "DistContext": "zerogpt.launch",
+    "get_logger": "zerogpt.logging",
+    "initialize": "zerogpt.initialize",
+    "ZeroInitContext": "zerogpt.zero.init_ctx",
+    "Engine": "zerogpt.engine",
+    "Trainer": "zerogpt.trainer",
+}
+
+__all__ = ["Config", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'zerogpt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """Keeps `zerogpt.initialize` the function even after `import zerogpt.initialize` (the submodule of the same
+    name): the import system would otherwise overwrite the package attribute with the module object."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "initialize" and isinstance(value, types.ModuleType) and hasattr(value, "initialize"):
+            value = value.initialize
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

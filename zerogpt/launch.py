@@ -1,0 +1,160 @@
+"""Start (or join) the process group and return the explicit distributed context every component takes.
+
+`launch_from_torch` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or,
+when run as a plain `python train_gpt.py`, makes a one-rank group so collectives work the same everywhere.
+NCCL on CUDA, gloo on CPU. It seeds python/numpy/torch identically on every rank (replicated model init).
+It does not build models or data; nothing here is a global: pass the returned DistContext around.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from datetime import timedelta
+from logging import Logger
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from zerogpt.logging import get_logger
+
+__all__ = ["DistContext", "launch_from_torch", "seed_everything"]
+
+
+@dataclass
+class DistContext:
+    """Who this process is and where it computes. Pass it (or its group) to every component.
+
+    Fields: rank / world_size (in `group`), local_rank (GPU index on this node), device (torch.device),
+    group (the process group for collectives), logger (rank-aware, zerogpt.logging).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    group: Any
+    logger: Logger
+    backend: str = "gloo"
+    owns_group: bool = field(default=False, repr=False)
+    """True if launch_from_torch created the process group (then destroy() tears it down)."""
+    _tmpdir: str | None = field(default=None, repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+
+    def destroy(self) -> None:
+        """Destroy the process group if this context created it (a wrapped, pre-existing group is left alone)."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def __enter__(self) -> "DistContext":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices) RNGs."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer (set by torchrun)") from None
+
+
+def launch_from_torch(cfg: Any = None, seed: int | None = None, device: str | None = None,
+                      timeout_s: float = 1800.0) -> DistContext:
+    """Initialise (or wrap) the default process group from torchrun's environment and return a DistContext.
+
+    Args:
+        cfg: a zerogpt Config (or dict, or None); only `train.seed` is read.
+        seed: overrides cfg's train.seed (default 42). The same seed on every rank, so replicated inits agree.
+        device: "cuda" or "cpu" to force a backend (nccl / gloo); None = cuda if available.
+        timeout_s: collective timeout; a hung rank fails after this instead of blocking forever.
+    Returns:
+        DistContext(rank, world_size, local_rank, device, group, logger). If a process group is already
+        initialised (e.g. by a test), it is wrapped as is: the device follows its backend.
+    Example:
+        >>> ctx = launch_from_torch(seed=0)     # plain python: world_size 1, gloo on CPU
+        >>> ctx.world_size, ctx.device
+        (1, device(type='cpu'))
+        >>> ctx.destroy()
+    """
+    if seed is None:
+        if cfg is not None:
+            from zerogpt.config import train_config
+
+            seed = train_config(cfg).seed
+        else:
+            seed = 42
+    if device not in (None, "cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda', 'cpu' or None (auto), got {device!r}")
+
+    owns_group, tmpdir = False, None
+    if dist.is_initialized():
+        backend = str(dist.get_backend())
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        local_rank = _env_int("LOCAL_RANK")
+        if local_rank is None:
+            local_rank = rank % max(torch.cuda.device_count(), 1) if backend == "nccl" else rank
+        use_cuda = backend == "nccl"
+    else:
+        use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
+        if use_cuda and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but CUDA is not available; pass device='cpu'")
+        backend = "nccl" if use_cuda else "gloo"
+        world_size, rank, local_rank = _env_int("WORLD_SIZE"), _env_int("RANK"), _env_int("LOCAL_RANK")
+        if world_size is None:  # plain `python script.py`: a private one-rank group, rendezvous through a file
+            rank, world_size, local_rank = 0, 1, 0 if local_rank is None else local_rank
+            tmpdir = tempfile.mkdtemp(prefix="zerogpt_pg_")
+            init_method = f"file://{os.path.join(tmpdir, 'rendezvous')}"
+        else:
+            if rank is None:
+                raise ValueError(f"WORLD_SIZE={world_size} is set but RANK is not; launch with torchrun "
+                                 f"(it sets RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+            if missing:
+                raise ValueError(f"{', '.join(missing)} not set; launch with torchrun --nproc_per_node=N "
+                                 f"train_gpt.py ... (or export MASTER_ADDR=localhost MASTER_PORT=29500)")
+            local_rank = rank if local_rank is None else local_rank
+            init_method = "env://"
+        if use_cuda:
+            torch.cuda.set_device(local_rank)  # before NCCL init, so each rank binds its own GPU
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        owns_group = True
+
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    seed_everything(seed)
+    logger = get_logger(rank)
+    ctx = DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, group=dist.group.WORLD,
+                      logger=logger, backend=backend, owns_group=owns_group, _tmpdir=tmpdir)
+    logger.info(f"launch: world_size={world_size} backend={backend} device={dev} seed={seed}")
+    return ctx

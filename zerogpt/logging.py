@@ -1,0 +1,67 @@
+"""Rank-aware logging: rank 0 prints progress, every rank can warn.
+
+`get_logger(rank)` returns a stdlib logger that shows INFO on rank 0 only (or on all ranks with
+all_ranks=True) and WARNING/ERROR from any rank, tagged "[rank R] WARNING ...". It owns no files: metrics go to
+metrics.jsonl through the trainer's hooks.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+__all__ = ["get_logger"]
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int, all_ranks: bool):
+        super().__init__()
+        self.rank, self.all_ranks = rank, all_ranks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or self.all_ranks or record.levelno >= logging.WARNING
+
+
+class _RankFormatter(logging.Formatter):
+    """Rank-0 INFO lines are the bare message (fixed-field step lines); anything else carries rank and level."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        if record.levelno == logging.INFO and self.rank == 0:
+            return message
+        return f"[rank {self.rank}] {record.levelname} {message}"
+
+
+class _StdHandler(logging.Handler):
+    """INFO/DEBUG to stdout, WARNING+ to stderr, looked up at emit time (so pytest's capture sees it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # logging must never kill training
+            self.handleError(record)
+
+
+def get_logger(rank: int = 0, level: int = logging.INFO, all_ranks: bool = False) -> logging.Logger:
+    """Logger named "zerogpt.rank<R>": INFO on rank 0 (all ranks if all_ranks), warnings/errors from any rank.
+
+    Example:
+        >>> log = get_logger(rank=1)
+        >>> log.info("hidden on rank 1"); log.warning("shown")   # stderr: [rank 1] WARNING shown
+    """
+    logger = logging.getLogger(f"zerogpt.rank{rank}")
+    logger.setLevel(level)
+    logger.propagate = False  # don't double-print through the root logger's handlers
+    for handler in list(logger.handlers):
+        if isinstance(handler, _StdHandler):
+            logger.removeHandler(handler)
+    handler = _StdHandler()
+    handler.addFilter(_RankFilter(rank, all_ranks))
+    handler.setFormatter(_RankFormatter(rank))
+    logger.addHandler(handler)
+    return logger
