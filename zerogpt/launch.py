@@ -86,13 +86,15 @@ def _env_int(name: str) -> int | None:
 
 
 def launch_from_torch(cfg: Any = None, seed: int | None = None, device: str | None = None,
-                      timeout_s: float = 1800.0) -> DistContext:
+                      init_method: str | None = None, timeout_s: float = 1800.0) -> DistContext:
     """Initialise (or wrap) the default process group from torchrun's environment and return a DistContext.
 
     Args:
         cfg: a zerogpt Config (or dict, or None); only `train.seed` is read.
         seed: overrides cfg's train.seed (default 42). The same seed on every rank, so replicated inits agree.
         device: "cuda" or "cpu" to force a backend (nccl / gloo); None = cuda if available.
+        init_method: rendezvous URL for a multi-rank launch; None = "env://" (torchrun's MASTER_ADDR/PORT).
+            Tests pass "file:///tmp/x/rdzv" to avoid port races.
         timeout_s: collective timeout; a hung rank fails after this instead of blocking forever.
     Returns:
         DistContext(rank, world_size, local_rank, device, group, logger). If a process group is already
@@ -136,11 +138,11 @@ def launch_from_torch(cfg: Any = None, seed: int | None = None, device: str | No
                 raise ValueError(f"WORLD_SIZE={world_size} is set but RANK is not; launch with torchrun "
                                  f"(it sets RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
             missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
-            if missing:
+            if missing and init_method is None:
                 raise ValueError(f"{', '.join(missing)} not set; launch with torchrun --nproc_per_node=N "
                                  f"train_gpt.py ... (or export MASTER_ADDR=localhost MASTER_PORT=29500)")
             local_rank = rank if local_rank is None else local_rank
-            init_method = "env://"
+            init_method = init_method or "env://"
         if use_cuda:
             torch.cuda.set_device(local_rank)  # before NCCL init, so each rank binds its own GPU
         dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
