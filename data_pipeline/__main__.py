@@ -1,0 +1,75 @@
+"""`python -m data_pipeline <stage> ...`: dispatch to one module per stage (DESIGN §6).
+
+Each stage module exposes `add_parser(subparsers)` and `run(args) -> int`. Modules are imported
+only when their stage is chosen, so a missing or broken optional stage never breaks the others.
+Bad input data ends in a one-line `error:` message and exit code 2, never a traceback.
+
+    python -m data_pipeline blacklist urls.txt --output clean_urls.txt
+    python -m data_pipeline all --urls urls.txt --workdir data/webtext
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# stage name -> (module, one-line help). Order is the order of the chain.
+STAGES: dict[str, tuple[str, str]] = {
+    "blacklist": ("data_pipeline.blacklist", "filter a URL list by domain, extension, scheme, duplicates"),
+    "download": ("data_pipeline.download", "fetch URLs (async, resumable) and extract main text"),
+    "cleanup": ("data_pipeline.cleanup", "fix text, filter by language, length and quality"),
+    "find-duplicates": ("data_pipeline.find_duplicates", "MinHash LSH candidate pairs verified by Jaccard"),
+    "group-duplicates": ("data_pipeline.group_duplicates", "union-find duplicate pairs into groups"),
+    "remove-duplicates": ("data_pipeline.remove_duplicates", "drop all but the keeper of each group"),
+    "shuffle": ("data_pipeline.shuffle", "seeded shuffle, external for files larger than RAM"),
+    "train-tokenizer": ("data_pipeline.train_tokenizer", "train a byte-level BPE tokenizer"),
+    "tokenize": ("data_pipeline.tokenize_stage", "tokenize JSONL into Megatron .bin/.idx"),
+    "merge-tokenizers": ("data_pipeline.merge_tokenizers", "merge tokenizer vocabularies"),
+    "all": ("data_pipeline.run_all", "run blacklist -> ... -> shuffle, skipping complete stages"),
+}
+
+# Errors that come from user input (paths, flags, data); anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+def load_stage(name: str):
+    """Import the module of stage `name`; ValueError naming the stage if it is unavailable."""
+    module_name = STAGES[name][0]
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"stage {name!r} is unavailable: cannot import {module_name} ({e})") from e
+
+
+def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
+    """The CLI parser; only `stage`'s module is imported (all stages get a stub for --help)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m data_pipeline",
+        description="Webtext data pipeline: " + " -> ".join(n for n in STAGES if n != "all"))
+    sub = parser.add_subparsers(dest="stage", metavar="STAGE")
+    sub.required = True
+    for name, (_, help_text) in STAGES.items():
+        if name == stage:
+            load_stage(name).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (default sys.argv[1:]), run the stage, return its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    stage = argv[0] if argv and argv[0] in STAGES else None
+    try:
+        args = build_parser(stage).parse_args(argv)
+        return int(load_stage(args.stage).run(args) or 0)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; outputs are written atomically, re-run to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""Tests for data_pipeline/download.py against a local HTTP server on 127.0.0.1.
+
+The server (also used by test_cli.py) serves real-looking English articles, German and Chinese
+pages, near-duplicates, slow, hanging and trickling endpoints, huge bodies, 404/500/flaky 503,
+redirect chains and loops, binary files and bad or unusual encodings.
+"""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from data_pipeline.__main__ import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TOPICS = [
+    ("The history of the bicycle", "bicycle", "Early bicycles were heavy machines of wood and iron"),
+    ("How lighthouses are built", "lighthouse", "A lighthouse must survive storms that break ordinary walls"),
+    ("Growing tomatoes at home", "tomato", "Tomatoes need warm soil, steady water and plenty of sun"),
+    ("A short guide to sourdough", "starter", "A sourdough starter is a culture of wild yeast and bacteria"),
+    ("Why rivers meander", "river", "A river bends because the outer bank erodes faster than the inner one"),
+    ("The economics of small ferries", "ferry", "Island ferries often lose money yet remain essential services"),
+    ("Learning to read sheet music", "note", "Each note on the staff tells the player both pitch and duration"),
+    ("Caring for old books", "binding", "Paper ages faster in damp rooms and under direct sunlight"),
+]
+SENTENCES = [
+    "Historians still argue about which {w} design came first, and the records are incomplete.",
+    "In the nineteenth century the {w} became cheaper, and ordinary families could afford one.",
+    "Engineers tested every new {w} carefully before it was allowed into public use.",
+    "The local museum keeps a collection of letters that describe the {w} in great detail.",
+    "Many readers wrote to the newspaper to complain that the {w} was noisy and expensive.",
+    "A careful observer will notice that each {w} reflects the habits of the people who made it.",
+    "Today the {w} is studied in schools, and teachers use it to explain simple physics.",
+    "Some critics believed the {w} would never last, but they were proven wrong within a decade.",
+    "The most important lesson is patience, because the {w} rewards slow and steady work.",
+    "Weather, money and politics all shaped the way the {w} spread from one town to the next.",
+]
+GERMAN = ("Die Geschichte der Stadt beginnt im Mittelalter, als Händler an der Brücke einen Markt "
+          "gründeten. Über viele Jahrhunderte wuchs die Siedlung langsam, und die Bürger bauten eine "
+          "Kirche, ein Rathaus und mehrere Schulen. Heute leben dort ungefähr zwanzigtausend Menschen, "
+          "die stolz auf ihre alten Häuser und ihre ruhigen Straßen sind. ") * 4
+CHINESE = "这是一个关于城市历史的长篇文章。人们在河边建立了市场，城市慢慢发展起来。" * 20
+
+
+def article_text(i: int, variant: int = 0) -> tuple[str, list[str]]:
+    title, word, lead = TOPICS[i % len(TOPICS)]
+    paras = [lead + "."]
+    for k in range(12):
+        paras.append(" ".join(SENTENCES[(i + k + j) % len(SENTENCES)].format(w=word) for j in range(3)))
+    if variant:  # a near-duplicate: one sentence changed, a footer line added
+        paras[3] = paras[3].replace("carefully", "very carefully")
+        paras.append("This article was republished with permission.")
+    return f"{title} ({i})", paras
+
+
+def article_html(i: int, variant: int = 0, charset: str = "utf-8") -> bytes:
+    title, paras = article_text(i, variant)
+    body = "".join(f"<p>{p}</p>\n" for p in paras)
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='{charset}'><title>{title}</title></head>"
+            f"<body><nav><a href='/'>Home</a> | <a href='/about'>About</a> | <a href='/contact'>Contact</a></nav>"
+            f"<article><h1>{title}</h1>\n{body}</article>"
+            f"<footer>Copyright 2024 Example Media. All rights reserved.</footer></body></html>").encode(charset)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    counters: Counter = Counter()
+    delay = 0.0
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def send(self, status: int, body: bytes, ctype: str | None = "text/html; charset=utf-8", headers=()):
+        self.send_response(status)
+        if ctype:
+            self.send_header("Content-Type", ctype)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # noqa: C901 - one branch per endpoint is the clearest layout here
+        path = self.path.split("?")[0]
+        type(self).counters[path] += 1
+        if self.delay:
+            time.sleep(self.delay)
+        try:
+            if path.startswith("/article/"):
+                self.send(200, article_html(int(path.rsplit("/", 1)[1])))
+            elif path.startswith("/dup/"):
+                self.send(200, article_html(int(path.rsplit("/", 1)[1]), variant=1))
+            elif path == "/german":
+                self.send(200, f"<html><head><title>Stadt</title></head><body><article><p>{GERMAN}</p>"
+                               f"</article></body></html>".encode())
+            elif path == "/chinese-gbk":
+                self.send(200, f"<html><head><meta charset='gbk'><title>城市</title></head><body><article>"
+                               f"<p>{CHINESE}</p></article></body></html>".encode("gbk"), "text/html")
+            elif path == "/latin1":
+                self.send(200, article_html(2, charset="windows-1252").replace(b"warm soil", b"warm caf\xe9 soil"),
+                          "text/html")
+            elif path == "/bad-utf8":
+                self.send(200, article_html(3).replace(b"Engineers", b"Engin\xff\xfeers"))
+            elif path == "/unknown-charset":
+                self.send(200, article_html(4), "text/html; charset=no-such-charset")
+            elif path == "/plain":
+                self.send(200, (" ".join(article_text(5)[1])).encode(), "text/plain; charset=utf-8")
+            elif path == "/no-content-type":
+                self.send(200, article_html(6), None)
+            elif path == "/slow":
+                time.sleep(0.5)
+                self.send(200, article_html(7))
+            elif path == "/hang":
+                time.sleep(30)
+            elif path == "/drip":  # headers at once, then one byte every 0.1 s: defeats read timeouts
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", "100000")
+                self.end_headers()
+                for _ in range(300):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            elif path == "/huge":
+                self.send(200, b"<html><body><p>" + b"x" * 3_000_000 + b"</p></body></html>")
+            elif path == "/huge-chunked":  # no Content-Length: the cap must hold while streaming
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                for _ in range(50):
+                    self.wfile.write(b"<p>" + b"y" * 100_000 + b"</p>")
+            elif path == "/404":
+                self.send(404, b"<html><body>not found</body></html>")
+            elif path == "/500":
+                self.send(500, b"<html><body>server error</body></html>")
+            elif path == "/flaky":  # 503 on the first request, then a page: retries must work
+                if type(self).counters[path] == 1:
+                    self.send(503, b"busy")
+                else:
+                    self.send(200, article_html(1))
+            elif path == "/redirect":
+                self.send(302, b"", None, [("Location", "/article/0")])
+            elif path == "/loop-a":
+                self.send(302, b"", None, [("Location", "/loop-b")])
+            elif path == "/loop-b":
+                self.send(301, b"", None, [("Location", "/loop-a")])
+            elif path.startswith("/chain/"):
+                n = int(path.rsplit("/", 1)[1])
+                self.send(302, b"", None, [("Location", f"/chain/{n + 1}")])
+            elif path == "/image.png":
+                self.send(200, b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40, "image/png")
+            elif path == "/binary-as-html":
+                self.send(200, b"\x89PNG\r\n\x1a\n\x00\x00\x00" + bytes(range(256)) * 40)
+            elif path == "/empty":
+                self.send(200, b"<html><head><title>nothing</title></head><body></body></html>")
+            else:
+                self.send(404, b"no such page")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (timeout, size cap): expected
+
+
+class QuietServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):  # clients hanging up early is expected
+        pass
+
+
+@pytest.fixture
+def server():
+    """(base_url, handler_class) of a threaded server on 127.0.0.1; fresh counters per test."""
+    handler = type("H", (Handler,), {"counters": Counter(), "delay": 0.0})
+    httpd = QuietServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def write_urls(tmp_path, base, paths, name="urls.txt"):
+    p = tmp_path / name
+    p.write_text("".join(f"{base}{x}\n" for x in paths))
+    return p
+
+
+FAST = ["--timeout", "2", "--retries", "1", "--backoff", "0.05", "--extract-workers", "1", "--allow-private"]
+
+
+@pytest.mark.timeout(90)
+def test_download_every_kind_of_page(tmp_path, server):
+    base, handler = server
+    paths = ["/article/0", "/article/1", "/dup/0", "/german", "/chinese-gbk", "/latin1", "/bad-utf8",
+             "/unknown-charset", "/plain", "/no-content-type", "/slow", "/hang", "/drip", "/huge",
+             "/huge-chunked", "/404", "/500", "/flaky", "/redirect", "/loop-a", "/chain/0", "/image.png",
+             "/binary-as-html", "/empty", "/article/0"]
+    urls = write_urls(tmp_path, base, paths)
+    out = tmp_path / "raw.jsonl"
+    t0 = time.time()
+    assert main(["download", str(urls), "--output", str(out), "--max-bytes", "1000000", *FAST]) == 0
+    assert time.time() - t0 < 30, "hanging and trickling endpoints must be cancelled by --timeout"
+
+    ok = {r["url"].removeprefix(base): r for r in read_jsonl(out)}
+    failed = {r["url"].removeprefix(base): r for r in read_jsonl(str(out) + ".failed.jsonl")}
+    assert set(ok) | set(failed) == set(paths) and not set(ok) & set(failed)
+    # output order is input order, whatever the response times
+    assert list(ok) == [p for p in dict.fromkeys(paths) if p in ok]
+    assert {p: r["reason"] for p, r in failed.items()} == {
+        "/hang": "timeout", "/drip": "timeout", "/huge": "too_large", "/huge-chunked": "too_large",
+        "/404": "http_404", "/500": "http_500", "/loop-a": "redirect_loop", "/chain/0": "too_many_redirects",
+        "/image.png": "content_type", "/binary-as-html": "binary", "/empty": "no_text"}
+    assert handler.counters["/500"] == 2 and handler.counters["/404"] == 1  # retried 5xx only
+    assert handler.counters["/flaky"] == 2
+    for r in ok.values():
+        assert set(r) >= {"text", "url", "title", "status"} and r["status"] == 200 and r["text"]
+    assert "Historians still argue" in ok["/article/0"]["text"]
+    assert "Copyright 2024" not in ok["/article/0"]["text"]  # boilerplate removed by trafilatura
+    assert ok["/redirect"]["final_url"] == base + "/article/0"
+    assert "Stadt" in ok["/german"]["text"] and "Händler" in ok["/german"]["text"]
+    assert "城市历史" in ok["/chinese-gbk"]["text"]
+    assert "warm café soil" in ok["/latin1"]["text"]
+    assert ok["/plain"]["text"].startswith("Island ferries often lose money")  # text/plain kept verbatim
+    stats = json.loads((tmp_path / "raw.jsonl.stats.json").read_text())
+    assert stats["complete"] and stats["counts"]["ok"] == len(ok) and stats["counts"]["duplicate_input"] == 1
+
+    # re-running does nothing: no duplicates, no truncation
+    before = out.read_bytes()
+    assert main(["download", str(urls), "--output", str(out), *FAST]) == 0
+    assert out.read_bytes() == before
+    assert json.loads((tmp_path / "raw.jsonl.stats.json").read_text())["counts"]["already_done"] == len(set(paths))
+
+
+@pytest.mark.timeout(30)
+def test_private_addresses_refused_without_flag(tmp_path, server):
+    base, handler = server
+    port = base.rsplit(":", 1)[1]
+    urls = tmp_path / "urls.txt"
+    urls.write_text(f"{base}/article/0\nhttp://localhost:{port}/article/1\nhttp://[::1]:{port}/x\n"
+                    f"http://169.254.169.254/latest/meta-data\nhttp://10.0.0.1/\n")
+    out = tmp_path / "raw.jsonl"
+    assert main(["download", str(urls), "--output", str(out), "--timeout", "2", "--extract-workers", "1"]) == 0
+    assert not out.read_text()
+    reasons = [r["reason"] for r in read_jsonl(str(out) + ".failed.jsonl")]
+    assert reasons == ["private_address"] * 5
+    assert sum(handler.counters.values()) == 0  # nothing was even requested
+
+
+@pytest.mark.timeout(60)
+def test_redirect_to_private_refused(tmp_path):
+    """A public-looking URL that redirects inward is refused at the hop (checked via check_url)."""
+    from data_pipeline.download import FetchError, check_url
+
+    with pytest.raises(FetchError) as e:
+        check_url("http://127.0.0.1:8080/admin", allow_private=False)
+    assert e.value.reason == "private_address"
+    with pytest.raises(FetchError):
+        check_url("ftp://example.com/file", allow_private=False)
+    check_url("http://93.184.216.34/", allow_private=False)  # a public literal is fine
+
+
+@pytest.mark.timeout(30)
+def test_resolver_drops_private_addresses():
+    """DNS names that resolve inward are refused at connection time (no DNS-rebinding bypass)."""
+    import asyncio
+
+    from data_pipeline.download import FetchError, make_resolver
+
+    async def resolve(allow):
+        resolver = make_resolver(allow)
+        try:
+            return await resolver.resolve("localhost", 80)
+        finally:
+            await resolver.close()
+
+    with pytest.raises(FetchError) as e:
+        asyncio.run(resolve(False))
+    assert e.value.reason == "private_address"
+    assert asyncio.run(resolve(True))
+
+
+@pytest.mark.timeout(30)
+def test_bad_input_reported_not_raised(tmp_path, capsys):
+    urls = tmp_path / "urls.txt"
+    urls.write_bytes(b"not a url\nhttp://\xff\xfe/bad\n")
+    out = tmp_path / "raw.jsonl"
+    assert main(["download", str(urls), "--output", str(out), *FAST]) == 0
+    assert [r["reason"] for r in read_jsonl(str(out) + ".failed.jsonl")] == ["invalid_url"] * 2
+    assert main(["download", str(tmp_path / "missing.txt"), "--output", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_kill_and_resume(tmp_path, server):
+    """SIGKILL a download mid-way, re-run: every URL exactly once, identical to an uninterrupted run."""
+    base, handler = server
+    handler.delay = 0.03
+    paths = [f"/article/{i}" for i in range(80)] + ["/404", "/500"]
+    urls = write_urls(tmp_path, base, paths)
+    args = ["-m", "data_pipeline", "download", str(urls), "--workers", "2", "--per-host", "2", *FAST]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    out = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen([sys.executable, *args, "--output", str(out)], env=env, cwd=tmp_path,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < 15):
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    n_before = out.read_bytes().count(b"\n")
+    assert 15 <= n_before < 80, "the kill must land mid-way"
+    assert not (tmp_path / "killed.jsonl.stats.json").exists()
+
+    assert subprocess.run([sys.executable, *args, "--output", str(out)], env=env, cwd=tmp_path,
+                          timeout=90, capture_output=True).returncode == 0
+    records = read_jsonl(out)
+    assert [r["url"] for r in records] == [base + p for p in paths[:80]]  # no duplicates, in order
+    failed = read_jsonl(str(out) + ".failed.jsonl")
+    assert sorted(r["url"].removeprefix(base) for r in failed) == ["/404", "/500"]
+
+    full = tmp_path / "full.jsonl"
+    assert main(["download", str(urls), "--output", str(full), "--workers", "2", *FAST]) == 0
+    assert full.read_bytes() == out.read_bytes()  # byte-identical to an uninterrupted run
+
+
+@pytest.mark.timeout(30)
+def test_partial_last_line_is_moved_aside(tmp_path, server):
+    base, _ = server
+    urls = write_urls(tmp_path, base, ["/article/0", "/article/1"])
+    out = tmp_path / "raw.jsonl"
+    whole = json.dumps({"text": "t", "url": base + "/article/0", "title": "", "status": 200})
+    out.write_text(whole + "\n" + '{"text": "half a rec')  # what a kill mid-write could leave
+    assert main(["download", str(urls), "--output", str(out), *FAST]) == 0
+    records = read_jsonl(out)
+    assert [r["url"] for r in records] == [base + "/article/0", base + "/article/1"]
+    assert records[0]["text"] == "t"  # the complete record was not touched
+    assert (tmp_path / "raw.jsonl.partial").read_text().startswith('{"text": "half a rec')
