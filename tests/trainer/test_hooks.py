@@ -1,0 +1,217 @@
+"""Hooks: metrics.jsonl schema, LR schedule shapes through LRSchedulerHook, NaN guard, checkpoints, plot."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from engine_double import EngineDouble, token_batches
+from zerogpt.trainer import (EvalHook, Hook, LogMetricByStepHook, LossHook, LRSchedulerHook, MemoryHook,
+                             NaNGuardHook, PlotHook, ProgressBarHook, SaveCheckpointHook, TensorboardHook,
+                             ThroughputHook, Trainer, flops_per_token, latest_checkpoint)
+from zerogpt.trainer.hooks.logging import TRAIN_KEYS, VALID_KEYS
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def standard_hooks(out, log_interval=2, eval_interval=3, save_interval=None):
+    return [LossHook(), ThroughputHook(flops_per_token=1e6), MemoryHook(), NaNGuardHook(),
+            LogMetricByStepHook(out, log_interval=log_interval), EvalHook(eval_interval, eval_iters=2),
+            SaveCheckpointHook(out, save_interval=save_interval), PlotHook(out)]
+
+
+def test_metrics_jsonl_schema(tmp_path):
+    out = str(tmp_path)
+    trainer = Trainer(EngineDouble(), hooks=standard_hooks(out))
+    trainer.fit(token_batches(8), max_steps=7, eval_dataloader=token_batches(4, seed=1))
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    train = [r for r in recs if r["split"] == "train"]
+    valid = [r for r in recs if r["split"] == "valid"]
+    assert all(tuple(r) == TRAIN_KEYS for r in train)
+    assert all(tuple(r) == VALID_KEYS for r in valid)
+    assert [r["step"] for r in train] == [2, 4, 6, 7]          # every log_interval, and the last step
+    assert [r["step"] for r in valid] == [3, 6, 7]              # every eval_interval, and the last step
+    r = train[-1]
+    assert r["epoch"] == 0 and r["skipped"] is False and r["loss_scale"] is None
+    assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["lr"] == pytest.approx(1e-2)
+    assert r["tokens_per_s"] > 0 and r["tflops"] == pytest.approx(1e6 * r["tokens_per_s"] / 1e12)
+    assert set(r["mem"]) == {"states_device_mb", "states_host_mb", "states_disk_mb", "device_peak_mb",
+                             "host_rss_mb"}
+    assert r["mem"]["host_rss_mb"] > 0 and r["mem"]["device_peak_mb"] is None
+    assert valid[-1]["ppl"] == pytest.approx(math.exp(valid[-1]["loss"]))
+
+
+def test_resumed_run_drops_lines_after_the_checkpoint(tmp_path):
+    out = str(tmp_path)
+    first = Trainer(EngineDouble(), hooks=standard_hooks(out, log_interval=1, eval_interval=None, save_interval=3))
+    first.fit(token_batches(8), max_steps=5, eval_dataloader=token_batches(2, seed=1))
+    ckpt = os.path.join(out, "checkpoints", "step_3")
+    engine = EngineDouble()
+    second = Trainer(engine, hooks=standard_hooks(out, log_interval=1, eval_interval=None, save_interval=3))
+    second.load_state_dict(engine.load_checkpoint(ckpt))
+    assert second.state.step == 3
+    second.fit(token_batches(8), max_steps=6, eval_dataloader=token_batches(2, seed=1))
+    steps = [(r["split"], r["step"]) for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert steps == [("train", s) for s in (1, 2, 3)] + [("train", s) for s in (4, 5, 6)] + [("valid", 6)]
+
+
+def test_checkpoint_hook_saves_prunes_and_points_latest(tmp_path):
+    out = str(tmp_path)
+    seen = []
+
+    class OnCkpt(Hook):
+        def on_checkpoint(self, trainer, path):
+            seen.append((os.path.basename(path), open(os.path.join(out, "checkpoints", "latest")).read().strip()))
+
+    engine = EngineDouble()
+    Trainer(engine, hooks=[SaveCheckpointHook(out, save_interval=2, keep_last=2), OnCkpt()]).fit(
+        token_batches(8), max_steps=7)
+    assert seen == [("step_2", "step_2"), ("step_4", "step_4"), ("step_6", "step_6"), ("step_7", "step_7")]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_6", "step_7"]
+    assert latest_checkpoint(out) == os.path.join(out, "checkpoints", "step_7")
+    extra = engine.saved[-1][1]
+    assert extra["trainer"]["step"] == 7 and extra["trainer"]["consumed_samples"] == 28
+
+
+def test_latest_checkpoint_none_and_stale(tmp_path):
+    assert latest_checkpoint(str(tmp_path)) is None
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_9\n")
+    with pytest.raises(FileNotFoundError, match="step_9"):
+        latest_checkpoint(str(tmp_path))
+
+
+def _lr_curve(sched_cfg, total_steps=20, lr=1.0, skip_steps=()):
+    from zerogpt.config import LRSchedulerConfig
+    from zerogpt.optim.lr_scheduler import build_lr_scheduler
+    engine = EngineDouble(lr=lr, skip_steps=skip_steps)
+    sched = build_lr_scheduler(engine.optimizer, LRSchedulerConfig(**sched_cfg), total_steps)
+    lrs = []
+
+    class Keep(Hook):
+        priority = 25      # after LRSchedulerHook recorded the rate the step used
+
+        def after_step(self, t):
+            lrs.append(t.state.metrics["lr"])
+
+    Trainer(engine, hooks=[LRSchedulerHook(sched), Keep()]).fit(token_batches(4), max_steps=total_steps)
+    return lrs
+
+
+def test_scheduler_shapes():
+    warm = _lr_curve(dict(type="constant", warmup_steps=5))
+    assert warm[:5] == pytest.approx([i / 6 for i in range(1, 6)])         # (s+1)/(warmup+1): never 0
+    assert warm[5:] == pytest.approx([1.0] * 15)
+    cos = _lr_curve(dict(type="cosine", warmup_steps=0, min_lr=0.1))
+    assert cos[0] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(cos, cos[1:]))                       # monotone decay
+    assert cos[10] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 10 / 20)), abs=0.05)
+    assert cos[-1] == pytest.approx(0.1, abs=0.02)
+    lin = _lr_curve(dict(type="linear", warmup_steps=0, min_lr=0.0))
+    diffs = [a - b for a, b in zip(lin, lin[1:])]
+    assert diffs == pytest.approx([diffs[0]] * len(diffs))                 # a straight line
+    assert lin[-1] == pytest.approx(1.0 / 20, abs=0.051)
+
+
+def test_scheduler_does_not_advance_on_skipped_steps():
+    plain = _lr_curve(dict(type="linear", warmup_steps=0), total_steps=6)
+    skipped = _lr_curve(dict(type="linear", warmup_steps=0), total_steps=6, skip_steps={2, 3})
+    assert skipped[:4] == pytest.approx([plain[0], plain[1], plain[1], plain[1]])
+
+
+def test_scheduler_state_travels_in_trainer_state_dict():
+    from zerogpt.config import LRSchedulerConfig
+    from zerogpt.optim.lr_scheduler import build_lr_scheduler
+    engine = EngineDouble(lr=1.0)
+    sched = build_lr_scheduler(engine.optimizer, LRSchedulerConfig(type="cosine"), 10)
+    trainer = Trainer(engine, hooks=[LRSchedulerHook(sched)])
+    trainer.fit(token_batches(4), max_steps=4)
+    sd = json.loads(json.dumps(trainer.state_dict()))
+    engine2 = EngineDouble(lr=1.0)
+    sched2 = build_lr_scheduler(engine2.optimizer, LRSchedulerConfig(type="cosine"), 10)
+    Trainer(engine2, hooks=[LRSchedulerHook(sched2)]).load_state_dict(sd)
+    assert sched2.get_last_lr() == pytest.approx(sched.get_last_lr())
+
+
+class NaNAfter:
+    """Criterion that turns non-finite from step `start` on (counted in optimizer steps, accumulation 1)."""
+
+    def __init__(self, start):
+        self.start, self.calls = start, 0
+
+    def __call__(self, logits, labels):
+        self.calls += 1
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        return loss * float("nan") if self.calls >= self.start else loss
+
+
+def test_nan_guard_names_the_step():
+    engine = EngineDouble()
+    engine.criterion = NaNAfter(start=3)
+    with pytest.raises(FloatingPointError, match=r"at step 5, non-finite for 3 consecutive steps \(steps 3..5\)"):
+        Trainer(engine, hooks=[LossHook(), NaNGuardHook(max_bad_steps=3)]).fit(token_batches(8), max_steps=8)
+
+
+def test_nan_guard_ignores_fp16_skipped_steps_and_resets_on_finite():
+    engine = EngineDouble(skip_steps=set(range(3, 9)), loss_scale=1024.0)
+    engine.criterion = NaNAfter(start=3)
+    Trainer(engine, hooks=[LossHook(), NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8), max_steps=8)
+
+    class Flaky:
+        calls = 0
+
+        def __call__(self, logits, labels):
+            Flaky.calls += 1
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+            return loss + float("nan") if Flaky.calls % 2 else loss   # NaN value, finite grads
+
+    engine = EngineDouble()
+    engine.criterion = Flaky()
+    Trainer(engine, hooks=[LossHook(), NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8), max_steps=8)
+
+
+def test_plot_written_at_checkpoint_and_end(tmp_path):
+    out = str(tmp_path)
+    sizes = []
+
+    class AtCkpt(Hook):
+        priority = 95
+
+        def on_checkpoint(self, trainer, path):
+            sizes.append(os.path.getsize(os.path.join(out, "loss.png")))
+
+    hooks = standard_hooks(out, log_interval=1, eval_interval=2, save_interval=3) + [AtCkpt()]
+    Trainer(EngineDouble(), hooks=hooks).fit(token_batches(8), max_steps=5, eval_dataloader=token_batches(2))
+    assert len(sizes) == 2 and all(s > 1000 for s in sizes)
+    with open(tmp_path / "loss.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tensorboard_and_progress_bar(tmp_path):
+    hooks = [LossHook(), ThroughputHook(), TensorboardHook(str(tmp_path / "tb"), log_interval=1),
+             ProgressBarHook(), EvalHook(2, eval_iters=1)]
+    Trainer(EngineDouble(), hooks=hooks).fit(token_batches(4), max_steps=3, eval_dataloader=token_batches(2))
+    files = os.listdir(tmp_path / "tb")
+    assert any(f.startswith("events.out.tfevents") for f in files)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert {"train/loss", "train/tokens_per_s", "valid/loss"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+
+
+def test_flops_per_token_palm_formula():
+    # 6N + 12 L C T: GPT-2 small at T=1024 (N without wpe ~ 123.9M) is ~0.8 GFLOP/token.
+    assert flops_per_token(123_900_000, 12, 768, 1024) == pytest.approx(6 * 123.9e6 + 12 * 12 * 768 * 1024)
+
+
+def test_eval_hook_at_start_gives_baseline(tmp_path):
+    out = str(tmp_path)
+    hooks = [LossHook(), LogMetricByStepHook(out, 1), EvalHook(None, eval_iters=1, at_start=True)]
+    Trainer(EngineDouble(), hooks=hooks).fit(token_batches(4), max_steps=2, eval_dataloader=token_batches(2))
+    valid = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "valid"]
+    assert valid == [0, 2]

@@ -1,0 +1,92 @@
+"""SaveCheckpointHook: checkpoints/step_<N>/ every `save_interval` steps, `latest`, and pruning.
+
+`engine.save_checkpoint(dir, extra_state)` writes the directory under a temporary name and renames it
+when complete; only then does this hook point `checkpoints/latest` (a one-line file naming the
+directory) at it, itself by an atomic rename, so `latest` never names a partial checkpoint. The
+extra_state is `trainer.state_dict()`: trainer counters, data position and hook state (LR schedule).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from zerogpt.trainer.hooks.base import Hook, every
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The directory `<output_dir>/checkpoints/latest` names, or None when there is none yet."""
+    root = os.path.join(output_dir, "checkpoints")
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    path = os.path.join(root, name)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{root}/latest names {name!r} but {path} does not exist; pass "
+                                "--resume <checkpoint dir> explicitly or delete the stale 'latest' file")
+    return path
+
+
+class SaveCheckpointHook(Hook):
+    """Saves every `save_interval` steps and after the last step; keeps the newest `keep_last`.
+
+    Args:
+        output_dir: checkpoints go to <output_dir>/checkpoints/step_<N>/.
+        save_interval: steps between checkpoints (None: only at the end).
+        keep_last: checkpoints kept (older ones are deleted after a save; <= 0 keeps all).
+        save_at_end: also save after the last step.
+    """
+
+    priority = 80
+
+    def __init__(self, output_dir: str, save_interval: int | None = None, keep_last: int = 3,
+                 save_at_end: bool = True):
+        self.root = os.path.join(output_dir, "checkpoints")
+        self.save_interval = save_interval
+        self.keep_last = keep_last
+        self.save_at_end = save_at_end
+        self._last_saved: int | None = None
+
+    def after_step(self, trainer) -> None:
+        s = trainer.state
+        if every(s.step, self.save_interval, s.max_steps if self.save_at_end else None):
+            self.save(trainer)
+
+    def after_train(self, trainer) -> None:
+        # Only when training ended before max_steps (data exhausted, should_stop).
+        if self.save_at_end and self._last_saved != trainer.state.step and trainer.state.step > 0:
+            self.save(trainer)
+
+    def save(self, trainer) -> str:
+        """Save now (all ranks call); returns the checkpoint directory."""
+        step = trainer.state.step
+        path = os.path.join(self.root, f"step_{step}")
+        trainer.engine.save_checkpoint(path, extra_state=trainer.state_dict())
+        trainer.barrier()   # every rank's shard is in place before `latest` moves
+        if trainer.rank == 0:
+            tmp = os.path.join(self.root, f".latest.tmp.{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(f"step_{step}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(self.root, "latest"))
+            self._prune(step)
+            trainer.logger.info(f"saved checkpoint {path}")
+        trainer.barrier()
+        self._last_saved = step
+        trainer.fire("on_checkpoint", path=path)
+        return path
+
+    def _prune(self, current: int) -> None:
+        """Delete all but the newest `keep_last` of step_<N> <= current (newer ones from an abandoned
+        run that was resumed from an older checkpoint are left alone)."""
+        if self.keep_last <= 0:
+            return
+        steps = sorted(int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(self.root))
+                       if m and int(m.group(1)) <= current)
+        for step in steps[:-self.keep_last]:
+            shutil.rmtree(os.path.join(self.root, f"step_{step}"), ignore_errors=True)

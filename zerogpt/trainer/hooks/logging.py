@@ -1,0 +1,104 @@
+"""LogMetricByStepHook: one console line per `log_interval` steps and the same numbers in metrics.jsonl.
+
+metrics.jsonl (DESIGN §5) holds one JSON object per line, written by rank 0 only:
+  train: {"split": "train", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
+          "loss_scale", "skipped", "mem"}
+  valid: {"split": "valid", "step", "loss", "ppl"}
+A number the run does not have (tflops without a FLOP count, loss_scale outside fp16) is null.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from zerogpt.trainer.hooks.base import Hook, every
+
+TRAIN_KEYS = ("split", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
+              "loss_scale", "skipped", "mem")
+VALID_KEYS = ("split", "step", "loss", "ppl")
+
+
+def _plain(v):
+    """JSON numbers: tensors -> floats, NaN/inf -> null (strict JSON has neither)."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+class LogMetricByStepHook(Hook):
+    """Logs train metrics every `log_interval` steps (and the last) and every evaluation.
+
+    Args:
+        output_dir: metrics.jsonl is written here (rank 0).
+        log_interval: steps between train lines.
+
+    On a fresh run metrics.jsonl is started empty; on a resumed run the lines after the resumed step
+    (written by the interrupted run after its last checkpoint) are dropped, so the file reads as one run.
+    """
+
+    priority = 50
+
+    def __init__(self, output_dir: str, log_interval: int = 10):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.log_interval = log_interval
+        self._started = False
+
+    def before_train(self, trainer) -> None:
+        if trainer.rank != 0:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        kept = []
+        if trainer.state.step > 0 and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= trainer.state.step]
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+        self._started = True
+
+    def after_step(self, trainer) -> None:
+        s = trainer.state
+        if trainer.rank != 0 or not every(s.step, self.log_interval, s.max_steps):
+            return
+        m = s.metrics
+        rec = {"split": "train", "step": s.step, "epoch": s.epoch, "loss": m.get("loss", s.loss)}
+        rec.update({k: m.get(k) for k in TRAIN_KEYS[4:]})
+        rec = {k: _plain(v) for k, v in rec.items()}
+        self._write(rec)
+        trainer.logger.info(format_train_line(rec, s.max_steps, m.get("step_ms")))
+
+    def after_eval(self, trainer) -> None:
+        if trainer.rank != 0:
+            return
+        r = trainer.state.eval_results
+        self._write({"split": "valid", "step": r["step"], "loss": _plain(r["loss"]), "ppl": _plain(r["ppl"])})
+        trainer.logger.info(f"valid step {r['step']} | loss {r['loss']:.4f} | ppl {r['ppl']:.2f}")
+
+    def _write(self, rec: dict) -> None:
+        # Open per line (a few per interval): the file is complete whenever PlotHook or a user reads it.
+        if self._started:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+def format_train_line(rec: dict, max_steps: int | None, step_ms: float | None) -> str:
+    """Fixed fields, same every time: step/N | loss | norm | lr | ms | tok/s | mem (STYLE §14)."""
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    parts = [f"step {rec['step']}/{max_steps}", f"loss {num(rec['loss'], '.4f')}",
+             f"norm {num(rec['grad_norm'], '.3f')}", f"lr {num(rec['lr'], '.2e')}",
+             f"{num(step_ms, '.0f')} ms", f"{num(rec['tokens_per_s'], ',.0f')} tok/s"]
+    if rec.get("tflops") is not None:
+        parts.append(f"{rec['tflops']:.2f} TFLOPS")
+    if rec.get("skipped"):
+        parts.append(f"SKIPPED (loss scale {rec.get('loss_scale')})")
+    mem = rec.get("mem") or {}
+    if mem:
+        dev = mem.get("device_peak_mb")
+        parts.append(("" if dev is None else f"dev {dev / 1024:.2f}G ") + f"host {mem['host_rss_mb'] / 1024:.2f}G")
+    return " | ".join(parts)

@@ -1,0 +1,42 @@
+"""NaNGuardHook: stop a run whose loss stays non-finite instead of training on garbage.
+
+fp16 steps that the loss scaler skipped (metrics["skipped"]) are the scaler doing its job: they neither
+count towards the limit nor reset it.
+"""
+from __future__ import annotations
+
+import math
+
+from zerogpt.trainer.hooks.base import Hook
+
+
+class NaNGuardHook(Hook):
+    """Raises FloatingPointError after `max_bad_steps` consecutive non-finite losses, naming the steps.
+
+    Runs after logging (so the bad step is in metrics.jsonl) and before checkpointing (so no checkpoint
+    is written from the step that trips it).
+    """
+
+    priority = 55
+
+    def __init__(self, max_bad_steps: int = 3):
+        if max_bad_steps < 1:
+            raise ValueError(f"NaNGuardHook(max_bad_steps={max_bad_steps}): must be >= 1")
+        self.max_bad_steps = max_bad_steps
+        self._bad: list[int] = []
+
+    def after_step(self, trainer) -> None:
+        s = trainer.state
+        if s.metrics.get("skipped"):
+            return
+        loss = s.metrics.get("loss", s.loss)
+        if loss is not None and math.isfinite(loss):
+            self._bad = []
+            return
+        self._bad.append(s.step)
+        if len(self._bad) >= self.max_bad_steps:
+            raise FloatingPointError(
+                f"loss is {loss} at step {s.step}, non-finite for {len(self._bad)} consecutive steps "
+                f"(steps {self._bad[0]}..{s.step}). Lower optimizer.lr or add warmup "
+                "(lr_scheduler.warmup_steps), set clip_grad_norm=1.0, or use precision='bf16'; then "
+                "restart from the last good checkpoint with --resume auto.")

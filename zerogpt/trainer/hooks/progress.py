@@ -1,0 +1,35 @@
+"""ProgressBarHook: a rank-0 tqdm bar over optimizer steps with the ETA and the latest loss."""
+from __future__ import annotations
+
+from zerogpt.trainer.hooks.base import Hook
+
+
+class ProgressBarHook(Hook):
+    """Shows step/max_steps, steps/s, ETA, loss and lr on rank 0 (tqdm, on stderr)."""
+
+    priority = 60
+
+    def __init__(self, desc: str = "train"):
+        self.desc = desc
+        self._bar = None
+
+    def before_train(self, trainer) -> None:
+        if trainer.rank == 0:
+            from tqdm.auto import tqdm
+            s = trainer.state
+            self._bar = tqdm(total=s.max_steps, initial=s.step, desc=self.desc, unit="step",
+                             dynamic_ncols=True)
+
+    def after_step(self, trainer) -> None:
+        if self._bar is not None:
+            m = trainer.state.metrics
+            post = {"loss": f"{m.get('loss', trainer.state.loss):.4f}"}
+            if m.get("lr") is not None:
+                post["lr"] = f"{m['lr']:.2e}"
+            self._bar.set_postfix(post, refresh=False)
+            self._bar.update(1)
+
+    def after_train(self, trainer) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

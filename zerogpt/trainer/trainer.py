@@ -1,0 +1,302 @@
+"""Trainer: the training loop and the hook events around it.
+
+Owns the loop (batch -> forward -> engine.backward -> engine.step), the typed `TrainerState` and the
+order in which hooks run. It does not own the math of a step (the engine does) nor any side effect
+(logging, eval, checkpoints, plots: hooks do). Resumable state: `Trainer.state_dict()` is the
+`extra_state` a checkpoint carries (trainer counters, data position, hook state such as the LR schedule).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from zerogpt.trainer.hooks.base import Hook
+
+EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_step", "after_step",
+          "before_eval", "after_eval", "on_checkpoint")
+
+
+@dataclass
+class TrainerState:
+    """Counters and the latest numbers of a run; hooks read and write it instead of passing dicts around."""
+
+    step: int = 0
+    """optimizer steps done (an fp16 step skipped on overflow still counts: its data was consumed)"""
+    epoch: int = 0
+    """passes over the training data started before the current one"""
+    micro_step: int = 0
+    """forward/backward passes done (step * gradient_accumulation at step boundaries)"""
+    consumed_samples: int = 0
+    """samples consumed by all ranks together since the start of the run"""
+    epoch_samples: int = 0
+    """samples consumed by all ranks in the current epoch (where the sampler resumes)"""
+    tokens_seen: int = 0
+    """input tokens consumed by all ranks together"""
+    max_steps: int | None = None
+    """the step at which fit() stops (resolved from max_steps or epochs)"""
+    loss: float | None = None
+    """mean loss over the micro-batches of the last step, this rank only (LossHook averages over ranks)"""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """this step's numbers: engine stats (grad_norm, skipped, loss_scale, lr) and what hooks add
+    (loss averaged over ranks, tokens_per_s, tflops, mem, ...); cleared at the start of each step"""
+    eval_results: dict[str, float] = field(default_factory=dict)
+    """the latest evaluation: {"step", "loss", "ppl"}"""
+    should_stop: bool = False
+    """a hook sets this to end fit() after the current step (early stopping)"""
+
+    _COUNTERS = ("step", "epoch", "micro_step", "consumed_samples", "epoch_samples", "tokens_seen")
+
+    def state_dict(self) -> dict[str, int]:
+        """The counters that resume a run (plain ints, JSON-safe)."""
+        return {k: getattr(self, k) for k in self._COUNTERS}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for k in self._COUNTERS:
+            setattr(self, k, int(state[k]))
+
+
+def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels), both (B, T), from a (B, T+1) token window, an (inputs, labels) pair or a dict.
+
+    A packed window of T+1 tokens gives inputs = window[:, :-1] and labels = window[:, 1:], so labels
+    are already shifted and the criterion compares position t with token t+1.
+    """
+    if isinstance(batch, dict):
+        if "labels" in batch:
+            return batch["input_ids"], batch["labels"]
+        batch = batch["input_ids"]
+    if isinstance(batch, (tuple, list)):
+        if len(batch) != 2:
+            raise TypeError(f"a batch tuple must be (inputs, labels); got {len(batch)} items")
+        return batch[0], batch[1]
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 2:
+        raise TypeError("a batch must be a (B, T+1) LongTensor, an (inputs, labels) pair or a dict with "
+                        f"'input_ids'; got {type(batch).__name__}")
+    return batch[:, :-1], batch[:, 1:]
+
+
+def _batch_sampler(loader: Any) -> Any:
+    """The object that decides the data order: the DataLoader's batch sampler or sampler (or None)."""
+    for name in ("batch_sampler", "sampler"):
+        s = getattr(loader, name, None)
+        if s is not None and (hasattr(s, "set_epoch") or hasattr(s, "load_state_dict")):
+            return s
+    return None
+
+
+class Trainer:
+    """Runs `engine` over a dataloader and fires hook events; `trainer.state` is the shared state.
+
+    Args:
+        engine: what `zerogpt.initialize` returns (forward, criterion, backward, step, zero_grad, ctx).
+        hooks: Hook instances; every event calls them in ascending `priority` (ties: list order).
+        logger: defaults to the engine's rank-aware logger.
+
+    Example:
+        trainer = Trainer(engine, hooks=[LossHook(), LogMetricByStepHook("runs/x", log_interval=10)])
+        trainer.fit(train_dl, max_steps=100, eval_dataloader=valid_dl)
+    """
+
+    def __init__(self, engine: Any, hooks: Iterable[Hook] = (), logger: logging.Logger | None = None):
+        self.engine = engine
+        ctx = getattr(engine, "ctx", None)
+        self.rank: int = getattr(ctx, "rank", 0)
+        self.world_size: int = getattr(ctx, "world_size", 1)
+        self.device = torch.device(getattr(ctx, "device", "cpu"))
+        self.group = getattr(ctx, "group", None)
+        self.logger = logger or getattr(ctx, "logger", None) or logging.getLogger("zerogpt")
+        for h in hooks:
+            if not isinstance(h, Hook):
+                raise TypeError(f"hooks must be zerogpt.trainer.Hook instances; got {h!r} ({type(h).__name__})")
+        # sorted() is stable, so hooks of equal priority keep the order they were given in.
+        self.hooks: list[Hook] = sorted(hooks, key=lambda h: h.priority)
+        self.state = TrainerState()
+        self.train_dataloader: Any = None
+        self.eval_dataloader: Any = None
+        self._pending_data_state: dict | None = None
+        self._epoch_batches: int | None = None   # batches of the current epoch handed out so far
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self, train_dataloader: Iterable, epochs: int | None = None, max_steps: int | None = None,
+            eval_dataloader: Iterable | None = None) -> TrainerState:
+        """Train until `max_steps` optimizer steps (or `epochs` passes over the data) are done."""
+        s, engine = self.state, self.engine
+        accum = int(getattr(engine, "gradient_accumulation", 1))
+        self.train_dataloader, self.eval_dataloader = train_dataloader, eval_dataloader
+        s.max_steps = self._resolve_max_steps(train_dataloader, epochs, max_steps, accum)
+        self._restore_data_position(train_dataloader)
+        batches = self._batches(train_dataloader, epochs)
+        engine.train()
+        self.fire("before_train")
+        while s.step < s.max_steps and not s.should_stop:
+            batch = next(batches, None)             # fetched first, so epoch events precede before_step
+            if batch is None:
+                break
+            s.metrics = {}
+            self.fire("before_step")
+            # ------------------------------ TRAINING SECTION BEGIN ------------------------------
+            # One optimizer step = `accum` micro-batches; engine.step() acts only on the last one.
+            micro_losses = []
+            for micro in range(accum):
+                if micro > 0 and (batch := next(batches, None)) is None:
+                    break                                           # data exhausted mid-step: stop
+                inputs, labels = (t.to(self.device, non_blocking=True) for t in split_batch(batch))
+                out = engine(inputs)                                # (B, T, vocab) logits
+                loss = engine.criterion(getattr(out, "logits", out), labels)  # scalar mean over B*T
+                engine.backward(loss)                               # scales by 1/accum (and fp16 scale)
+                stats = engine.step()                               # {} before the boundary
+                micro_losses.append(loss.detach())
+                s.micro_step += 1
+                s.consumed_samples += inputs.shape[0] * self.world_size
+                s.epoch_samples += inputs.shape[0] * self.world_size
+                s.tokens_seen += inputs.numel() * self.world_size
+            if len(micro_losses) < accum:
+                break
+            engine.zero_grad()
+            # ------------------------------ TRAINING SECTION END --------------------------------
+            s.step += 1
+            s.loss = torch.stack(micro_losses).float().mean().item()   # one host sync per step
+            s.metrics.update(stats)
+            self.fire("after_step")
+        self._finish_epoch_if_complete(train_dataloader)
+        self.fire("after_train")
+        return s
+
+    def _batches(self, loader: Iterable, epochs: int | None) -> Iterator[Any]:
+        """Micro-batches across epochs as one stream (an accumulation window may span two epochs)."""
+        while epochs is None or self.state.epoch < epochs:
+            sampler = _batch_sampler(loader)
+            if sampler is not None and hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.state.epoch)
+            self.fire("before_epoch")
+            self._epoch_batches = 0
+            for batch in loader:
+                self._epoch_batches += 1
+                yield batch
+            if self._epoch_batches == 0:
+                raise ValueError(f"the training dataloader yielded no batches in epoch {self.state.epoch}; "
+                                 "the dataset is smaller than one global batch (lower BATCH_SIZE or add data)")
+            self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        self._epoch_batches = None
+        self.fire("after_epoch")
+        self.state.epoch += 1
+        self.state.epoch_samples = 0
+
+    def _finish_epoch_if_complete(self, loader: Any) -> None:
+        """max_steps landed exactly on the last batch of an epoch: close that epoch too."""
+        try:
+            complete = self._epoch_batches == len(loader)
+        except TypeError:
+            complete = False
+        if complete:
+            self._end_epoch()
+
+    def _resolve_max_steps(self, loader: Any, epochs: int | None, max_steps: int | None, accum: int) -> int:
+        if max_steps is not None:
+            return int(max_steps)
+        if epochs is None:
+            raise ValueError("Trainer.fit needs epochs or max_steps; set NUM_EPOCHS or train.max_steps "
+                             "in the config (e.g. --set train.max_steps=1000)")
+        try:
+            batches_per_epoch = len(loader)
+        except TypeError:
+            raise ValueError("Trainer.fit(epochs=...) needs a dataloader with len(); pass max_steps "
+                             "(train.max_steps) instead") from None
+        return epochs * batches_per_epoch // accum
+
+    # ---------------------------------------------------------------- eval
+    @torch.no_grad()
+    def evaluate(self, dataloader: Iterable | None = None, num_batches: int | None = None) -> dict[str, float]:
+        """Mean loss over `num_batches` batches (all ranks), and its perplexity; fires before/after_eval.
+
+        Every rank must run the same number of batches: ZeRO-3 gathers parameters collectively.
+        """
+        loader = dataloader if dataloader is not None else self.eval_dataloader
+        if loader is None:
+            raise ValueError("evaluate() needs an eval dataloader: pass eval_dataloader to fit() "
+                             "(train_gpt.py builds it from the validation split, data.split)")
+        self.fire("before_eval")
+        self.engine.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)   # (sum of losses, batches)
+        for i, batch in enumerate(loader):
+            if num_batches is not None and i >= num_batches:
+                break
+            inputs, labels = (t.to(self.device, non_blocking=True) for t in split_batch(batch))
+            out = self.engine(inputs)
+            total[0] += self.engine.criterion(getattr(out, "logits", out), labels).double()
+            total[1] += 1
+        self.engine.train()
+        self.all_reduce_sum(total)
+        loss = (total[0] / total[1].clamp(min=1)).item()
+        self.state.eval_results = {"step": self.state.step, "loss": loss,
+                                   "ppl": math.exp(loss) if loss < 700 else float("inf")}
+        self.fire("after_eval")
+        return self.state.eval_results
+
+    # ---------------------------------------------------------------- hooks and resume
+    def fire(self, event: str, **kwargs: Any) -> None:
+        """Call `event` on every hook in priority order."""
+        if event not in EVENTS:
+            raise ValueError(f"unknown trainer event {event!r}; events are {', '.join(EVENTS)}")
+        for h in self.hooks:
+            getattr(h, event)(self, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything besides the engine that a resumed run needs (JSON-safe): counters, hook states."""
+        hooks = {}
+        for key, h in self._hook_keys():
+            sd = h.state_dict()
+            if sd:
+                hooks[key] = sd
+        return {"trainer": self.state.state_dict(), "hooks": hooks,
+                "data": {"epoch": self.state.epoch, "epoch_samples": self.state.epoch_samples,
+                         "consumed_samples": self.state.consumed_samples, "world_size": self.world_size}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved; the data position is applied to the sampler when fit() starts."""
+        self.state.load_state_dict(state["trainer"])
+        saved = state.get("hooks", {})
+        for key, h in self._hook_keys():
+            if key in saved:
+                h.load_state_dict(saved[key])
+        self._pending_data_state = state.get("data")
+
+    def _hook_keys(self) -> list[tuple[str, Hook]]:
+        """Stable names for hook state: the class name, with #i for repeated classes."""
+        seen: dict[str, int] = {}
+        out = []
+        for h in self.hooks:
+            name = type(h).__name__
+            seen[name] = seen.get(name, 0) + 1
+            out.append((name if seen[name] == 1 else f"{name}#{seen[name]}", h))
+        return out
+
+    def _restore_data_position(self, loader: Any) -> None:
+        """Tell the sampler where the resumed epoch stands, so no sample is repeated or skipped."""
+        data, self._pending_data_state = self._pending_data_state, None
+        if not data or not data.get("epoch_samples"):
+            return
+        sampler = _batch_sampler(loader)
+        if sampler is None or not hasattr(sampler, "load_state_dict"):
+            self.logger.warning("resuming mid-epoch but the dataloader's sampler has no load_state_dict; "
+                                "the data order restarts at the beginning of epoch %d", data["epoch"])
+            return
+        sampler.load_state_dict({"epoch": data["epoch"], "consumed_samples": data["epoch_samples"]})
+
+    # ---------------------------------------------------------------- small collectives for hooks
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks (no-op on one process)."""
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier(group=self.group)
+
