@@ -1,0 +1,112 @@
+"""zerogpt.estimate: ZeRO formulas against hand-computed numbers, activations, model table, CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zerogpt.estimate import MODELS, ModelShape, activation_bytes, estimate, main, model_state_bytes
+
+PSI, N = 10**6, 4
+
+
+def on(plan: dict, home: str) -> int:
+    return sum(plan[cat][home] for cat in plan)
+
+
+@pytest.mark.parametrize("stage, world, precision, expected", [
+    (0, N, "fp32", 16 * PSI),                        # ZeRO paper 16Psi (fp32: master aliases the param)
+    (0, N, "bf16", 18 * PSI),                        # 16Psi + fp32 grad buffer (2 B more per param)
+    (1, N, "bf16", 4 * PSI + 12 * PSI // N),         # 4Psi + 12Psi/N: full bf16 grads dominate the shards
+    (2, N, "bf16", 2 * PSI + 16 * PSI // N),         # 2Psi + 16Psi/N: fp32 grad shards
+    (3, N, "bf16", 18 * PSI // N),                   # 18Psi/N (paper 16Psi/N with fp16 grad shards)
+    (3, N, "fp32", 16 * PSI // N),                   # 16Psi/N
+    (1, 1, "fp16", 18 * PSI),                        # N=1: stage 1 = stage 0
+])
+def test_zero_formulas_on_device(stage, world, precision, expected):
+    plan = model_state_bytes(PSI, stage, world, precision)
+    assert on(plan, "device") == expected
+    assert on(plan, "host") == on(plan, "disk") == 0
+
+
+def test_breakdown_stage2_bf16():
+    plan = model_state_bytes(PSI, 2, N, "bf16")
+    assert plan["params"]["device"] == 2 * PSI
+    assert plan["grads"]["device"] == 4 * PSI // N
+    assert plan["master"]["device"] == 4 * PSI // N
+    assert plan["optimizer"]["device"] == 8 * PSI // N
+
+
+def test_optimizer_offload_cpu_and_disk():
+    cpu = model_state_bytes(PSI, 3, 1, "bf16", offload_optimizer="cpu")
+    assert on(cpu, "device") == 2 * PSI and on(cpu, "host") == 16 * PSI  # grads(4) + master(4) + Adam(8)
+    disk = model_state_bytes(PSI, 2, N, "bf16", offload_optimizer="disk")
+    assert on(disk, "device") == 2 * PSI
+    assert disk["grads"]["host"] == 4 * PSI // N
+    assert on(disk, "disk") == 12 * PSI // N
+    # fp32 with the optimizer off the device keeps its own master copy there
+    fp32 = model_state_bytes(PSI, 3, N, "fp32", offload_optimizer="cpu")
+    assert fp32["master"]["host"] == 4 * PSI // N and on(fp32, "device") == 4 * PSI // N
+
+
+def test_param_offload_and_errors():
+    plan = model_state_bytes(PSI, 3, N, "bf16", offload_optimizer="cpu", offload_param="cpu")
+    assert on(plan, "device") == 0 and on(plan, "host") == 18 * PSI // N
+    with pytest.raises(ValueError, match="stage 3"):
+        model_state_bytes(PSI, 2, N, offload_param="cpu")
+    with pytest.raises(ValueError, match="precision"):
+        model_state_bytes(PSI, 2, N, precision="int8")
+
+
+def test_model_table_matches_model_zoo():
+    from model_zoo import gpt
+
+    for name in ("gpt2_tiny", "gpt2_small", "gpt2_xl"):
+        with torch.device("meta"):
+            model = getattr(gpt, name)()
+        assert MODELS[name].num_params == sum(p.numel() for p in model.parameters()), name
+
+
+def test_activations_korthikanti():
+    shape = ModelShape(layers=3, hidden=16, heads=2, vocab=100, positions=8)
+    s, b, h, a = 8, 2, 16, 2
+    eager = activation_bytes(shape, s, b, "bf16", flash=False, dropout=True)
+    assert eager["per_layer"] == 34 * s * b * h + 5 * a * s * s * b  # the paper's formula, 2-byte activations
+    flash = activation_bytes(shape, s, b, "bf16")
+    assert flash["per_layer"] == 32 * s * b * h  # no s^2 scores, no dropout masks
+    ckpt = activation_bytes(shape, s, b, "bf16", checkpoint=True)
+    assert ckpt["layers"] == 3 * 2 * s * b * h + flash["per_layer"]
+    assert ckpt["total"] < flash["total"]
+    assert activation_bytes(shape, s, b, "fp32")["per_layer"] == 2 * flash["per_layer"]
+
+
+def test_estimate_totals_add_up():
+    est = estimate(MODELS["gpt2_small"], 3, 2, "bf16", offload_optimizer="cpu", gpu_overhead=0)
+    states = est["model_states"]
+    assert est["totals"]["device"] == (on(states, "device") + est["activations"]["total"]
+                                       + est["buffers"]["device"])
+    assert est["totals"]["host"] == on(states, "host")
+
+
+def test_cli_fits_and_json(capsys):
+    assert main(["--model", "gpt2_xl", "--stage", "3", "--offload", "cpu", "--world", "1",
+                 "--gpu-mem", "80GB", "--host-mem", "128GB"]) == 0
+    out = capsys.readouterr().out
+    assert "FITS" in out and "16Psi/N" in out and "activations" in out
+    # 1.5B params with everything on one 24 GB GPU does not fit: exit code 1 and says so
+    assert main(["--model", "gpt2_xl", "--stage", "0", "--gpu-mem", "24GB"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "1000", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"] == "custom" and plan["num_params"] == ModelShape(2, 64, 2, 1000).num_params
+    with pytest.raises(SystemExit, match="stage 3"):
+        main(["--stage", "2", "--offload-param", "cpu"])
+
+
+@pytest.mark.timeout(120)
+def test_cli_module_entry_point():
+    res = subprocess.run([sys.executable, "-m", "zerogpt.estimate", "--model", "gpt2_tiny", "--stage", "2",
+                          "--world", "2", "--precision", "fp32", "--checkpoint"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "2Psi+14Psi/N" in res.stdout

@@ -1,0 +1,335 @@
+"""Will it fit? Bytes per rank on GPU, host and disk for a GPT trained with zerogpt, before you launch.
+
+Owns the memory plan as pure functions of ints (no torch.distributed, no model build): model states
+(`model_state_bytes`, the ZeRO-paper accounting as our engine actually holds it), activations
+(Korthikanti et al. 2022) and chunk buffers in flight. The engine's `memory_stats()` measures the same
+categories from live tensors; tests compare the two. It does not import model_zoo: sizes are in MODELS.
+
+    python -m zerogpt.estimate --model gpt2_xl --stage 3 --offload cpu --world 1 --gpu-mem 80GB --host-mem 128GB
+
+Versus DeepSpeed's `estimate_zero2_model_states_mem_needs_all_live` / `estimate_zero3_..._all_live`:
+those cover model states only, for fp16 mixed precision with Adam, with a flat 1.5x "buffer factor" on
+host RAM and (ZeRO-3) the largest layer's fp32 params on the GPU; they ignore activations, NVMe/disk
+offload, fp32 vs mixed precision, prefetch/chunk buffers and the loss head, and never say whether the
+run fits. This module counts each of those separately, per device kind, and compares with capacities.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass
+
+__all__ = ["MODELS", "ModelShape", "model_state_bytes", "activation_bytes", "estimate", "main"]
+
+HOMES = ("device", "host", "disk")
+CATEGORIES = ("params", "grads", "master", "optimizer")
+PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of params/activations in compute dtype
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT-2-style decoder (tied wte/lm_head, learned positions, 4h MLP, biases, pre-LN)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int = 50257
+    positions: int = 1024
+    pad_vocab_multiple: int = 64  # model_zoo pads the embedding rows to a multiple of 64
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.pad_vocab_multiple
+        return (self.vocab + m - 1) // m * m
+
+    @property
+    def num_params(self) -> int:
+        """wte (tied with lm_head) + wpe + L x (12h^2 + 13h) + final LayerNorm (2h)."""
+        h = self.hidden
+        return self.padded_vocab * h + self.positions * h + self.layers * (12 * h * h + 13 * h) + 2 * h
+
+    @property
+    def largest_param(self) -> int:
+        return max(self.padded_vocab * self.hidden, 4 * self.hidden * self.hidden)
+
+
+# Same shapes as model_zoo.gpt's factories (checked by tests/test_estimate.py).
+MODELS: dict[str, ModelShape] = {
+    "gpt2_tiny": ModelShape(layers=2, hidden=64, heads=2, vocab=1024, positions=256),
+    "gpt2_small": ModelShape(layers=12, hidden=768, heads=12),   # 124M
+    "gpt2_medium": ModelShape(layers=24, hidden=1024, heads=16),  # 355M
+    "gpt2_large": ModelShape(layers=36, hidden=1280, heads=20),   # 774M
+    "gpt2_xl": ModelShape(layers=48, hidden=1600, heads=25),      # 1.5B
+}
+
+
+def _check_choice(name: str, value: str, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(map(str, valid))}")
+
+
+def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precision: str = "bf16",
+                      offload_optimizer: str = "none", offload_param: str = "none",
+                      optimizer_bytes_per_param: int = 8) -> dict[str, dict[str, int]]:
+    """Peak model-state bytes on ONE rank, as our engine holds them (chunk padding ignored).
+
+    ZeRO paper (Rajbhandari et al. 2020, Fig. 1; mixed precision + Adam, K=12): 16Psi, 4Psi+12Psi/N,
+    2Psi+14Psi/N, 16Psi/N for stages 0-3. Our engine differs in one place: reduced gradients land in an
+    **fp32** grad shard next to the master (4 B/param/N, not 2), so stage 2 is 2Psi+16Psi/N and stage 3
+    is 18Psi/N in bf16/fp16; stages 0/1 keep full compute-dtype grads while accumulating and convert
+    them chunk by chunk into fp32 shards at the boundary, so their grad peak is max(c Psi, 4 Psi/N_opt)
+    per home (stage 0 mixed: 18Psi; stage 1: 4Psi+12Psi/N for N >= 2). In fp32 the master *is* the
+    param shard when the optimizer lives on the device (16Psi ... 16Psi/N); with optimizer offload a
+    separate fp32 master is kept where the optimizer runs.
+
+    Args:
+        num_params: Psi, trainable parameters (tied weights counted once).
+        stage: ZeRO stage 0-3.  world_size: N, data-parallel ranks.
+        precision: "fp32" | "bf16" | "fp16" (params/grads compute dtype; masters and Adam are fp32).
+        offload_optimizer: "none" | "cpu" | "disk": where master + optimizer state (and fp32 grad shards:
+            host for both cpu and disk) live.
+        offload_param: "none" | "cpu": where stage-3 param shards rest between uses.
+        optimizer_bytes_per_param: 8 for Adam (exp_avg + exp_avg_sq in fp32), 4 for SGD+momentum.
+    Returns:
+        {"params"|"grads"|"master"|"optimizer": {"device"|"host"|"disk": bytes}} -- the same layout as
+        `engine.memory_stats()`.
+
+    Example:
+        >>> b = model_state_bytes(10**9, stage=3, world_size=8, precision="bf16")
+        >>> sum(b[c]["device"] for c in b) == 18 * 10**9 // 8
+        True
+    """
+    _check_choice("stage", stage, (0, 1, 2, 3))
+    _check_choice("precision", precision, tuple(PRECISIONS))
+    _check_choice("offload_optimizer", offload_optimizer, ("none", "cpu", "disk"))
+    _check_choice("offload_param", offload_param, ("none", "cpu"))
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if offload_param != "none" and stage != 3:
+        raise ValueError(f"offload_param needs stage 3, got stage {stage}; use --stage 3 or --offload-param none")
+    c = PRECISIONS[precision]
+    psi = num_params
+    n_opt = 1 if stage == 0 else world_size  # master/optimizer/grad shards: 1/N from stage 1 on
+
+    def per_rank(nbytes_per_param: int, shards: int) -> int:
+        return math.ceil(psi / shards) * nbytes_per_param
+
+    out = {cat: dict.fromkeys(HOMES, 0) for cat in CATEGORIES}
+    optim_home = {"none": "device", "cpu": "host", "disk": "disk"}[offload_optimizer]
+    grad_home = "device" if optim_home == "device" else "host"
+    param_home = "host" if offload_param == "cpu" else "device"
+
+    # params: full compute-dtype copy at stages 0-2; only this rank's shard at stage 3
+    out["params"][param_home] += per_rank(c, world_size if stage == 3 else 1)
+    # grads: fp32 shards at every stage (reduced grads land there) + full compute-dtype grads at
+    # stages 0/1 (held while accumulating); the two never peak together within one home
+    shard_grads = per_rank(4, n_opt)
+    full_grads = per_rank(c, 1) if stage <= 1 else 0
+    if grad_home == "device":
+        out["grads"]["device"] = max(full_grads, shard_grads)
+    else:
+        out["grads"]["device"], out["grads"]["host"] = full_grads, shard_grads
+    # master: aliased to the param shard only in fp32 with the optimizer on the device
+    if not (precision == "fp32" and optim_home == "device"):
+        out["master"][optim_home] += per_rank(4, n_opt)
+    out["optimizer"][optim_home] += per_rank(optimizer_bytes_per_param, n_opt)
+    return out
+
+
+def zero_paper_bytes(num_params: int, stage: int, world_size: int) -> tuple[str, int]:
+    """The ZeRO paper's per-rank model states (mixed precision, Adam, K=12) for reference."""
+    psi, n = num_params, world_size
+    return [("16Psi", 16 * psi), ("4Psi+12Psi/N", 4 * psi + 12 * psi // n),
+            ("2Psi+14Psi/N", 2 * psi + 14 * psi // n), ("16Psi/N", 16 * psi // n)][stage]
+
+
+def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str = "bf16",
+                     checkpoint: bool = False, flash: bool = True, dropout: bool = False) -> dict[str, int]:
+    """Activation bytes saved for backward on one rank (no tensor/sequence parallelism).
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4.1:
+    per layer s*b*h*(34 + 5*a*s/h) bytes with 2-byte activations and 1-byte dropout masks, i.e.
+    16e*sbh + (2e)*a*s^2*b + masks (2sbh + a*s^2*b) for element size e. SDPA/flash attention saves no
+    s x s scores (only a tiny logsumexp), so the s^2 term drops (`flash=True`, what model_zoo uses);
+    with dropout 0 (model_zoo's default) there are no masks. Full per-block checkpointing keeps only
+    each block's input (e*sbh per layer) plus one block's activations while it is recomputed.
+    The loss head keeps compute-dtype logits, their fp32 copy and fp32 log-probs: s*b*V*(e + 8) (e + 4 in fp32).
+
+    Returns: dict(per_layer, layers, embeddings, logits, total) in bytes.
+    """
+    e = PRECISIONS[precision]
+    s, b, h, a, L = seq_len, batch, shape.hidden, shape.heads, shape.layers
+    sbh = s * b * h
+    per_layer = 16 * e * sbh + (2 * sbh if dropout else 0)
+    if not flash:
+        per_layer += (2 * e + (1 if dropout else 0)) * a * s * s * b
+    layers = L * e * sbh + per_layer if checkpoint else L * per_layer
+    embeddings = e * sbh + (sbh if dropout else 0)
+    logits = s * b * shape.vocab * (e + (4 if e == 4 else 8))
+    return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits,
+                total=layers + embeddings + logits)
+
+
+def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
+                 prefetch: int = 2, bucket_mb: float = 25.0) -> dict[str, int]:
+    """Chunk buffers in flight on one rank, by home.
+
+    A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding).
+    Stage 3 gathers the current chunk plus `prefetch` ahead (full chunk, compute dtype); stages 2/3
+    keep about two full-size grad chunks in flight (one filling, one reducing). Disk offload streams
+    master + Adam state of the current and the read-ahead chunk shard (12 B/param) through host RAM.
+    """
+    c = PRECISIONS[precision]
+    chunk_numel = max(int(bucket_mb * 2**20) // c if bucket_mb > 0 else 0, shape.largest_param)
+    out = dict.fromkeys(HOMES, 0)
+    if stage == 3:
+        out["device"] += (1 + prefetch) * chunk_numel * c
+    if stage >= 2:
+        out["device"] += 2 * chunk_numel * c
+    if offload_optimizer == "disk":
+        out["host"] += 2 * math.ceil(chunk_numel / (1 if stage == 0 else world_size)) * 12
+    return out
+
+
+def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str = "bf16",
+             offload_optimizer: str = "none", offload_param: str = "none", seq_len: int = 1024,
+             batch: int = 1, checkpoint: bool = False, flash: bool = True, dropout: bool = False,
+             prefetch: int = 2, bucket_mb: float = 25.0, gpu_overhead: int = 2**30) -> dict:
+    """Everything on one rank: model states, activations, buffers, totals per home (bytes)."""
+    states = model_state_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, offload_param)
+    acts = activation_bytes(shape, seq_len, batch, precision, checkpoint, flash, dropout)
+    buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb)
+    totals = {h: sum(states[cat][h] for cat in CATEGORIES) + buffers[h] for h in HOMES}
+    totals["device"] += acts["total"] + gpu_overhead
+    return dict(num_params=shape.num_params, model_states=states, activations=acts, buffers=buffers,
+                gpu_overhead=gpu_overhead, totals=totals)
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' -> 80e9 (SI), '80GiB' or '80G' -> 80 * 2**30."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; write e.g. 80GB, 80GiB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _fmt(n: int) -> str:
+    if n == 0:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.2f} MiB"
+
+
+def format_report(est: dict, shape: ModelShape, args: argparse.Namespace) -> str:
+    """The human-readable table printed by the CLI."""
+    psi = est["num_params"]
+    lines = [f"zerogpt estimate: {args.model_name} = {psi / 1e9:.3f}B params ({shape.layers} layers, hidden "
+             f"{shape.hidden}, {shape.heads} heads, vocab {shape.vocab}); stage {args.stage}, world {args.world}, "
+             f"{args.precision}, offload optimizer={args.offload} param={args.offload_param}",
+             f"per rank; seq {args.seq_len} x micro-batch {args.batch} x accumulation {args.grad_accum} = "
+             f"{args.seq_len * args.batch * args.grad_accum:,} tokens/rank/step; activation checkpointing "
+             f"{'on' if args.checkpoint else 'off'}; attention {'SDPA/flash' if not args.eager_attention else 'eager'}",
+             "", f"{'':24}{'GPU':>13}{'host':>13}{'disk':>13}"]
+    row = lambda name, d: lines.append(f"{name:24}" + "".join(f"{_fmt(d.get(h, 0)):>13}" for h in HOMES))
+    for cat in CATEGORIES:
+        row(cat, est["model_states"][cat])
+    states_total = {h: sum(est["model_states"][c][h] for c in CATEGORIES) for h in HOMES}
+    row("= model states", states_total)
+    acts = est["activations"]
+    row("activations", {"device": acts["total"]})
+    row("chunk buffers", est["buffers"])
+    row("CUDA ctx/workspace", {"device": est["gpu_overhead"]})
+    row("= total", est["totals"])
+    name, paper = zero_paper_bytes(psi, args.stage, args.world)
+    lines += ["", f"activations: {_fmt(acts['layers'])} in {shape.layers} layers "
+              f"({_fmt(acts['per_layer'])} per layer un-checkpointed, Korthikanti et al. 2022), "
+              f"{_fmt(acts['logits'])} logits/loss, {_fmt(acts['embeddings'])} embeddings",
+              f"ZeRO paper (mixed precision, Adam): stage {args.stage} = {name} = {_fmt(paper)} per rank; "
+              f"ours: {_fmt(sum(states_total.values()))} (fp32 grad shards: +2 B/param/N; "
+              f"fp32 precision aliases master and param)"]
+    for home, cap, flag in (("device", args.gpu_mem, "--gpu-mem"), ("host", args.host_mem, "--host-mem"),
+                            ("disk", args.disk_space, "--disk")):
+        need = est["totals"][home] * (args.world // args.nodes if home != "device" else 1)
+        ranks = args.world // args.nodes
+        scope = "per GPU" if home == "device" else f"per node ({ranks} rank{'s' if ranks > 1 else ''})"
+        if cap is None and need == 0:
+            continue
+        if cap is None:
+            lines.append(f"{home:6}: needs {_fmt(need)} {scope} (pass {flag} to check the fit)")
+        else:
+            verdict = "FITS" if need <= cap else "DOES NOT FIT"
+            lines.append(f"{home:6}: needs {_fmt(need)} {scope} of {_fmt(cap)} -> {verdict} "
+                         f"({100 * need / cap:.0f}%)")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m zerogpt.estimate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    # model
+    p.add_argument("--model", default="gpt2_small", choices=sorted(MODELS), help="size from the table")
+    p.add_argument("--layers", type=int, help="custom: number of blocks (overrides --model)")
+    p.add_argument("--hidden", type=int, help="custom: width n_embd")
+    p.add_argument("--heads", type=int, help="custom: attention heads")
+    p.add_argument("--vocab", type=int, help="custom: vocabulary size")
+    # ZeRO
+    p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
+    p.add_argument("--world", type=int, default=1, help="data-parallel ranks (GPUs)")
+    p.add_argument("--nodes", type=int, default=1, help="hosts sharing the ranks (host RAM is per node)")
+    p.add_argument("--offload", default="none", choices=("none", "cpu", "disk"), help="optimizer offload")
+    p.add_argument("--offload-param", default="none", choices=("none", "cpu"), help="param offload (stage 3)")
+    p.add_argument("--prefetch", type=int, default=2, help="stage-3 chunks gathered ahead")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="chunk size; 0 = one param per chunk")
+    # workload
+    p.add_argument("--precision", default="bf16", choices=tuple(PRECISIONS))
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1, help="micro-batch per rank")
+    p.add_argument("--grad-accum", type=int, default=1, help="accumulation steps (no extra memory)")
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
+    p.add_argument("--eager-attention", action="store_true", help="attention that stores s x s scores")
+    p.add_argument("--dropout", action="store_true", help="dropout > 0 (1-byte masks are stored)")
+    # capacities
+    p.add_argument("--gpu-mem", type=parse_bytes, help="e.g. 80GB (SI) or 80GiB")
+    p.add_argument("--host-mem", type=parse_bytes, help="host RAM per node, e.g. 128GB")
+    p.add_argument("--disk", dest="disk_space", type=parse_bytes, help="free space at the offload path")
+    p.add_argument("--gpu-overhead", type=parse_bytes, default=2**30, help="CUDA context + workspaces")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    shape = MODELS[args.model]
+    custom = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab") if getattr(args, k)}
+    args.model_name = args.model if not custom else "custom"
+    if custom:
+        shape = ModelShape(**{**asdict(shape), **custom})
+        if shape.hidden % shape.heads:
+            raise SystemExit(f"--hidden {shape.hidden} must be divisible by --heads {shape.heads}")
+    if args.world % args.nodes:
+        raise SystemExit(f"--world {args.world} must be a multiple of --nodes {args.nodes}")
+    try:
+        est = estimate(shape, args.stage, args.world, args.precision, args.offload, args.offload_param,
+                       args.seq_len, args.batch, args.checkpoint, not args.eager_attention, args.dropout,
+                       args.prefetch, args.bucket_mb, args.gpu_overhead)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    if args.json:
+        print(json.dumps(dict(est, model=args.model_name, shape=asdict(shape)), indent=1))
+    else:
+        print(format_report(est, shape, args))
+    fits = all(cap is None or est["totals"][h] * (1 if h == "device" else args.world // args.nodes) <= cap
+               for h, cap in (("device", args.gpu_mem), ("host", args.host_mem), ("disk", args.disk_space)))
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
