@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from engine_double import EngineDouble, token_batches
+from tests.trainer.engine_double import EngineDouble, token_batches
 from zerogpt.trainer import (EvalHook, Hook, LogMetricByStepHook, LossHook, LRSchedulerHook, MemoryHook,
                              NaNGuardHook, PlotHook, ProgressBarHook, SaveCheckpointHook, TensorboardHook,
                              ThroughputHook, Trainer, flops_per_token, latest_checkpoint)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from engine_double import EngineDouble, token_batches
+from tests.trainer.engine_double import EngineDouble, token_batches
 from zerogpt.trainer import EVENTS, Hook, Trainer, TrainerState, split_batch
 
 
