@@ -43,12 +43,35 @@ class BadLineReporter:
                   file=self.stream)
 
 
+def parse_jsonl_line(raw_bytes: bytes, text_key: str | None = "text") -> tuple[dict | None, str]:
+    """Decode one JSONL line: `(record, raw_text)` or `(None, reason)`; blank lines give `(None, "")`.
+
+    A record is valid when it is UTF-8, valid JSON, a JSON object and (if `text_key` is given)
+    has a string `text_key`. Stages that parse in worker processes call this directly.
+    """
+    try:
+        raw = raw_bytes.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+    if not raw.strip():
+        return None, ""
+    try:
+        rec = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return None, f"malformed JSON ({e.msg} at column {e.colno})"
+    if not isinstance(rec, dict):
+        return None, f"expected a JSON object, got {type(rec).__name__}"
+    if text_key is not None and not isinstance(rec.get(text_key), str):
+        got = "missing" if text_key not in rec else type(rec[text_key]).__name__
+        return None, f"field {text_key!r} must be a string, got {got}"
+    return rec, raw
+
+
 def iter_jsonl(path: str, counts: Counter | None = None, strict: bool = False,
                text_key: str | None = "text") -> Iterator[tuple[int, dict[str, Any], str]]:
     """Stream a JSONL file, yielding `(lineno, record, raw_line)` for each valid object.
 
-    Lines that are not valid UTF-8, not valid JSON, not a JSON object, or (when `text_key` is
-    given) lack a string `text_key` are reported with `path:lineno` and counted in
+    Invalid lines (see `parse_jsonl_line`) are reported with `path:lineno` and counted in
     `counts["malformed"]` (blank lines in `counts["blank_lines"]`); with `strict=True` the first
     one raises ValueError instead. Line numbers are 1-based and are the documents' identity in
     later stages (find/group/remove-duplicates refer to `file:line`).
@@ -60,31 +83,14 @@ def iter_jsonl(path: str, counts: Counter | None = None, strict: bool = False,
     report = BadLineReporter(path, strict)
     with open(path, "rb") as f:
         for lineno, raw_bytes in enumerate(f, 1):
-            try:
-                raw = raw_bytes.decode("utf-8")
-            except UnicodeDecodeError as e:
+            rec, raw = parse_jsonl_line(raw_bytes, text_key)
+            if rec is not None:
+                yield lineno, rec, raw
+            elif raw:
                 counts["malformed"] += 1
-                report(lineno, f"not valid UTF-8 ({e.reason} at byte {e.start})")
-                continue
-            if not raw.strip():
+                report(lineno, raw)
+            else:
                 counts["blank_lines"] += 1
-                continue
-            try:
-                rec = json.loads(raw)
-            except json.JSONDecodeError as e:
-                counts["malformed"] += 1
-                report(lineno, f"malformed JSON ({e.msg} at column {e.colno})")
-                continue
-            if not isinstance(rec, dict):
-                counts["malformed"] += 1
-                report(lineno, f"expected a JSON object, got {type(rec).__name__}")
-                continue
-            if text_key is not None and not isinstance(rec.get(text_key), str):
-                counts["malformed"] += 1
-                got = "missing" if text_key not in rec else type(rec[text_key]).__name__
-                report(lineno, f"field {text_key!r} must be a string, got {got}")
-                continue
-            yield lineno, rec, raw
 
 
 def iter_text_lines(path: str) -> Iterator[tuple[int, str]]:
@@ -208,6 +214,37 @@ def progress(iterable: Iterable | None = None, total: int | None = None, desc: s
 
     return tqdm(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True,
                 disable=None, file=sys.stderr, mininterval=0.5)
+
+
+def imap_bounded(fn, tasks: Iterable, workers: int, initializer=None, initargs: tuple = (),
+                 window: int | None = None) -> Iterator:
+    """Ordered `map(fn, tasks)` over `workers` spawned processes, at most `window` tasks in flight.
+
+    Pool.imap reads its whole input ahead (a corpus would land in RAM); this keeps memory
+    bounded. With workers <= 1 it runs in-process (no pickling; easier to debug).
+    """
+    import multiprocessing
+    from collections import deque
+
+    if workers <= 1:
+        if initializer is not None:
+            initializer(*initargs)
+        yield from map(fn, tasks)
+        return
+    window = window or 4 * workers
+    # spawn, not fork: callers may hold threads (tqdm monitor, resolvers) that fork would copy mid-lock.
+    pool = multiprocessing.get_context("spawn").Pool(workers, initializer, initargs)
+    try:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(fn, (task,)))
+            if len(pending) >= window:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    finally:
+        pool.terminate()
+        pool.join()
 
 
 def parse_size(text: str) -> int:

@@ -1,0 +1,223 @@
+"""Stage `cleanup`: repair text, normalise whitespace, filter by language, length and quality.
+
+ftfy.fix_text -> whitespace normalisation -> minimum length (tokens of --tokenizer, else words;
+the unit is written to the stats) -> langdetect (seeded: DetectorFactory.seed = 0, failures
+counted as `lang_detect_failed`) -> optional Gopher quality rules (--quality, Rae et al. 2021,
+"Scaling Language Models", appendix A.1). Rejected documents go to OUT.rejected.jsonl with
+their reason. Work is split over --workers processes; output order is input order.
+
+    python -m data_pipeline cleanup raw.jsonl --output clean.jsonl --lang en --min-tokens 128
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import time
+from collections import Counter
+from typing import Any, Iterator
+
+from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input, dumps,
+                              imap_bounded, parse_jsonl_line, progress, write_stats)
+
+BATCH_LINES = 256  # lines per worker task: large enough to amortise pickling
+_HSPACE_RE = re.compile(r"[^\S\n]+")  # whitespace except newline (tabs, NBSP, ideographic space...)
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_MANY_NEWLINES_RE = re.compile(r"\n{3,}")
+_WORD_RE = re.compile(r"\w+", re.UNICODE)
+_ALPHA_RE = re.compile(r"[^\W\d_]")
+GOPHER_STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
+BULLETS = ("•", "-", "*", "‣", "◦", "⁃", "·")
+
+
+def normalize_whitespace(text: str) -> str:
+    """CRLF/CR -> LF, drop control chars, collapse spaces per line, at most one blank line, strip."""
+    text = _CONTROL_RE.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    lines = (_HSPACE_RE.sub(" ", line).strip() for line in text.split("\n"))
+    return _MANY_NEWLINES_RE.sub("\n\n", "\n".join(lines)).strip()
+
+
+def gopher_quality(text: str) -> str | None:
+    """The first Gopher rule `text` breaks (a reason string), or None.
+
+    Rules and thresholds from Gopher's MassiveText filters (Rae et al. 2021, A.1.1 quality and
+    A.1.2 repetition): 50..100k words, mean word length 3..10, hash/ellipsis-to-word ratio < 0.1,
+    <= 90% bullet lines, <= 30% ellipsis-ended lines, >= 80% words with a letter, >= 2 stop words,
+    duplicate-line fraction <= 0.3, top 2/3/4-gram character share <= 0.20/0.18/0.16.
+    """
+    words = text.split()
+    n = len(words)
+    if not 50 <= n <= 100_000:
+        return "quality:word_count"
+    if not 3 <= sum(len(w) for w in words) / n <= 10:
+        return "quality:mean_word_length"
+    if (text.count("#") + text.count("...") + text.count("…")) / n > 0.1:
+        return "quality:symbol_ratio"
+    lines = [ln for ln in text.split("\n") if ln.strip()]
+    if sum(ln.lstrip().startswith(BULLETS) for ln in lines) > 0.9 * len(lines):
+        return "quality:bullet_lines"
+    if sum(ln.rstrip().endswith(("...", "…")) for ln in lines) > 0.3 * len(lines):
+        return "quality:ellipsis_lines"
+    if sum(bool(_ALPHA_RE.search(w)) for w in words) < 0.8 * n:
+        return "quality:alphabetic_words"
+    lower = [w.lower().strip(".,;:!?\"'()") for w in words]
+    if len(GOPHER_STOP_WORDS.intersection(lower)) < 2:
+        return "quality:stop_words"
+    if len(lines) > 1 and 1 - len(set(lines)) / len(lines) > 0.3:
+        return "quality:duplicate_lines"
+    total_chars = sum(len(w) for w in lower)
+    for k, limit in ((2, 0.20), (3, 0.18), (4, 0.16)):
+        if n >= k:
+            grams = Counter(tuple(lower[i:i + k]) for i in range(n - k + 1))
+            gram, count = grams.most_common(1)[0]
+            if count > 1 and count * sum(len(w) for w in gram) / total_chars > limit:
+                return f"quality:top_{k}gram"
+    return None
+
+
+def load_tokenizer(path: str):
+    """A `tokenizers` tokenizer from a tokenizer.json file, a directory with one, or a
+    GPT-2 style directory (vocab.json + merges.txt)."""
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+    if os.path.isfile(path):
+        return Tokenizer.from_file(path)
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
+    if os.path.isfile(vocab) and os.path.isfile(merges):
+        return ByteLevelBPETokenizer(vocab, merges)
+    raise ValueError(f"--tokenizer {path!r}: expected tokenizer.json or vocab.json + merges.txt "
+                     f"(train one with `python -m data_pipeline train-tokenizer`)")
+
+
+_STATE: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: str | None) -> None:
+    from langdetect import DetectorFactory
+
+    DetectorFactory.seed = 0  # langdetect samples features randomly; seed it in every process
+    _STATE["tokenizer"] = load_tokenizer(tokenizer) if tokenizer else None
+
+
+def clean_record(rec: dict, lang: str, min_tokens: int, quality: bool) -> tuple[str | None, Any]:
+    """(None, cleaned_record) to keep, or (reason, detail) to reject."""
+    from langdetect import LangDetectException, detect
+
+    text = normalize_whitespace(_fix_text(rec["text"]))
+    if not text:
+        return "empty", ""
+    tok = _STATE.get("tokenizer")
+    length = len(tok.encode(text, add_special_tokens=False).ids) if tok else len(text.split())
+    if length < min_tokens:
+        return "too_short", length
+    detected = None
+    if lang != "any":
+        try:
+            detected = detect(text)
+        except LangDetectException as e:
+            return "lang_detect_failed", str(e)
+        if detected != lang:
+            return "wrong_lang", detected
+    if quality:
+        reason = gopher_quality(text)
+        if reason:
+            return reason, ""
+    out = dict(rec, text=text)
+    return None, (out, length, detected)
+
+
+def _fix_text(text: str) -> str:
+    import ftfy
+
+    return ftfy.fix_text(text)
+
+
+def _process_batch(task: tuple[list[tuple[int, bytes]], str, int, bool]) -> list[tuple]:
+    """Worker: parse + clean a batch of raw lines -> [(lineno, kind, payload...)]."""
+    lines, lang, min_tokens, quality = task
+    results = []
+    for lineno, raw in lines:
+        rec, err = parse_jsonl_line(raw)
+        if rec is None:
+            results.append((lineno, "blank" if not err else "malformed", err, None))
+            continue
+        try:
+            reason, payload = clean_record(rec, lang, min_tokens, quality)
+        except Exception as e:  # a library crash on odd text: reject with the reason, keep going
+            reason, payload = "error", f"{type(e).__name__}: {e}"[:300]
+        results.append((lineno, "reject" if reason else "keep", reason, payload if not reason else
+                        (payload, rec.get("url"), rec["text"][:200])))
+    return results
+
+
+def _batches(path: str) -> Iterator[list[tuple[int, bytes]]]:
+    with open(path, "rb") as f:
+        batch = []
+        for lineno, raw in enumerate(f, 1):
+            batch.append((lineno, raw))
+            if len(batch) == BATCH_LINES:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("cleanup", help="fix text, filter by language, length and quality",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", help="JSONL with a 'text' field (the download output)")
+    p.add_argument("--output", required=True, help="cleaned JSONL; rejects go to OUTPUT.rejected.jsonl")
+    p.add_argument("--lang", default="en", help="keep this langdetect code ('any' disables the filter)")
+    p.add_argument("--min-tokens", type=int, default=128,
+                   help="minimum length in tokens of --tokenizer (in whitespace words without one)")
+    p.add_argument("--tokenizer", help="tokenizer.json or a directory with tokenizer.json / vocab.json+merges.txt")
+    p.add_argument("--quality", action="store_true", help="apply Gopher quality and repetition rules")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes")
+    add_common_args(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.time()
+    check_input(args.input)
+    if args.tokenizer:
+        load_tokenizer(args.tokenizer)  # fail fast with a clear message, before starting workers
+    counts: Counter = Counter(kept=0, empty=0, too_short=0, wrong_lang=0, lang_detect_failed=0, malformed=0)
+    languages: Counter = Counter()
+    total_length = 0
+    report = BadLineReporter(args.input, args.strict)
+    tasks = ((batch, args.lang, args.min_tokens, args.quality) for batch in _batches(args.input))
+    results = imap_bounded(_process_batch, tasks, args.workers, _init_worker, (args.tokenizer,))
+    try:
+        with atomic_write(args.output) as out, atomic_write(args.output + ".rejected.jsonl") as rej, \
+                progress(desc="cleanup", unit="doc") as bar:
+            for batch in results:
+                for lineno, kind, reason, payload in batch:
+                    bar.update(1)
+                    if kind == "blank":
+                        counts["blank_lines"] += 1
+                    elif kind == "malformed":
+                        counts["malformed"] += 1
+                        report(lineno, reason)
+                    elif kind == "keep":
+                        record, length, detected = payload
+                        out.write(dumps(record))
+                        counts["kept"] += 1
+                        total_length += length
+                        languages[detected or "not_checked"] += 1
+                    else:
+                        detail, url, head = payload
+                        counts[reason] += 1
+                        if reason == "wrong_lang":
+                            languages[detail] += 1
+                        rej.write(dumps({"line": lineno, "url": url, "reason": reason, "detail": detail,
+                                         "text_head": head}))
+    finally:
+        results.close()  # stops the worker pool even when a --strict error is raised
+    unit = f"tokens ({args.tokenizer})" if args.tokenizer else "words (whitespace split; no --tokenizer)"
+    write_stats(args.output, "cleanup", counts, args, [args.input] + ([args.tokenizer] if args.tokenizer and
+                os.path.isfile(args.tokenizer) else []), started, length_unit=unit,
+                kept_length_total=total_length, languages=dict(languages.most_common()))
+    return 0
