@@ -28,5 +28,8 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
     if checkpoint:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
