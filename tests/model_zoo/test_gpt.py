@@ -194,3 +194,15 @@ def test_build_model_from_config_dict():
         build_model(dict(checkpoint=True))
     with pytest.raises(TypeError, match="callable"):
         build_model(dict(type="gpt2_tiny"))
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_forward_backward_matches_fp32():
+    model = tiny(checkpoint=True).cuda()
+    x, y = ids().cuda(), ids(seed=2).cuda()
+    ref = model(x, labels=y).loss
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # SDPA picks a fused (flash / mem-efficient) kernel
+        out = model(x, labels=y)
+    assert out.loss.dtype == torch.float32 and abs(out.loss.item() - ref.item()) < 5e-2
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
