@@ -130,6 +130,7 @@ def test_seed_form_maps_scale_keys_and_placement_policy():
     ("zero = dict(cpu_offload=True)", ["did you mean 'zero.optimizer_config.cpu_offload'?"]),
     ("train = dict(max_step=10)", ["unknown key 'train.max_step'", "did you mean 'train.max_steps'?"]),
     ("fp16 = dict(mode=1)", ["unknown key 'fp16'", "precision='fp16'"]),
+    ("vocab = 2048", ["unknown key 'vocab'", "must start with '_'"]),
     ("zero = dict(model_config=dict(offload_config=dict(devcie='cpu')))",
      ["zero.model_config.offload_config.devcie", "did you mean 'zero.model_config.offload_config.device'?"]),
 ])

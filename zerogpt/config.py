@@ -532,8 +532,9 @@ class Config(dict):
         suggestion = f"; did you mean '{matches[0]}'?" if matches else ""
         suggestion = suggestion or _suggest(path, siblings) or _suggest(path, _ALL_PATHS)
         valid = ", ".join(schema.keys)
+        helper = "; a helper variable in a config file must start with '_'" if not prefix and not suggestion else ""
         raise ValueError(f"unknown key '{path}' in {self._where(path)}{suggestion} "
-                         f"(valid keys{' in ' + prefix[:-1] if prefix else ''}: {valid})")
+                         f"(valid keys{' in ' + prefix[:-1] if prefix else ''}: {valid}){helper}")
 
     def _check_leaf(self, path: str, value: Any, leaf: Leaf) -> None:
         where = self._where(path)
