@@ -29,7 +29,7 @@ STAGES: dict[str, tuple[str, str]] = {
 }
 
 # Errors that come from user input (paths, flags, data); anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, IsADirectoryError, PermissionError)
+USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 
 def load_stage(name: str):

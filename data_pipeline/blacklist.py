@@ -145,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
                 out.write(url + "\n")
     for reason in ("malformed", "scheme", "too_short", "domain", "extension", "duplicate"):
         counts.setdefault(reason, 0)
-    inputs = files + [f for f in (args.extra_domains, args.extra_extensions) if f]
+    # the directory itself too: its mtime changes when a URL file is added or removed
+    inputs = ([args.input] if os.path.isdir(args.input) else []) + files + \
+        [f for f in (args.extra_domains, args.extra_extensions) if f]
     write_stats(args.output, "blacklist", counts, args, inputs, started,
                 num_domains=len(set(domains)), num_extensions=len(set(extensions)))
     return 0

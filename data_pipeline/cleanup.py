@@ -15,10 +15,10 @@ import os
 import re
 import time
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any
 
 from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input, dumps,
-                              imap_bounded, parse_jsonl_line, progress, write_stats)
+                              imap_bounded, iter_line_batches, parse_jsonl_line, progress, write_stats)
 
 BATCH_LINES = 256  # lines per worker task: large enough to amortise pickling
 _HSPACE_RE = re.compile(r"[^\S\n]+")  # whitespace except newline (tabs, NBSP, ideographic space...)
@@ -152,18 +152,6 @@ def _process_batch(task: tuple[list[tuple[int, bytes]], str, int, bool]) -> list
     return results
 
 
-def _batches(path: str) -> Iterator[list[tuple[int, bytes]]]:
-    with open(path, "rb") as f:
-        batch = []
-        for lineno, raw in enumerate(f, 1):
-            batch.append((lineno, raw))
-            if len(batch) == BATCH_LINES:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("cleanup", help="fix text, filter by language, length and quality",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     languages: Counter = Counter()
     total_length = 0
     report = BadLineReporter(args.input, args.strict)
-    tasks = ((batch, args.lang, args.min_tokens, args.quality) for batch in _batches(args.input))
+    tasks = ((batch, args.lang, args.min_tokens, args.quality) for batch in iter_line_batches(args.input, BATCH_LINES))
     results = imap_bounded(_process_batch, tasks, args.workers, _init_worker, (args.tokenizer,))
     try:
         with atomic_write(args.output) as out, atomic_write(args.output + ".rejected.jsonl") as rej, \

@@ -22,7 +22,10 @@ MAX_REPORTS_PER_FILE = 20
 STATS_SUFFIX = ".stats.json"
 # Args that never change a stage's output (determinism does not depend on them), so `all`
 # ignores them when deciding whether an existing output is still valid.
-NON_SEMANTIC_ARGS = frozenset({"workers", "strict", "quiet", "stage", "func", "progress", "extract_workers"})
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once: mkstemp creates 0600 files, outputs should get the usual mode
+NON_SEMANTIC_ARGS = frozenset({"workers", "strict", "quiet", "stage", "func", "progress", "extract_workers",
+                               "memory_limit"})
 
 
 class BadLineReporter:
@@ -93,6 +96,20 @@ def iter_jsonl(path: str, counts: Counter | None = None, strict: bool = False,
                 counts["blank_lines"] += 1
 
 
+def iter_line_batches(path: str, size: int) -> Iterator[list[tuple[int, bytes]]]:
+    """Raw lines of a file in batches of `size` `(lineno, bytes)`: the unit of work that stages
+    send to worker processes, which parse with `parse_jsonl_line`."""
+    with open(path, "rb") as f:
+        batch = []
+        for lineno, raw in enumerate(f, 1):
+            batch.append((lineno, raw))
+            if len(batch) == size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+
 def iter_text_lines(path: str) -> Iterator[tuple[int, str]]:
     """Yield `(lineno, stripped_line)` of a text file, skipping blank lines and `#` comments.
 
@@ -125,6 +142,7 @@ def atomic_write(path: str, mode: str = "w", encoding: str | None = "utf-8") -> 
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
+        os.chmod(tmp, 0o666 & ~_UMASK)
         kwargs = {"encoding": encoding} if "b" not in mode else {}
         with os.fdopen(fd, mode, **kwargs) as f:
             yield f
@@ -192,18 +210,18 @@ def read_stats(output: str) -> dict | None:
     return stats if isinstance(stats, dict) else None
 
 
-def is_complete(output: str, args: Any, inputs: Iterable[str]) -> bool:
-    """True when `output` and its stats exist, are complete, and match these args and inputs."""
+def is_complete(output: str, args: Any) -> bool:
+    """True when `output` and its stats exist and are complete, were made with these args, the
+    output is unchanged since, and every input the stats recorded still has the same size and
+    mtime. `all` uses this to skip stages; a partial or stale output is simply rebuilt."""
     stats = read_stats(output)
     if not stats or not stats.get("complete") or not os.path.exists(output):
         return False
-    if stats.get("params") != stage_params(args):
-        return False
-    if stats.get("output_signature") != file_signature(output):
+    if stats.get("params") != stage_params(args) or stats.get("output_signature") != file_signature(output):
         return False
     try:
-        return stats.get("inputs") == [file_signature(p) for p in inputs]
-    except OSError:
+        return all(file_signature(rec["path"]) == rec for rec in stats.get("inputs", []))
+    except (OSError, KeyError, TypeError):
         return False
 
 

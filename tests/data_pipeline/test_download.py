@@ -22,28 +22,20 @@ from data_pipeline.__main__ import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-TOPICS = [
-    ("The history of the bicycle", "bicycle", "Early bicycles were heavy machines of wood and iron"),
-    ("How lighthouses are built", "lighthouse", "A lighthouse must survive storms that break ordinary walls"),
-    ("Growing tomatoes at home", "tomato", "Tomatoes need warm soil, steady water and plenty of sun"),
-    ("A short guide to sourdough", "starter", "A sourdough starter is a culture of wild yeast and bacteria"),
-    ("Why rivers meander", "river", "A river bends because the outer bank erodes faster than the inner one"),
-    ("The economics of small ferries", "ferry", "Island ferries often lose money yet remain essential services"),
-    ("Learning to read sheet music", "note", "Each note on the staff tells the player both pitch and duration"),
-    ("Caring for old books", "binding", "Paper ages faster in damp rooms and under direct sunlight"),
-]
-SENTENCES = [
-    "Historians still argue about which {w} design came first, and the records are incomplete.",
-    "In the nineteenth century the {w} became cheaper, and ordinary families could afford one.",
-    "Engineers tested every new {w} carefully before it was allowed into public use.",
-    "The local museum keeps a collection of letters that describe the {w} in great detail.",
-    "Many readers wrote to the newspaper to complain that the {w} was noisy and expensive.",
-    "A careful observer will notice that each {w} reflects the habits of the people who made it.",
-    "Today the {w} is studied in schools, and teachers use it to explain simple physics.",
-    "Some critics believed the {w} would never last, but they were proven wrong within a decade.",
-    "The most important lesson is patience, because the {w} rewards slow and steady work.",
-    "Weather, money and politics all shaped the way the {w} spread from one town to the next.",
-]
+def _prose_topics() -> list[tuple[str, list[str]]]:
+    """Real English prose: the Python language reference topics shipped with the stdlib (offline)."""
+    import pydoc_data.topics
+
+    out = []
+    for key, text in sorted(pydoc_data.topics.topics.items()):
+        paras = [" ".join(p.split()) for p in text.split("\n\n")
+                 if len(p.split()) > 15 and not p.startswith(" ")]
+        if len(paras) >= 6:
+            out.append((key.replace("-", " ").capitalize(), paras[:8]))
+    return out
+
+
+TOPICS = _prose_topics()
 GERMAN = ("Die Geschichte der Stadt beginnt im Mittelalter, als Händler an der Brücke einen Markt "
           "gründeten. Über viele Jahrhunderte wuchs die Siedlung langsam, und die Bürger bauten eine "
           "Kirche, ein Rathaus und mehrere Schulen. Heute leben dort ungefähr zwanzigtausend Menschen, "
@@ -52,12 +44,10 @@ CHINESE = "这是一个关于城市历史的长篇文章。人们在河边建立
 
 
 def article_text(i: int, variant: int = 0) -> tuple[str, list[str]]:
-    title, word, lead = TOPICS[i % len(TOPICS)]
-    paras = [lead + "."]
-    for k in range(12):
-        paras.append(" ".join(SENTENCES[(i + k + j) % len(SENTENCES)].format(w=word) for j in range(3)))
-    if variant:  # a near-duplicate: one sentence changed, a footer line added
-        paras[3] = paras[3].replace("carefully", "very carefully")
+    title, paras = TOPICS[i % len(TOPICS)]
+    paras = list(paras)
+    if variant:  # a near-duplicate: a few words changed, a footer line added
+        paras[1] = paras[1].replace(" the ", " this ", 3)
         paras.append("This article was republished with permission.")
     return f"{title} ({i})", paras
 
@@ -106,7 +96,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send(200, f"<html><head><meta charset='gbk'><title>城市</title></head><body><article>"
                                f"<p>{CHINESE}</p></article></body></html>".encode("gbk"), "text/html")
             elif path == "/latin1":
-                self.send(200, article_html(2, charset="windows-1252").replace(b"warm soil", b"warm caf\xe9 soil"),
+                self.send(200, article_html(2, charset="windows-1252").replace(b"</h1>", b" caf\xe9 cr\xe8me</h1>"),
                           "text/html")
             elif path == "/bad-utf8":
                 self.send(200, article_html(3).replace(b"Engineers", b"Engin\xff\xfeers"))
@@ -228,13 +218,13 @@ def test_download_every_kind_of_page(tmp_path, server):
     assert handler.counters["/flaky"] == 2
     for r in ok.values():
         assert set(r) >= {"text", "url", "title", "status"} and r["status"] == 200 and r["text"]
-    assert "Historians still argue" in ok["/article/0"]["text"]
+    assert article_text(0)[1][2][:60] in ok["/article/0"]["text"]
     assert "Copyright 2024" not in ok["/article/0"]["text"]  # boilerplate removed by trafilatura
     assert ok["/redirect"]["final_url"] == base + "/article/0"
     assert "Stadt" in ok["/german"]["text"] and "Händler" in ok["/german"]["text"]
     assert "城市历史" in ok["/chinese-gbk"]["text"]
-    assert "warm café soil" in ok["/latin1"]["text"]
-    assert ok["/plain"]["text"].startswith("Island ferries often lose money")  # text/plain kept verbatim
+    assert "café crème" in ok["/latin1"]["text"]
+    assert ok["/plain"]["text"] == " ".join(article_text(5)[1])  # text/plain kept verbatim
     stats = json.loads((tmp_path / "raw.jsonl.stats.json").read_text())
     assert stats["complete"] and stats["counts"]["ok"] == len(ok) and stats["counts"]["duplicate_input"] == 1
 
