@@ -49,8 +49,10 @@ class UrlFilter:
         import tldextract
 
         # suffix_list_urls=() and cache_dir=None: use the snapshot bundled with the package, never
-        # fetch or write a cache, so results are the same offline and across machines.
-        self._extract = tldextract.TLDExtract(suffix_list_urls=(), cache_dir=None)
+        # fetch or write a cache, so results are the same offline and across machines. Private
+        # suffixes (github.io, blogspot.com) count, so user.github.io is its own site, not GitHub.
+        self._extract = tldextract.TLDExtract(suffix_list_urls=(), cache_dir=None,
+                                              include_psl_private_domains=True)
         self.labels = {d for d in domains if "." not in d}
         self.hosts = {d.strip(".") for d in domains if "." in d}
         bad = [e for e in extensions if not e.startswith(".")]
