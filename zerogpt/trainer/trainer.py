@@ -278,16 +278,23 @@ class Trainer:
         return out
 
     def _restore_data_position(self, loader: Any) -> None:
-        """Tell the sampler where the resumed epoch stands, so no sample is repeated or skipped."""
+        """Tell the sampler how many samples the resumed run consumed, so none is repeated or skipped.
+
+        The sampler's load_state_dict gets {"consumed_samples" (global, all epochs), "epoch",
+        "epoch_samples"} (data_pipeline.DistributedBatchSampler reads consumed_samples, which is
+        world-size independent). These are the trainer's own counts, not the sampler's, because a
+        DataLoader with workers draws batches ahead of training.
+        """
         data, self._pending_data_state = self._pending_data_state, None
-        if not data or not data.get("epoch_samples"):
+        if not data or not data.get("consumed_samples"):
             return
         sampler = _batch_sampler(loader)
         if sampler is None or not hasattr(sampler, "load_state_dict"):
-            self.logger.warning("resuming mid-epoch but the dataloader's sampler has no load_state_dict; "
-                                "the data order restarts at the beginning of epoch %d", data["epoch"])
+            if data.get("epoch_samples"):
+                self.logger.warning("resuming mid-epoch but the dataloader's sampler has no load_state_dict; "
+                                    "the data order restarts at the beginning of epoch %d", data["epoch"])
             return
-        sampler.load_state_dict({"epoch": data["epoch"], "consumed_samples": data["epoch_samples"]})
+        sampler.load_state_dict({k: data[k] for k in ("consumed_samples", "epoch", "epoch_samples")})
 
     # ---------------------------------------------------------------- small collectives for hooks
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,7 @@ def format_train_line(rec: dict, max_steps: int | None, step_ms: float | None) -
              f"norm {num(rec['grad_norm'], '.3f')}", f"lr {num(rec['lr'], '.2e')}",
              f"{num(step_ms, '.0f')} ms", f"{num(rec['tokens_per_s'], ',.0f')} tok/s"]
     if rec.get("tflops") is not None:
-        parts.append(f"{rec['tflops']:.2f} TFLOPS")
+        parts.append(f"{rec['tflops']:.3g} TFLOPS")
     if rec.get("skipped"):
         parts.append(f"SKIPPED (loss scale {rec.get('loss_scale')})")
     mem = rec.get("mem") or {}
