@@ -135,6 +135,8 @@ def test_scheduler_state_travels_in_trainer_state_dict():
     sched2 = build_lr_scheduler(engine2.optimizer, LRSchedulerConfig(type="cosine"), 10)
     Trainer(engine2, hooks=[LRSchedulerHook(sched2)]).load_state_dict(sd)
     assert sched2.get_last_lr() == pytest.approx(sched.get_last_lr())
+    assert engine2.optimizer.param_groups[0]["lr"] == pytest.approx(engine.optimizer.param_groups[0]["lr"])
+    assert engine2.optimizer.param_groups[0]["lr"] < 1.0                   # not the construction-time rate
 
 
 class NaNAfter:

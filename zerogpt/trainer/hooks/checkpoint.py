@@ -51,6 +51,10 @@ class SaveCheckpointHook(Hook):
         self.save_at_end = save_at_end
         self._last_saved: int | None = None
 
+    def before_train(self, trainer) -> None:
+        if trainer.state.step > 0:          # resumed: this step's checkpoint exists already
+            self._last_saved = trainer.state.step
+
     def after_step(self, trainer) -> None:
         s = trainer.state
         if every(s.step, self.save_interval, s.max_steps if self.save_at_end else None):

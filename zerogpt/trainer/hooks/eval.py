@@ -36,7 +36,9 @@ class EvalHook(Hook):
         self._last_eval_step = trainer.state.step
 
     def before_train(self, trainer) -> None:
-        if self.at_start and trainer.state.step == 0:
+        if trainer.state.step > 0:          # resumed: the run being continued evaluated up to here
+            self._last_eval_step = trainer.state.step
+        elif self.at_start:
             self._run(trainer)
 
     def after_step(self, trainer) -> None:

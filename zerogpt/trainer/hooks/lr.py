@@ -38,6 +38,10 @@ class LRSchedulerHook(Hook):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lr_scheduler.load_state_dict(state)
+        # The scheduler sets the optimizer's rates only when it steps: put the resumed rates in place now,
+        # whether or not the engine's checkpoint restored the param groups.
+        for group, lr in zip(self.lr_scheduler.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
 
 
 def _json_safe(obj: Any) -> Any:
