@@ -194,7 +194,7 @@ class CPUAdam(torch.optim.Optimizer):
         only = None
         if params is not None:
             only = {id(p) for p in params}
-            known = {id(p) for g in self.param_groups for p in g["params"]}
+            known = {id(p) for g in self.param_groups for p in g["params"]}  # O(params); fine per chunk
             if not only <= known:
                 raise ValueError(f"{type(self).__name__}.step(params=...): {len(only - known)} tensor(s) are not "
                                  f"in this optimizer's param groups; pass the same tensors given at construction")
@@ -254,7 +254,7 @@ class CPUAdam(torch.optim.Optimizer):
             tensors = [p, grad, state["exp_avg"], state["exp_avg_sq"]]
             # the op writes through data pointers of contiguous tensors; stage strided ones and copy back
             work = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-            op.adam_update(opt_id, int(state["step"].item()), group["lr"], beta1, beta2, group["eps"],
+            op.adam_update(opt_id, int(state["step"].item()), float(group["lr"]), beta1, beta2, group["eps"],
                            group["weight_decay"], group["bias_correction"], *work)
             for t, w in zip(tensors, work):
                 if w is not t and t is not grad:
