@@ -20,7 +20,7 @@ from data_pipeline.tokenizer import load_backend, save_tokenizer_dir
 
 def _bpe_json(path: str) -> dict:
     """tokenizer.json of `path` as a dict; ValueError unless it is a byte-level BPE."""
-    backend, _, _ = load_backend(path)
+    backend, _, _ = load_backend(path, require_eod=False)
     spec = json.loads(backend.to_str())
     model = spec.get("model") or {}
     if model.get("type") != "BPE":

@@ -51,6 +51,8 @@ def _encode_block(task: tuple[int, bytes]) -> tuple[np.ndarray, np.ndarray, Coun
         if record is None:
             if reason:
                 bad.append((lineno, reason))
+            else:
+                counts["blank_lines"] += 1
             continue
         text = record[key]
         if not text.strip():
@@ -106,7 +108,7 @@ def tokenize_file(input_path: str, tokenizer: str, output_prefix: str, workers: 
     check_input(input_path)
     backend, eod, vocab = load_backend(tokenizer)
     dtype = np.dtype(best_fitting_dtype(vocab))
-    counts: Counter = Counter(docs=0, tokens=0, empty=0, malformed=0)
+    counts: Counter = Counter(docs=0, tokens=0, empty=0, malformed=0, blank_lines=0)
     report = BadLineReporter(input_path, strict)
     num_chars = 0
     results = imap_bounded(_encode_block, _blocks(input_path, block_bytes), workers, _init_worker,

@@ -89,11 +89,12 @@ def load_tokenizer(path: str):
                      f"tokenizer.json, or vocab.json + merges.txt); {_TRAIN_HINT}")
 
 
-def load_backend(path: str):
+def load_backend(path: str, require_eod: bool = True):
     """The Rust `tokenizers.Tokenizer` of a tokenizer dir/file, without importing transformers (fast start).
 
     Reads tokenizer.json or vocab.json + merges.txt directly and falls back to `load_tokenizer` for
-    anything else. Returns (backend, eod_id, vocab_size). Raises ValueError naming `path` like `load_tokenizer`.
+    anything else. Returns (backend, eod_id, vocab_size); eod_id is None only with require_eod=False.
+    Raises ValueError naming `path` like `load_tokenizer`.
     """
     from tokenizers import Tokenizer
 
@@ -107,13 +108,13 @@ def load_backend(path: str):
             backend = byte_level_bpe_from_files(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"))
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
         raise ValueError(f"tokenizer {path} does not load: {type(e).__name__}: {e}; {_TRAIN_HINT}") from e
-    if backend is None:
+    eod = None if backend is None else backend.token_to_id(EOD_TOKEN)
+    if eod is None:  # not a plain tokenizer.json, or no <|endoftext|>: let transformers resolve eos
         tok = load_tokenizer(path)
-        return tok.backend_tokenizer, eod_id(tok), vocab_size(tok)
-    eod = backend.token_to_id(EOD_TOKEN)
-    if eod is None:  # no <|endoftext|>: use the eos named in tokenizer_config.json, as load_tokenizer does
-        tok = load_tokenizer(path)
-        return tok.backend_tokenizer, eod_id(tok), vocab_size(tok)
+        backend, vocab = tok.backend_tokenizer, vocab_size(tok)
+        if not require_eod and tok.eos_token_id is None and EOD_TOKEN not in tok.get_vocab():
+            return backend, None, vocab
+        return backend, eod_id(tok), vocab
     return backend, int(eod), int(backend.get_vocab_size(with_added_tokens=True))
 
 
