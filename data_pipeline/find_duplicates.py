@@ -81,18 +81,32 @@ def shingle_hashes(text: str, ngram: int = 5, unit: str = "char") -> np.ndarray:
     n = min(ngram, codes.size)
     m = codes.size - n + 1
     h = np.zeros(m, np.uint64)
-    with np.errstate(over="ignore"):
-        for k in range(n):  # polynomial hash of each window, mod 2^64
-            h = h * _P + codes[k:k + m]
-        h = _fmix64(h + np.uint64(n))
+    for k in range(n):  # polynomial hash of each window; uint64 arrays wrap mod 2^64 silently
+        h = h * _P + codes[k:k + m]
+    h = _fmix64(h + np.uint64(n))
     return np.unique((h >> np.uint64(32)).astype(np.uint32))
+
+
+_TEMPLATES: dict = {}
+
+
+def _template(num_perm: int, seed: int):
+    """An empty MinHash per (num_perm, seed): generating permutations costs more than hashing a
+    short document, so every signature reuses these."""
+    from datasketch import MinHash
+
+    if (num_perm, seed) not in _TEMPLATES:
+        _TEMPLATES[(num_perm, seed)] = MinHash(num_perm=num_perm, seed=seed, scheme=SCHEME)
+    return _TEMPLATES[(num_perm, seed)]
 
 
 def signature(shingles: np.ndarray, num_perm: int, seed: int) -> np.ndarray:
     """datasketch MinHash hash values (uint32[num_perm]) of a shingle-hash set."""
     from datasketch import MinHash
 
-    m = MinHash(num_perm=num_perm, seed=seed, hashfunc=int, scheme=SCHEME)
+    template = _template(num_perm, seed)
+    m = MinHash(seed=seed, hashfunc=int, scheme=SCHEME, permutations=template.permutations,
+                hashvalues=template.hashvalues.copy())
     for start in range(0, len(shingles), MAX_SHINGLES_PER_UPDATE):
         m.update_batch(shingles[start:start + MAX_SHINGLES_PER_UPDATE].tolist())
     return m.hashvalues
@@ -304,6 +318,12 @@ def run(args: argparse.Namespace) -> int:
     sig_path = os.path.join(tmp_dir, "signatures.bin")
     report = BadLineReporter(args.input, args.strict)
     sources = []
+    tasks = ((batch, args.text_key, args.ngram, args.unit, args.num_perm, args.seed)
+             for batch in iter_line_batches(args.input, BATCH_LINES))
+    # Fork when safe: workers inherit datasketch (its import pulls in scipy, 1-2 s per spawned
+    # worker) and the permutations; created before the progress bar so no other thread exists yet.
+    _template(args.num_perm, args.seed)
+    results = imap_bounded(_fingerprint_batch, tasks, args.workers, prefer_fork=True)
     try:
         with atomic_write(args.output) as pairs_out, progress(desc="find-duplicates", unit="doc") as bar, \
                 open(seg_path, "w+b", buffering=0) as seg_f, open(sig_path, "wb") as sig_f:
@@ -318,9 +338,7 @@ def run(args: argparse.Namespace) -> int:
             seg = deduper.store.add_segment(seg_f)
             first_doc = len(deduper.refs)
             offset = 0
-            tasks = ((batch, args.text_key, args.ngram, args.unit, args.num_perm, args.seed)
-                     for batch in iter_line_batches(args.input, BATCH_LINES))
-            for batch in imap_bounded(_fingerprint_batch, tasks, args.workers):
+            for batch in results:
                 for lineno, kind, detail, url, thash, shingles, sig in batch:
                     bar.update(1)
                     if kind == "malformed":
@@ -348,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
         if args.save_fingerprints:
             os.replace(seg_path, args.save_fingerprints)
     finally:
+        results.close()
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if args.save_fingerprints and os.path.exists(seg_path):
             os.unlink(seg_path)

@@ -235,34 +235,55 @@ def progress(iterable: Iterable | None = None, total: int | None = None, desc: s
 
 
 def imap_bounded(fn, tasks: Iterable, workers: int, initializer=None, initargs: tuple = (),
-                 window: int | None = None) -> Iterator:
-    """Ordered `map(fn, tasks)` over `workers` spawned processes, at most `window` tasks in flight.
+                 window: int | None = None, prefer_fork: bool = False) -> Iterator:
+    """Ordered `map(fn, tasks)` over `workers` processes, at most `window` tasks in flight.
 
     Pool.imap reads its whole input ahead (a corpus would land in RAM); this keeps memory
-    bounded. With workers <= 1 it runs in-process (no pickling; easier to debug).
+    bounded. The pool is created at call time, before the caller starts progress bars or
+    other threads. It uses spawn, or fork when `prefer_fork` and this process has a single
+    thread (fork copies imported modules for free; with threads alive it could copy a held
+    lock). With workers <= 1 it runs in-process (no pickling; easier to debug).
     """
     import multiprocessing
-    from collections import deque
+    import threading
 
     if workers <= 1:
         if initializer is not None:
             initializer(*initargs)
-        yield from map(fn, tasks)
-        return
-    window = window or 4 * workers
-    # spawn, not fork: callers may hold threads (tqdm monitor, resolvers) that fork would copy mid-lock.
-    pool = multiprocessing.get_context("spawn").Pool(workers, initializer, initargs)
-    try:
-        pending: deque = deque()
-        for task in tasks:
-            pending.append(pool.apply_async(fn, (task,)))
-            if len(pending) >= window:
+        return (fn(task) for task in tasks)
+    method = "fork" if (prefer_fork and threading.active_count() == 1
+                        and "fork" in multiprocessing.get_all_start_methods()) else "spawn"
+    pool = multiprocessing.get_context(method).Pool(workers, initializer, initargs)
+    return _PoolMap(pool, fn, tasks, window or 4 * workers)
+
+
+class _PoolMap:
+    """Iterator of imap_bounded; `close()` stops the pool even if iteration never started."""
+
+    def __init__(self, pool, fn, tasks: Iterable, window: int) -> None:
+        self.pool = pool
+        self._results = self._run(fn, tasks, window)
+
+    def _run(self, fn, tasks: Iterable, window: int) -> Iterator:
+        from collections import deque
+
+        try:
+            pending: deque = deque()
+            for task in tasks:
+                pending.append(self.pool.apply_async(fn, (task,)))
+                if len(pending) >= window:
+                    yield pending.popleft().get()
+            while pending:
                 yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-    finally:
-        pool.terminate()
-        pool.join()
+        finally:
+            self.close()
+
+    def __iter__(self) -> Iterator:
+        return self._results
+
+    def close(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
 
 
 def parse_size(text: str) -> int:

@@ -5,7 +5,11 @@ import json
 import os
 
 import pytest
-from test_download import Handler, QuietServer, read_jsonl  # the local test web server
+
+try:  # the local test web server lives in test_download.py (rootdir-relative or package import)
+    from test_download import Handler, QuietServer, read_jsonl
+except ImportError:  # pragma: no cover - when tests/data_pipeline becomes a package
+    from tests.data_pipeline.test_download import Handler, QuietServer, read_jsonl
 
 from data_pipeline import __main__ as cli
 from data_pipeline.__main__ import main
