@@ -109,6 +109,7 @@ class Trainer:
         self.device = torch.device(getattr(ctx, "device", "cpu"))
         self.group = getattr(ctx, "group", None)
         self.logger = logger or getattr(ctx, "logger", None) or logging.getLogger("zerogpt")
+        hooks = list(hooks)
         for h in hooks:
             if not isinstance(h, Hook):
                 raise TypeError(f"hooks must be zerogpt.trainer.Hook instances; got {h!r} ({type(h).__name__})")
