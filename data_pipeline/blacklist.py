@@ -16,7 +16,8 @@ import time
 from collections import Counter
 from urllib.parse import urlsplit
 
-from data_pipeline.io import atomic_write, check_input, dumps, iter_text_lines, progress, write_stats
+from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input, dumps, iter_text_lines,
+                              progress, write_stats)
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 DEFAULT_MIN_LENGTH = 10  # "http://a.b"; Megatron dropped len(url) <= 8
@@ -114,6 +115,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-default-lists", action="store_true",
                    help="use only the --extra-* lists, not data_pipeline/assets/blacklist_*.txt")
     p.add_argument("--min-length", type=int, default=DEFAULT_MIN_LENGTH, help="shorter URLs are rejected")
+    add_common_args(p)
     return p
 
 
@@ -132,12 +134,15 @@ def run(args: argparse.Namespace) -> int:
     seen: set[str] = set()
     with atomic_write(args.output) as out, atomic_write(args.output + ".rejected.jsonl") as rej:
         for path in files:
+            report = BadLineReporter(path, args.strict)
             for lineno, url in progress(iter_text_lines(path), desc=f"blacklist {os.path.basename(path)}",
                                         unit="url"):
                 counts["input"] += 1
                 reason = url_filter.check(url)
                 if reason is None and url in seen:
                     reason = "duplicate"
+                if reason == "malformed":
+                    report(lineno, f"malformed URL {url[:200]!r}")
                 if reason is not None:
                     counts[reason] += 1
                     rej.write(dumps({"url": url, "reason": reason, "source": f"{path}:{lineno}"}))

@@ -28,7 +28,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
-from data_pipeline.io import atomic_write, check_input, dumps, iter_text_lines, progress, write_stats
+from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input, dumps, iter_text_lines,
+                              progress, write_stats)
 
 USER_AGENT = "zerogpt-webtext/0.1 (research crawler)"
 HTML_TYPES = ("text/html", "application/xhtml+xml")
@@ -378,6 +379,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="fetch URLs in OUT.failed.jsonl again (they are removed from it first)")
     p.add_argument("--extract-workers", type=int, default=max(1, min(4, os.cpu_count() or 1)),
                    help="processes for trafilatura extraction")
+    add_common_args(p)
     return p
 
 
@@ -397,8 +399,13 @@ def run(args: argparse.Namespace) -> int:
     done = done_urls(args.output) | done_urls(failed_path)
 
     todo, seen = [], set()
-    for _, url in iter_text_lines(args.urls):
+    report = BadLineReporter(args.urls, args.strict, action=f"recorded in {failed_path} as invalid_url")
+    for lineno, url in iter_text_lines(args.urls):
         counts["input"] += 1
+        try:
+            check_url(url, allow_private=True)  # syntax only; addresses are checked when fetching
+        except FetchError as e:
+            report(lineno, e.detail)
         if url in seen:
             counts["duplicate_input"] += 1
         elif url in done:

@@ -31,8 +31,9 @@ NON_SEMANTIC_ARGS = frozenset({"workers", "strict", "quiet", "stage", "func", "p
 class BadLineReporter:
     """Prints `file:line: reason` for the first MAX_REPORTS_PER_FILE bad lines of a file, then a count."""
 
-    def __init__(self, path: str, strict: bool = False, stream: IO[str] | None = None) -> None:
-        self.path, self.strict, self.count = path, strict, 0
+    def __init__(self, path: str, strict: bool = False, stream: IO[str] | None = None,
+                 action: str = "skipped") -> None:
+        self.path, self.strict, self.count, self.action = path, strict, 0, action
         self.stream = stream if stream is not None else sys.stderr
 
     def __call__(self, lineno: int, reason: str) -> None:
@@ -40,7 +41,7 @@ class BadLineReporter:
             raise ValueError(f"{self.path}:{lineno}: {reason} (drop --strict to skip and count bad lines)")
         self.count += 1
         if self.count <= MAX_REPORTS_PER_FILE:
-            print(f"{self.path}:{lineno}: {reason}; skipped", file=self.stream)
+            print(f"{self.path}:{lineno}: {reason}; {self.action}", file=self.stream)
         elif self.count == MAX_REPORTS_PER_FILE + 1:
             print(f"{self.path}: more bad lines; further reports suppressed (see the stats file)",
                   file=self.stream)

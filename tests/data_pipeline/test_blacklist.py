@@ -6,6 +6,8 @@ import json
 import pytest
 
 from data_pipeline.__main__ import main
+
+pytestmark = pytest.mark.timeout(60)  # tests that need longer say so
 from data_pipeline.blacklist import UrlFilter, default_list
 
 
@@ -81,7 +83,10 @@ def test_stage_directory_order_extras_and_stats(tmp_path, capsys):
     rejected = [json.loads(x) for x in (tmp_path / "out.txt.rejected.jsonl").read_text().splitlines()]
     assert rejected[0] == {"url": "https://blocked.example.net/x", "reason": "domain",
                            "source": f"{d}/a.txt:5"}
-    assert "[blacklist]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "[blacklist]" in err and "c.txt:2: malformed URL" in err
+    assert main(["blacklist", str(d), "--output", str(tmp_path / "strict.txt"), "--strict"]) == 2
+    assert "c.txt:2: malformed URL" in capsys.readouterr().err and not (tmp_path / "strict.txt").exists()
 
     bad_ext = tmp_path / "bad_ext.txt"
     bad_ext.write_text("pdf\n")

@@ -6,6 +6,8 @@ import json
 import pytest
 
 from data_pipeline.__main__ import main
+
+pytestmark = pytest.mark.timeout(60)  # tests that need longer say so
 from data_pipeline.cleanup import gopher_quality, normalize_whitespace
 
 ENGLISH = ("The river bends because the outer bank erodes faster than the inner one. Over many years "

@@ -14,6 +14,8 @@ except ImportError:  # pragma: no cover - when tests/data_pipeline becomes a pac
 from data_pipeline import __main__ as cli
 from data_pipeline.__main__ import main
 
+pytestmark = pytest.mark.timeout(60)  # tests that need longer say so
+
 
 @pytest.fixture
 def site():

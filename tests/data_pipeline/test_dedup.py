@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from data_pipeline.__main__ import main
+
+pytestmark = pytest.mark.timeout(60)  # tests that need longer say so
 from data_pipeline.find_duplicates import jaccard, normalise, shingle_hashes
 
 

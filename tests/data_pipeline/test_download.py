@@ -20,6 +20,8 @@ import pytest
 
 from data_pipeline.__main__ import main
 
+pytestmark = pytest.mark.timeout(60)  # tests that need longer say so
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _prose_topics() -> list[tuple[str, list[str]]]:
@@ -290,6 +292,9 @@ def test_bad_input_reported_not_raised(tmp_path, capsys):
     out = tmp_path / "raw.jsonl"
     assert main(["download", str(urls), "--output", str(out), *FAST]) == 0
     assert [r["reason"] for r in read_jsonl(str(out) + ".failed.jsonl")] == ["invalid_url"] * 2
+    err = capsys.readouterr().err
+    assert "urls.txt:1: need an http(s) URL" in err and "urls.txt:2: host" in err
+    assert main(["download", str(urls), "--output", str(tmp_path / "s.jsonl"), "--strict"]) == 2
     assert main(["download", str(tmp_path / "missing.txt"), "--output", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -7,6 +7,8 @@ import pytest
 
 from data_pipeline.__main__ import main
 
+pytestmark = pytest.mark.timeout(60)  # tests that need longer say so
+
 
 def make_input(tmp_path, n=2000):
     path = tmp_path / "in.jsonl"
