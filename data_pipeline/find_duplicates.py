@@ -324,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
     # worker) and the permutations; created before the progress bar so no other thread exists yet.
     _template(args.num_perm, args.seed)
     results = imap_bounded(_fingerprint_batch, tasks, args.workers, prefer_fork=True)
+    deduper = None
     try:
         with atomic_write(args.output) as pairs_out, progress(desc="find-duplicates", unit="doc") as bar, \
                 open(seg_path, "w+b", buffering=0) as seg_f, open(sig_path, "wb") as sig_f:
@@ -361,12 +362,12 @@ def run(args: argparse.Namespace) -> int:
                                                                  source=source))
                 os.fsync(seg_f.fileno())
             bands, rows = deduper.lsh.b, deduper.lsh.r
-            for f in deduper.store.files[:-1]:
-                f.close()
         if args.save_fingerprints:
             os.replace(seg_path, args.save_fingerprints)
     finally:
         results.close()
+        for f in deduper.store.files if deduper else ():
+            f.close()  # loaded fingerprint files (the segment file is closed by its with)
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if args.save_fingerprints and os.path.exists(seg_path):
             os.unlink(seg_path)
