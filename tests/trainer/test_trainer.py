@@ -145,3 +145,50 @@ def test_user_errors():
         Trainer(EngineDouble()).fit(token_batches(2))
     with pytest.raises(ValueError, match="unknown trainer event"):
         Trainer(EngineDouble()).fire("after_stpe")
+
+
+# ------------------------------------------------------------------ with the real engine, 2 gloo ranks
+def _real_engine_run(rank, world_size, stage):
+    import zerogpt
+    from data_pipeline import DistributedBatchSampler
+    from model_zoo import GPTLMLoss, gpt2_tiny
+    from zerogpt.config import Config
+
+    cfg = Config(dict(BATCH_SIZE=2, GRADIENT_ACCUMULATION=2, SEQ_LEN=16, zero=dict(stage=stage),
+                      optimizer=dict(type="AdamW", lr=1e-2)))
+    ctx = zerogpt.launch_from_torch(cfg)
+    engine, _, _, _ = zerogpt.initialize(gpt2_tiny(vocab_size=64, max_position_embeddings=16),
+                                         dict(cfg.optimizer), criterion=GPTLMLoss(shift=False), config=cfg, ctx=ctx)
+    windows = torch.stack(token_batches(12, batch_size=2, seq_len=16, vocab=64))  # (12, 2, 17)
+    data = windows.reshape(-1, 17)                                               # 24 samples
+    loader = torch.utils.data.DataLoader(data, batch_sampler=DistributedBatchSampler(data, 2, rank, world_size))
+    log, losses = [], []
+
+    class Keep(Hook):
+        priority = 60
+
+        def after_step(self, t):
+            losses.append(t.state.metrics["loss"])
+
+    from zerogpt.trainer import LossHook
+    trainer = Trainer(engine, hooks=[Keep(), Recorder("r", log), LossHook()])
+    s = trainer.fit(loader, epochs=2, eval_dataloader=loader)
+    ev = trainer.evaluate(num_batches=2)
+    return dict(events=[e for _, e, _ in log], state=s.state_dict(), losses=losses, eval=ev,
+                global_step=engine.global_step)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_real_engine_two_ranks_agree_on_state_and_loss(stage):
+    from tests.dist_utils import run_distributed
+    r0, r1 = run_distributed(_real_engine_run, 2, stage, timeout=100)
+    # 24 samples / (2 per rank x 2 ranks) = 6 micro-batches per epoch; 2 epochs / accumulation 2 = 6 steps
+    assert r0["state"] == r1["state"]
+    assert r0["state"] == {"step": 6, "epoch": 2, "micro_step": 12, "consumed_samples": 48, "epoch_samples": 0,
+                           "tokens_seen": 48 * 16}
+    assert r0["global_step"] == 6
+    assert r0["losses"] == r1["losses"] and r0["losses"][-1] < r0["losses"][0]
+    assert r0["eval"] == r1["eval"]
+    assert r0["events"][:3] == ["before_train", "before_epoch", "before_step"]
+    assert r0["events"].count("after_epoch") == 2 and r0["events"][-3:] == ["after_train", "before_eval", "after_eval"]
