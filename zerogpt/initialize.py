@@ -1,0 +1,202 @@
+"""`initialize()`: turn a model + optimizer + config into a ZeRO `Engine`, in one stated order.
+
+Order and why:
+  1. resolve the config and distributed context (everything below depends on stage and world size);
+  2. resolve the optimizer and map every parameter to its param group (chunks never mix groups);
+  3. plan chunks (pure: sizes only) and pack the parameters into them, in the compute dtype;
+  4. register hooks (grad hooks at every stage; gather/release/prefetch at stage 3) - after packing,
+     because hooks refer to chunk slots;
+  5. place state (device / host / disk) and build the sharded optimizer on the master shards;
+  6. the loss scaler (fp16 only).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerogpt.amp import DynamicLossScaler, compute_dtype
+from zerogpt.config import Config, EngineConfig, engine_config
+from zerogpt.engine import Engine
+from zerogpt.zero.chunk import Chunk, plan_chunks
+from zerogpt.zero.offload import Placement, check_disk_path
+from zerogpt.zero.sharded_model import ZeroHooks
+from zerogpt.zero.sharded_optim import ShardedOptimizer
+
+
+@dataclass
+class _Context:
+    """What the engine needs from `launch_from_torch`'s context (duck-typed)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: Any = None
+    logger: Any = None
+
+
+def _default_context() -> _Context:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        device = torch.device("cpu")
+    return _Context(rank, world, device)
+
+
+def _logger(ctx: Any):
+    if getattr(ctx, "logger", None) is not None:
+        return ctx.logger
+    from zerogpt.logging import get_logger
+
+    return get_logger(ctx.rank)
+
+
+def _resolve_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if isinstance(optimizer, dict):
+        kwargs = dict(optimizer)
+        kind = kwargs.pop("type", None)
+        if isinstance(kind, str):
+            import zerogpt.optim as zoptim
+
+            cls = getattr(torch.optim, kind, None) or getattr(zoptim, kind, None)
+            if cls is None:
+                raise ValueError(f"optimizer.type={kind!r} is not a torch.optim or zerogpt.optim class; "
+                                 f"use e.g. 'AdamW', 'Adam', 'SGD', 'HybridAdam', 'CPUAdam' or pass the class")
+        elif isinstance(kind, type) and issubclass(kind, torch.optim.Optimizer):
+            cls = kind
+        else:
+            raise TypeError(f"optimizer.type must be an optimizer class or its name, got {kind!r}")
+        return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer built on model.parameters() or a "
+                    f"dict(type=..., **kwargs), got {type(optimizer).__name__}")
+
+
+def _param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter, int]]:
+    """(name, param, group index) for each unique parameter; -1 marks a frozen one."""
+    owner = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            owner[id(p)] = g
+    named = list(model.named_parameters())  # unique: a tied parameter appears once
+    model_ids = {id(p) for _, p in named}
+    foreign = [i for i in owner if i not in model_ids]
+    if foreign:
+        raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of the model; "
+                         f"build it on model.parameters() of the model you pass to initialize()")
+    out = []
+    for name, p in named:
+        if p.requires_grad and id(p) not in owner:
+            raise ValueError(f"parameter {name!r} requires grad but is in no optimizer param group; "
+                             f"add it to the optimizer or set requires_grad=False")
+        out.append((name, p, owner.get(id(p), -1) if p.requires_grad else -1))
+    return out
+
+
+def _check_devices(params: list[tuple[str, nn.Parameter, int]]) -> None:
+    devices = {p.device.type for _, p, _ in params if p.device.type != "meta"}
+    if len(devices) > 1:
+        where = {d: next(n for n, p, _ in params if p.device.type == d) for d in devices}
+        raise ValueError(f"parameters are on mixed devices {where}; build the model on one device "
+                         f"(the engine moves it to ctx.device)")
+
+
+def _build_chunks(params, plans, ecfg: EngineConfig, ctx, placement: Placement, init_values) -> list[Chunk]:
+    dtype = compute_dtype(ecfg.precision)
+    stage = ecfg.zero.stage
+    param_home = "host" if ecfg.zero.offload_param.device == "cpu" else "device"
+    by_name = {name: p for name, p, _ in params}
+    chunks = []
+    for plan in plans:
+        chunk_params = [by_name[s.name] for s in plan.slots]
+        chunk = Chunk(plan, chunk_params, dtype=dtype, device=ctx.device, rank=ctx.rank, group=ctx.group,
+                      persistent_full=stage < 3, shard_device=placement.torch_device(param_home),
+                      pin_memory=ecfg.zero.offload_param.pin_memory)
+        if init_values is not None:  # ZeroInitContext: params were never materialised whole
+            chunk.load_full(init_values.chunk_values(plan))
+        else:
+            chunk.load_full(torch.cat([p.detach().reshape(-1).to(ctx.device, dtype) for p in chunk_params]))
+        placement.record(chunk.shard, "device" if stage < 3 else param_home)
+        chunk.bind_params()
+        chunks.append(chunk)
+    return chunks
+
+
+def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_dataloader: Any = None,
+               eval_dataloader: Any = None, lr_scheduler: Any = None, config: Any = None, ctx: Any = None):
+    """Wrap `model` and `optimizer` in a ZeRO engine configured by `config`.
+
+    Args:
+        model: any nn.Module (model_zoo GPT, HF GPT2LMHeadModel, ...); its parameters become views
+            into chunk buffers (stage 3: empty between uses).
+        optimizer: a torch optimizer built on model.parameters() (class, hyperparameters and param
+            groups are kept; its state will exist only for this rank's shard), or dict(type=..., **kw).
+        config: a zerogpt.Config (or dict) with `zero`, `precision`, `GRADIENT_ACCUMULATION`,
+            `clip_grad_norm`, or an EngineConfig.
+        ctx: the context from launch_from_torch (default: from torch.distributed and LOCAL_RANK).
+    Returns:
+        (engine, train_dataloader, eval_dataloader, lr_scheduler)
+
+    Example:
+        >>> engine, _, _, _ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg)
+    """
+    ctx = ctx or _default_context()
+    if isinstance(config, EngineConfig):
+        ecfg = config
+    else:
+        ecfg = engine_config(config if isinstance(config, Config) else Config(config or {}), ctx.world_size)
+    if dist.is_initialized() and dist.get_world_size(ctx.group) != ctx.world_size:
+        raise ValueError(f"ctx.world_size={ctx.world_size} but the process group has "
+                         f"{dist.get_world_size(ctx.group)} ranks; pass the context from launch_from_torch")
+    zero = ecfg.zero
+    logger = _logger(ctx)
+
+    optimizer = _resolve_optimizer(optimizer, model)
+    params = _param_groups(model, optimizer)
+    _check_devices(params)
+
+    init_values = getattr(model, "_zerogpt_init_values", None)
+    num_shards = 1 if zero.stage == 0 else ctx.world_size
+    element_size = torch.empty(0, dtype=compute_dtype(ecfg.precision)).element_size()
+    plans = plan_chunks([(n, tuple(p.shape), g) for n, p, g in params], zero.shard_strategy, num_shards,
+                        element_size)
+    optim_home = {"none": "device", "cpu": "host", "disk": "disk"}[zero.offload_optimizer.device]
+    if optim_home == "disk":
+        state_bytes = sum(p.shard_numel for p in plans if p.trainable) * 4 * 3
+        check_disk_path(zero.offload_optimizer.path, state_bytes)
+    placement = Placement(ctx.device, pin_memory=zero.offload_optimizer.pin_memory,
+                          disk_path=zero.offload_optimizer.path, rank=ctx.rank)
+    chunks = _build_chunks(params, plans, ecfg, ctx, placement, init_values)
+    for b_name, buf in model.named_buffers():
+        if buf.device != ctx.device:
+            _set_buffer(model, b_name, buf.to(ctx.device))
+
+    param_to_chunk = {}
+    for chunk in chunks:
+        for slot_index, p in enumerate(chunk.params):
+            param_to_chunk[id(p)] = (chunk.plan.index, slot_index)
+    hooks = ZeroHooks(model, chunks, param_to_chunk, stage=zero.stage, prefetch=zero.prefetch)
+
+    scaler_cfg = zero.loss_scale
+    loss_scaler = DynamicLossScaler(scaler_cfg.initial_scale, scaler_cfg.growth_factor, scaler_cfg.backoff_factor,
+                                    scaler_cfg.growth_interval, scaler_cfg.hysteresis, scaler_cfg.min_scale,
+                                    scaler_cfg.max_scale, enabled=ecfg.precision == "fp16")
+    sharded_optim = ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=optim_home,
+                                     precision=ecfg.precision, stage=zero.stage, group=ctx.group,
+                                     loss_scaler=loss_scaler, clip_grad_norm=ecfg.clip_grad_norm)
+    engine = Engine(model, sharded_optim, hooks, chunks, placement, ecfg, ctx, logger, criterion)
+    logger.info(engine.describe())
+    return engine, train_dataloader, eval_dataloader, lr_scheduler
+
+
+def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, buf_name = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    module._buffers[buf_name] = value

@@ -1,0 +1,297 @@
+"""Chunks: parameters packed into flat padded buffers, the unit of communication, placement and step.
+
+The plan half (`ParamSlot`, `ChunkPlan`, `plan_chunks`) is pure arithmetic on sizes and is tested
+without a process group. The runtime half (`Chunk`) owns the buffers of one chunk on one rank and
+moves bytes: all-gather of param shards, reduce(-scatter) of gradients. It knows nothing about
+modules or optimizers; `sharded_model.py` and `sharded_optim.py` drive it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerogpt.zero.strategy import ShardStrategy
+
+
+# ----------------------------------------------------------------------------------------------
+# plan
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives inside its chunk's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk: its slots, padded size and per-rank shard size.
+
+    The buffer is padded to a multiple of `num_shards` so every rank owns an equal, contiguous shard;
+    equal shards are what `all_gather_into_tensor`/`reduce_scatter_tensor` require.
+    """
+
+    index: int
+    slots: tuple[ParamSlot, ...]
+    group_index: int  # optimizer param group; -1 for frozen parameters (no grads, no optimizer state)
+    num_shards: int
+
+    @property
+    def numel(self) -> int:
+        return self.slots[-1].end
+
+    @property
+    def padded_numel(self) -> int:
+        return math.ceil(self.numel / self.num_shards) * self.num_shards
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.num_shards
+
+    @property
+    def trainable(self) -> bool:
+        return self.group_index >= 0
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        start = shard * self.shard_numel
+        return start, start + self.shard_numel
+
+    def slot_overlap(self, slot: ParamSlot, shard: int) -> tuple[int, int] | None:
+        """The part of `slot` inside `shard`, as (start, end) offsets in the chunk buffer."""
+        lo, hi = self.shard_range(shard)
+        start, end = max(lo, slot.offset), min(hi, slot.end)
+        return (start, end) if start < end else None
+
+
+def plan_chunks(
+    params: Sequence[tuple[str, tuple[int, ...], int]],
+    strategy: ShardStrategy,
+    num_shards: int,
+    element_size: int,
+) -> list[ChunkPlan]:
+    """Pack parameters, in order, into chunks that never mix optimizer param groups.
+
+    Args:
+        params: (name, shape, group_index) in registration order; group_index -1 = frozen.
+        strategy: decides which consecutive parameters share a chunk.
+        num_shards: ranks that share each chunk (1 at stage 0, the world size otherwise).
+        element_size: bytes per element of the compute dtype (bucket sizes are in bytes).
+    Returns:
+        Chunk plans in execution order.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    plans: list[ChunkPlan] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        numels = [math.prod(params[i][1]) for i in run]
+        for group in strategy.group(numels, element_size):
+            slots, offset = [], 0
+            for j in group:
+                name, shape, _ = params[run[j]]
+                slots.append(ParamSlot(name, tuple(shape), offset))
+                offset += math.prod(shape)
+            plans.append(ChunkPlan(len(plans), tuple(slots), params[run[0]][2], num_shards))
+        run.clear()
+
+    for i, (_, _, group_index) in enumerate(params):
+        if run and params[run[-1]][2] != group_index:
+            flush()
+        run.append(i)
+    if run:
+        flush()
+    return plans
+
+
+# ----------------------------------------------------------------------------------------------
+# runtime
+
+
+def _empty_like_param(param: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+class Chunk:
+    """The buffers of one chunk on one rank.
+
+    `full` (compute dtype, on the device) holds every parameter of the chunk while it is gathered;
+    at stages 0-2 it is always gathered, at stage 3 only between `gather()` and `release()`.
+    `shard` is this rank's slice of the parameters: a view of `full` at stages 0-2, its own storage
+    (on the device or, with param offload, in host memory) at stage 3.
+    `grad_full` accumulates the local gradient; `reduce()` turns it into this rank's shard.
+    """
+
+    def __init__(
+        self,
+        plan: ChunkPlan,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        persistent_full: bool,
+        shard_device: torch.device,
+        pin_memory: bool,
+    ) -> None:
+        assert len(params) == len(plan.slots), (len(params), len(plan.slots))
+        self.plan = plan
+        self.params = list(params)
+        self.dtype = dtype
+        self.device = device
+        self.rank = rank
+        self.shard_index = rank if plan.num_shards > 1 else 0
+        self.group = group
+        self.persistent_full = persistent_full
+        self.full: torch.Tensor | None = None
+        self.grad_full: torch.Tensor | None = None
+        self.num_grads_ready = 0
+        lo, hi = plan.shard_range(self.shard_index)
+        if persistent_full:
+            self.full = torch.zeros(plan.padded_numel, dtype=dtype, device=device)
+            self.shard = self.full[lo:hi]
+        else:
+            self.shard = torch.zeros(plan.shard_numel, dtype=dtype, device=shard_device)
+            if pin_memory and shard_device.type == "cpu" and device.type == "cuda":
+                self.shard = self.shard.pin_memory()
+        self._gather_work: dist.Work | None = None
+        self._gather_buffer: torch.Tensor | None = None
+        self._reduce_work: dist.Work | None = None
+        self._reduce_out: torch.Tensor | None = None
+
+    # -- loading values ---------------------------------------------------------------------
+
+    def load_full(self, flat: torch.Tensor) -> None:
+        """Set the chunk's parameters from a flat full-chunk tensor (numel or padded_numel long)."""
+        lo, hi = self.plan.shard_range(self.shard_index)
+        padded = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=flat.device)
+        padded[: flat.numel()].copy_(flat.view(-1)[: self.plan.padded_numel])
+        if self.full is not None:
+            self.full.copy_(padded)
+        else:
+            self.shard.copy_(padded[lo:hi])
+
+    # -- parameters -------------------------------------------------------------------------
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.full is not None and self._gather_work is None
+
+    def bind_params(self) -> None:
+        """Point every parameter's .data at its slot in `full` (or at an empty tensor)."""
+        for param, slot in zip(self.params, self.plan.slots):
+            if self.full is None:
+                param.data = _empty_like_param(param.data if param.data.numel() else self.shard)
+            else:
+                param.data = self.full[slot.offset : slot.end].view(slot.shape)
+
+    def gather(self, async_op: bool = False) -> None:
+        """All-gather the shards into `full` (stage 3). No-op when already gathered or in flight."""
+        if self.full is not None or self._gather_work is not None:
+            if not async_op:
+                self.wait_gather()
+            return
+        shard = self.shard.to(self.device, non_blocking=True) if self.shard.device != self.device else self.shard
+        buffer = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+        if self.plan.num_shards == 1:
+            buffer.copy_(shard)
+            self._gather_buffer, self._gather_work = buffer, None
+            self.full = buffer
+            self.bind_params()
+            return
+        work = dist.all_gather_into_tensor(buffer, shard, group=self.group, async_op=True)
+        self._gather_buffer, self._gather_work, self._gather_input = buffer, work, shard
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+            self._gather_input = None
+            self.full = self._gather_buffer
+            self.bind_params()
+
+    def release(self) -> None:
+        """Drop the gathered parameters (stage 3); the shard keeps this rank's values."""
+        if self.persistent_full:
+            return
+        self.wait_gather()
+        self.full = None
+        self._gather_buffer = None
+        self.bind_params()
+
+    def all_gather_full(self) -> None:
+        """Refresh `full` from every rank's shard after an optimizer step (stages 1-2)."""
+        if self.plan.num_shards == 1 or self.full is None:
+            return
+        dist.all_gather_into_tensor(self.full, self.shard.clone(), group=self.group)
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def add_param_grad(self, slot_index: int, grad: torch.Tensor) -> None:
+        """Accumulate one parameter's gradient into `grad_full`."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+        slot = self.plan.slots[slot_index]
+        self.grad_full[slot.offset : slot.end].add_(grad.reshape(-1))
+        self.num_grads_ready += 1
+
+    @property
+    def grads_complete(self) -> bool:
+        return self.num_grads_ready >= len(self.params)
+
+    def launch_reduce(self) -> None:
+        """Start the (async) reduction of `grad_full` across ranks, averaged over the ranks.
+
+        One shard per rank -> reduce-scatter; one shard for all (stage 0) -> all-reduce.
+        """
+        if self.grad_full is None:  # no gradient reached this chunk on this rank: contribute zeros
+            self.grad_full = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        if world == 1:
+            self._reduce_out, self._reduce_work = self.grad_full, None
+            return
+        # Pre-divide so the sum never overflows fp16 and the result is the mean.
+        self.grad_full.mul_(1.0 / world)
+        if self.plan.num_shards == 1:
+            self._reduce_work = dist.all_reduce(self.grad_full, group=self.group, async_op=True)
+            self._reduce_out = self.grad_full
+        else:
+            out = torch.empty(self.plan.shard_numel, dtype=self.dtype, device=self.device)
+            self._reduce_work = dist.reduce_scatter_tensor(out, self.grad_full, group=self.group, async_op=True)
+            self._reduce_out = out
+
+    def finish_reduce(self) -> torch.Tensor:
+        """Wait for the reduction; return this rank's reduced grad shard and free `grad_full`."""
+        if self._reduce_work is not None:
+            self._reduce_work.wait()
+        out = self._reduce_out
+        assert out is not None, f"chunk {self.plan.index}: finish_reduce without launch_reduce"
+        if self.plan.num_shards == 1:
+            lo, hi = self.plan.shard_range(0)
+            out = out[lo:hi]
+        self._reduce_work, self._reduce_out = None, None
+        self.grad_full = None
+        self.num_grads_ready = 0
+        return out
+
+    def reset_grads(self) -> None:
+        self.grad_full = None
+        self.num_grads_ready = 0

@@ -1,0 +1,220 @@
+"""Hooks that drive chunks from the model's execution: gradients in, and (stage 3) params in and out.
+
+Gradient path (all stages): a post-accumulate-grad hook copies each parameter's gradient into its
+chunk's `grad_full` and frees `param.grad`. When the chunk's gradients are complete on a step that
+reduces, its reduction is launched asynchronously so communication overlaps the rest of backward.
+Chunks are reduced in strictly descending index order on every rank (a chunk waits for the ones
+after it), so ranks always issue collectives in the same order even if a parameter got no gradient.
+
+Parameter path (stage 3 only): module pre-forward hooks gather the chunks a module owns, post-
+forward hooks release a chunk once every module owning it has run, and a tiny autograd function on
+module outputs re-gathers before that module's backward. The order of gathers is recorded on the
+first pass and the next `prefetch` chunks are gathered ahead, asynchronously; a pass whose order
+differs replaces the recording.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from zerogpt.zero.chunk import Chunk
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(fn, o) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        mapped = {k: _map_tensors(fn, v) for k, v in obj.items()}
+        try:
+            return type(obj)(**mapped) if type(obj) is not dict else mapped
+        except TypeError:
+            return mapped
+    return obj
+
+
+class _GatherBeforeBackward(torch.autograd.Function):
+    """Identity whose backward gathers the module's chunks before the module's own backward runs."""
+
+    @staticmethod
+    def forward(ctx, hooks: "ZeroHooks", module_id: int, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.hooks, ctx.module_id = hooks, module_id
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.hooks.gather_for_backward(ctx.module_id)
+        return None, None, grad
+
+
+class ZeroHooks:
+    """Installs and owns every hook the engine puts on a model; `remove()` takes them all off."""
+
+    def __init__(self, module: nn.Module, chunks: list[Chunk], param_to_chunk: dict[int, tuple[int, int]],
+                 *, stage: int, prefetch: int) -> None:
+        self.module = module
+        self.chunks = chunks
+        self.param_to_chunk = param_to_chunk  # id(param) -> (chunk index, slot index)
+        self.stage = stage
+        self.prefetch = prefetch
+        self.handles: list[Any] = []
+        self.reduce_this_step = True
+        self.in_backward = False
+        self._next_to_reduce = len(chunks) - 1  # reductions go in descending chunk order
+        self._launched: list[Chunk] = []
+        self._on_reduced: Callable[[Chunk, torch.Tensor], None] | None = None
+        self._install_grad_hooks()
+        if stage == 3:
+            self._install_param_hooks()
+
+    # -- gradients ---------------------------------------------------------------------------
+
+    def _install_grad_hooks(self) -> None:
+        for param in self._unique_params():
+            if param.requires_grad and id(param) in self.param_to_chunk:
+                self.handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _unique_params(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for p in self.module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        chunk_index, slot_index = self.param_to_chunk[id(param)]
+        chunk = self.chunks[chunk_index]
+        chunk.add_param_grad(slot_index, param.grad)
+        param.grad = None
+        if self.stage == 3 and chunk.grads_complete:
+            chunk.release()  # no later backward op reads these params: their grads are final
+        if self.reduce_this_step:
+            self._launch_ready_reductions()
+
+    def begin_backward(self, reduce: bool, on_reduced: Callable[[Chunk, torch.Tensor], None]) -> None:
+        self.in_backward = True
+        self.reduce_this_step = reduce
+        self._on_reduced = on_reduced
+        self._next_to_reduce = len(self.chunks) - 1
+        for chunk in self.chunks:
+            chunk.num_grads_ready = 0
+
+    def _launch_ready_reductions(self, force: bool = False) -> None:
+        while self._next_to_reduce >= 0:
+            chunk = self.chunks[self._next_to_reduce]
+            if chunk.plan.trainable:
+                if not (force or chunk.grads_complete):
+                    return
+                chunk.launch_reduce()
+                self._launched.append(chunk)
+            self._next_to_reduce -= 1
+
+    def end_backward(self) -> None:
+        """Reduce what is left (chunks with unused params included), hand shards over, release."""
+        if self.reduce_this_step:
+            self._launch_ready_reductions(force=True)
+            for chunk in self._launched:
+                self._on_reduced(chunk, chunk.finish_reduce())
+            self._launched.clear()
+        self.in_backward = False
+        if self.stage == 3:
+            for chunk in self.chunks:
+                chunk.release()
+
+    # -- stage 3 parameters ------------------------------------------------------------------
+
+    def _install_param_hooks(self) -> None:
+        self.module_chunks: dict[int, list[int]] = {}
+        uses: dict[int, int] = defaultdict(int)
+        for module in self.module.modules():
+            own = [p for p in module._parameters.values() if p is not None and id(p) in self.param_to_chunk]
+            if not own:
+                continue
+            chunk_ids = sorted({self.param_to_chunk[id(p)][0] for p in own})
+            self.module_chunks[id(module)] = chunk_ids
+            for c in chunk_ids:
+                uses[c] += 1
+            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(module.register_forward_hook(self._post_forward))
+        self.uses_per_pass = dict(uses)
+        self.remaining_uses = dict(uses)
+        self.recorded_order: list[int] = []
+        self.current_order: list[int] = []
+        self.backward_order: list[int] = []
+        self.current_backward_order: list[int] = []
+        root = self.module
+        self.handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+        self.handles.append(root.register_forward_hook(self._root_post_forward))
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.in_backward:
+            return
+        self.remaining_uses = dict(self.uses_per_pass)
+        self.current_order = []
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.in_backward:
+            return
+        if self.current_order != self.recorded_order:
+            self.recorded_order = self.current_order
+        for chunk in self.chunks:
+            chunk.release()
+
+    def _gather(self, chunk_ids: list[int], order: list[int], current: list[int]) -> None:
+        for c in chunk_ids:
+            current.append(c)
+            self.chunks[c].gather()
+        # prefetch: the chunks that followed this position when the order was recorded
+        pos = len(current)
+        if order[: pos] == current and self.prefetch > 0:
+            for c in order[pos : pos + self.prefetch]:
+                self.chunks[c].gather(async_op=True)
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        chunk_ids = self.module_chunks[id(module)]
+        if self.in_backward:  # activation-checkpoint recompute
+            for c in chunk_ids:
+                self.chunks[c].gather()
+            return
+        self._gather(chunk_ids, self.recorded_order, self.current_order)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        module_id = id(module)
+        if not self.in_backward:
+            for c in self.module_chunks[module_id]:
+                self.remaining_uses[c] -= 1
+                if self.remaining_uses[c] <= 0:
+                    self.chunks[c].release()
+        if not torch.is_grad_enabled():
+            return output
+
+        def wrap(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                return _GatherBeforeBackward.apply(self, module_id, t)
+            return t
+
+        return _map_tensors(wrap, output)
+
+    def gather_for_backward(self, module_id: int) -> None:
+        chunk_ids = self.module_chunks[module_id]
+        new = [c for c in chunk_ids if not self.chunks[c].is_gathered]
+        if new:
+            self._gather(new, self.backward_order, self.current_backward_order)
+
+    def end_backward_pass_order(self) -> None:
+        if self.stage == 3:
+            if self.current_backward_order != self.backward_order:
+                self.backward_order = self.current_backward_order
+            self.current_backward_order = []
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()

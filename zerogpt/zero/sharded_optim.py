@@ -1,0 +1,190 @@
+"""The optimizer side of ZeRO: fp32 master shards, gradient shards, and the step on them.
+
+The user's torch optimizer is kept (class, hyperparameters, param groups, LR schedulers bound to
+it) but its param groups are rewired to this rank's fp32 master shards, one per chunk, so its state
+exists only for the shard this rank owns. A step is: one all-reduce of the local sum of squared
+gradients (it carries both the global grad norm and the fp16 overflow flag, since inf/nan survive a
+sum) -> unscale and clip in one multiply -> optimizer step (chunk by chunk when the state is off the
+device) -> cast masters into the param shards -> all-gather (stages 0-2).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from zerogpt.amp import DynamicLossScaler
+from zerogpt.zero.chunk import Chunk
+from zerogpt.zero.offload import Placement
+
+ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _is_adam_family(optimizer: torch.optim.Optimizer) -> bool:
+    names = {c.__name__ for c in type(optimizer).__mro__}
+    return bool(names & {"Adam", "AdamW", "CPUAdam", "HybridAdam"})
+
+
+class ShardedOptimizer:
+    """Owns masters, grad shards and the step; drives chunk write-back and all-gather."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, chunks: list[Chunk], *, placement: Placement,
+                 optim_home: str, precision: str, stage: int, group: dist.ProcessGroup | None,
+                 loss_scaler: DynamicLossScaler, clip_grad_norm: float | None) -> None:
+        self.optimizer = optimizer
+        self.chunks = chunks
+        self.placement = placement
+        self.optim_home = optim_home
+        self.grad_home = "host" if optim_home == "disk" else optim_home
+        self.stage = stage
+        self.group = group
+        self.loss_scaler = loss_scaler
+        self.clip_grad_norm = clip_grad_norm or None
+        self.masters: dict[int, torch.Tensor] = {}
+        self.grad_shards: dict[int, torch.Tensor] = {}
+        aliased = precision == "fp32" and optim_home == "device"
+        for chunk in chunks:
+            if not chunk.plan.trainable:
+                continue
+            if aliased:  # fp32 on the device: the param shard is the master, no second copy
+                master = chunk.shard
+                placement.record(master, "device" if chunk.shard.device == placement.device else "host")
+            else:
+                master = placement.empty(chunk.plan.shard_numel, torch.float32, optim_home, f"master{chunk.plan.index}")
+                master.copy_(chunk.shard)
+            self.masters[chunk.plan.index] = master
+        self.aliased = aliased
+        self._rewire_param_groups()
+        if optim_home == "disk":
+            self._preallocate_disk_state()
+
+    # -- setup --------------------------------------------------------------------------------
+
+    def _rewire_param_groups(self) -> None:
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for chunk in self.chunks:
+            if chunk.plan.trainable:
+                by_group.setdefault(chunk.plan.group_index, []).append(self.masters[chunk.plan.index])
+        for g, group in enumerate(self.optimizer.param_groups):
+            group["params"] = by_group.get(g, [])
+        self.optimizer.state.clear()
+
+    def _preallocate_disk_state(self) -> None:
+        if not _is_adam_family(self.optimizer):
+            raise ValueError(f"disk offload keeps Adam state (exp_avg, exp_avg_sq) in memory-mapped files; "
+                             f"{type(self.optimizer).__name__} is not an Adam-family optimizer. Use "
+                             f"zero.offload_optimizer=dict(device='cpu') or an Adam/AdamW/CPUAdam optimizer")
+        for index, master in self.masters.items():
+            state = self.optimizer.state[master]
+            state["step"] = torch.tensor(0.0)
+            for key in ADAM_STATE_KEYS:
+                state[key] = self.placement.empty(master.numel(), torch.float32, "disk", f"{key}{index}")
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def accumulate_grad(self, chunk: Chunk, reduced: torch.Tensor) -> None:
+        """Add a chunk's reduced gradient shard into its fp32 grad shard (where the optimizer lives)."""
+        index = chunk.plan.index
+        if index not in self.grad_shards:
+            self.grad_shards[index] = self.placement.empty(chunk.plan.shard_numel, torch.float32,
+                                                           self.grad_home, f"grad{index}")
+        self.grad_shards[index].add_(reduced.to(self.grad_shards[index].device, non_blocking=True))
+
+    def zero_grad(self) -> None:
+        self.grad_shards.clear()
+
+    # -- step ---------------------------------------------------------------------------------
+
+    def _global_sumsq(self) -> float:
+        local = torch.zeros((), dtype=torch.float32, device=self.placement.device)
+        for g in self.grad_shards.values():
+            local += g.float().pow(2).sum().to(local.device)
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        if world > 1 and self.stage > 0:  # stage 0: every rank already holds the full, reduced grads
+            dist.all_reduce(local, group=self.group)
+        return local.item()
+
+    def step(self) -> dict:
+        """One optimizer step on the shards. Returns dict(grad_norm, skipped, loss_scale, lr)."""
+        scale = self.loss_scaler.scale
+        sumsq = self._global_sumsq()
+        overflow = not math.isfinite(sumsq)
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
+        if overflow:
+            self.loss_scaler.update(True)
+            self.zero_grad()
+            return {"grad_norm": float("nan"), "skipped": True, "loss_scale": self.loss_scaler.scale, "lr": lr}
+        grad_norm = math.sqrt(sumsq) / scale
+        factor = 1.0 / scale
+        if self.clip_grad_norm is not None:
+            clip_coef = self.clip_grad_norm / (grad_norm + 1e-6)
+            factor *= min(clip_coef, 1.0)
+        for g in self.grad_shards.values():
+            if factor != 1.0:
+                g.mul_(factor)
+        self._optimizer_step()
+        self._write_back()
+        self.loss_scaler.update(False)
+        self.zero_grad()
+        return {"grad_norm": grad_norm, "skipped": False, "loss_scale": self.loss_scaler.scale, "lr": lr}
+
+    def _set_grads(self, indices: Iterable[int]) -> None:
+        for index, master in self.masters.items():
+            master.grad = None
+        for index in indices:
+            if index in self.grad_shards:
+                self.masters[index].grad = self.grad_shards[index]
+            else:  # a chunk with no gradient this step still steps (weight decay, momentum)
+                self.masters[index].grad = torch.zeros_like(self.masters[index])
+
+    def _optimizer_step(self) -> None:
+        if self.optim_home == "device":
+            self._set_grads(self.masters)
+            self.optimizer.step()
+        else:  # chunk by chunk: bounded host RAM for disk, and read-ahead of the next chunk
+            order = list(self.masters)
+            for i, index in enumerate(order):
+                if i + 1 < len(order):
+                    self._prefetch_state(order[i + 1])
+                self._set_grads([index])
+                self.optimizer.step()
+                self._evict_state(index)
+        for master in self.masters.values():
+            master.grad = None
+
+    def _state_tensors(self, index: int) -> list[torch.Tensor]:
+        master = self.masters[index]
+        state = self.optimizer.state.get(master, {})
+        return [master] + [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+    def _prefetch_state(self, index: int) -> None:
+        for t in self._state_tensors(index):
+            self.placement.prefetch(t)
+
+    def _evict_state(self, index: int) -> None:
+        for t in self._state_tensors(index):
+            self.placement.evict(t)
+
+    def _write_back(self) -> None:
+        for chunk in self.chunks:
+            if not chunk.plan.trainable:
+                continue
+            if not self.aliased:
+                chunk.shard.copy_(self.masters[chunk.plan.index], non_blocking=True)
+            if chunk.persistent_full:
+                chunk.all_gather_full()
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state_tensors_by_chunk(self) -> dict[int, dict[str, torch.Tensor]]:
+        """This rank's optimizer-state shards per chunk: {"master", "exp_avg", ...} (for checkpoints)."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for index, master in self.masters.items():
+            entry = {"master": master}
+            for key, value in self.optimizer.state.get(master, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    entry[key] = value
+            out[index] = entry
+        return out
