@@ -12,7 +12,9 @@ vocab size, dtype) go to `P.stats.json`, which `GPTDataset` reads to check vocab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import sys
 import time
 from collections import Counter
 from typing import Any, Iterator
@@ -23,18 +25,30 @@ from data_pipeline.indexed import IndexedDatasetWriter, best_fitting_dtype
 from data_pipeline.io import (BadLineReporter, add_common_args, check_input, parse_jsonl_line, progress,
                               write_stats)
 
-BLOCK_BYTES = 1 << 20  # bytes of JSONL per worker task: big enough for Rust batching, small enough to stream
+BLOCK_BYTES = 1 << 19  # bytes of JSONL per worker task: big enough for Rust batching, small enough to balance
 
 _worker: dict[str, Any] = {}  # per-process tokenizer state set by _init_worker
 
 
 def _init_worker(tokenizer_json: str, eod: int, dtype: str, text_key: str, threads: bool = True) -> None:
-    """Rebuild the Rust tokenizer from its JSON in this process (cheap; no transformers import)."""
-    from tokenizers import Tokenizer
+    """Record the worker's settings; the tokenizer itself is built by the first task.
 
+    Nothing here may raise: an exception in a Pool initializer makes the pool respawn workers
+    forever instead of failing, whereas one inside a task reaches the parent through `.get()`.
+    """
     if not threads:  # one process per core already: Rust threads on top would only oversubscribe
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tokenizer=Tokenizer.from_str(tokenizer_json), eod=eod, dtype=np.dtype(dtype), key=text_key)
+    _worker.clear()
+    _worker.update(tokenizer_json=tokenizer_json, eod=eod, dtype=dtype, key=text_key)
+
+
+def _worker_tokenizer():
+    """This process' Rust tokenizer, rebuilt from JSON once (cheap; no transformers import)."""
+    if "tokenizer" not in _worker:
+        from tokenizers import Tokenizer
+
+        _worker["tokenizer"] = Tokenizer.from_str(_worker["tokenizer_json"])
+    return _worker["tokenizer"]
 
 
 def _encode_block(task: tuple[int, bytes]) -> tuple[np.ndarray, np.ndarray, Counter, list, int, int]:
@@ -44,7 +58,7 @@ def _encode_block(task: tuple[int, bytes]) -> tuple[np.ndarray, np.ndarray, Coun
     EOD back to back in `dtype`, `lengths` their sizes, `bad_lines` [(lineno, reason)] for malformed lines.
     """
     first_lineno, blob = task
-    tok, eod, key = _worker["tokenizer"], _worker["eod"], _worker["key"]
+    tok, eod, key = _worker_tokenizer(), _worker["eod"], _worker["key"]
     counts: Counter = Counter()
     bad: list[tuple[int, str]] = []
     texts: list[str] = []
@@ -65,7 +79,7 @@ def _encode_block(task: tuple[int, bytes]) -> tuple[np.ndarray, np.ndarray, Coun
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     encodings = encode(texts, add_special_tokens=False)
     lengths = np.fromiter((len(e) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
-    tokens = np.empty(int(lengths.sum()), dtype=_worker["dtype"])
+    tokens = np.empty(int(lengths.sum()), dtype=np.dtype(_worker["dtype"]))
     ends = np.cumsum(lengths)
     tokens[ends - 1] = eod
     start = 0
@@ -146,7 +160,8 @@ def tokenize_file(input_path: str, tokenizer: str, output_prefix: str, workers: 
     num_chars = 0
     results = _imap_ordered(_encode_block, _blocks(input_path, block_bytes), workers,
                             (backend.to_str(), eod, dtype.str, text_key))
-    with IndexedDatasetWriter(output_prefix, dtype) as writer, \
+    # closing(): a failure (e.g. --strict on a bad line) shuts the worker pool down at once.
+    with contextlib.closing(results), IndexedDatasetWriter(output_prefix, dtype) as writer, \
             progress(total=os.path.getsize(input_path), desc="tokenize", unit="B") as bar:
         for tokens, lengths, block_counts, bad, chars, nbytes in results:
             for lineno, reason in bad:
@@ -161,7 +176,7 @@ def tokenize_file(input_path: str, tokenizer: str, output_prefix: str, workers: 
     seconds = time.time() - started
     if counts["docs"] == 0:
         print(f"warning: {input_path} produced no documents (empty={counts['empty']}, "
-              f"malformed={counts['malformed']}); {output_prefix}.bin is empty")
+              f"malformed={counts['malformed']}); {output_prefix}.bin is empty", file=sys.stderr)
     return write_stats(output_prefix, "tokenize", counts, inputs=[input_path], started=started,
                        params={"tokenizer": os.path.abspath(tokenizer), "text_key": text_key, "workers": workers},
                        tokenizer=os.path.abspath(tokenizer), vocab_size=vocab, eod_id=eod, dtype=dtype.name,

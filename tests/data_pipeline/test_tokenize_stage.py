@@ -78,7 +78,7 @@ def test_json_key_and_strict(setup, tmp_path):
     assert stats["counts"]["docs"] == 2
     # --strict: the first bad line aborts, and nothing is left behind (atomic output).
     assert main(["tokenize", str(root / "corpus.jsonl"), "--tokenizer", str(root / "tok"), "--output-prefix",
-                 str(tmp_path / "strict"), "--strict", "--workers", "1"]) == 2
+                 str(tmp_path / "strict"), "--strict", "--workers", "2"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.bin", "c.idx", "c.jsonl", "c.stats.json"]
 
 
