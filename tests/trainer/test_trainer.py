@@ -109,6 +109,15 @@ def test_evaluate_fires_events_and_records_results():
     assert trainer.state.eval_results is r
 
 
+def test_every_evaluation_reads_the_same_batches_of_a_stateful_sampler():
+    from data_pipeline import DistributedBatchSampler
+    data = torch.cat(token_batches(6, seed=3))                         # 24 windows
+    loader = torch.utils.data.DataLoader(data, batch_sampler=DistributedBatchSampler(data, 4, 0, 1))
+    trainer = Trainer(EngineDouble())
+    first, second = trainer.evaluate(loader, num_batches=2), trainer.evaluate(loader, num_batches=2)
+    assert first["loss"] == second["loss"]
+
+
 def test_state_dict_round_trip_is_json_safe():
     import json
     trainer = Trainer(EngineDouble(accumulation=2))

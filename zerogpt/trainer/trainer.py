@@ -214,7 +214,7 @@ class Trainer:
     # ---------------------------------------------------------------- eval
     @torch.no_grad()
     def evaluate(self, dataloader: Iterable | None = None, num_batches: int | None = None) -> dict[str, float]:
-        """Mean loss over `num_batches` batches (all ranks), and its perplexity; fires before/after_eval.
+        """Mean loss over the first `num_batches` batches (all ranks), and its perplexity; fires before/after_eval.
 
         Every rank must run the same number of batches: ZeRO-3 gathers parameters collectively.
         """
@@ -223,6 +223,13 @@ class Trainer:
             raise ValueError("evaluate() needs an eval dataloader: pass eval_dataloader to fit() "
                              "(train_gpt.py builds it from the validation split, data.split)")
         self.fire("before_eval")
+        # Rewind a resumable sampler, so every evaluation reads the same batches (a stateful sampler
+        # would otherwise continue where the previous, truncated evaluation stopped).
+        sampler = _batch_sampler(loader)
+        if sampler is not None and hasattr(sampler, "load_state_dict"):
+            sampler.load_state_dict({"consumed_samples": 0, "epoch": 0, "epoch_samples": 0})
+        elif sampler is not None:
+            sampler.set_epoch(0)
         self.engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)   # (sum of losses, batches)
         for i, batch in enumerate(loader):
