@@ -1,6 +1,6 @@
 """Pretrain a GPT from a config file: config -> launch -> data -> model -> initialize -> Trainer.fit.
 
-The CPU demo (2 ranks; tokenizes the bundled sample corpus on its first run, then trains ~2 minutes):
+The CPU demo (2 ranks; tokenizes the bundled sample corpus on its first run, then trains for 1-2 minutes):
     torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/demo_cpu.py
 One process, CPU or one GPU:
     python train_gpt.py --config configs/demo_cpu.py --set train.max_steps=50
@@ -61,11 +61,11 @@ def check_data(data) -> None:
     if missing:
         raise FileNotFoundError(
             f"data.path={data.path!r}: {' and '.join(missing)} not found. Create it with\n"
-            f"    python -m data_pipeline tokenize --input CORPUS.jsonl --tokenizer TOKENIZER_DIR "
-            f"--output-prefix {data.path}\n(the whole chain from URLs: README 'Data pipeline').")
+            f"    python -m data_pipeline tokenize CORPUS.jsonl --tokenizer TOKENIZER_DIR --output-prefix {data.path}\n"
+            f"(the whole chain from URLs: README 'Data pipeline').")
     if data.tokenizer is not None and not os.path.exists(data.tokenizer):
         raise FileNotFoundError(f"data.tokenizer={data.tokenizer!r} not found; train one with "
-                                f"`python -m data_pipeline train-tokenizer --input CORPUS.jsonl --output "
+                                f"`python -m data_pipeline train-tokenizer CORPUS.jsonl --output "
                                 f"{data.tokenizer}` or point it at the tokenizer the dataset was made with")
 
 
