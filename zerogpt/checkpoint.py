@@ -1,0 +1,484 @@
+"""Sharded, world-size-independent checkpoints of a ZeRO engine: save, load (reshard), read.
+
+Layout of a checkpoint directory (DESIGN §5):
+  meta.json                    format/version, per-parameter names and shapes, where every piece of every
+                               tensor lives, optimizer hyperparameters and scalar state, loss scaler, engine
+                               step, the model's class and config, the caller's extra_state (trainer counters,
+                               data position, LR schedule). JSON only: nothing executes on load.
+  r<rank>_c<chunk>.safetensors this rank's shard of one chunk: fp32 masters and optimizer state, stored per
+                               parameter as flat pieces `<kind>/<param name>@<start>` (element offsets into
+                               the flattened parameter). One chunk per file keeps peak memory at one chunk.
+  rng_r<rank>.safetensors      per-rank RNG state (torch CPU/CUDA); python/numpy RNG in meta.json.
+  buffers.safetensors          the module's persistent buffers.
+  config.py                    the resolved run config, when the engine was built from a Config.
+
+Because pieces are keyed by parameter name and element range, any world size, stage or shard strategy
+reads them back: each rank reads exactly the ranges its new shards need (no rank gathers the model).
+Saving is atomic: files go to `.<name>.tmp/`, which rank 0 renames to `<name>` after every rank is done.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FORMAT = "zerogpt-checkpoint"
+VERSION = 1
+META = "meta.json"
+BUFFERS = "buffers.safetensors"
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers shared by save and load
+
+
+def _barrier(ctx: Any) -> None:
+    if dist.is_initialized() and ctx.world_size > 1:
+        dist.barrier(group=ctx.group)
+
+
+def _all_gather_objects(obj: Any, ctx: Any) -> list[Any]:
+    if not dist.is_initialized() or ctx.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj, group=ctx.group)
+    return out
+
+
+def _write_json_atomic(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp.{os.getpid()}"
+    save_file(tensors, tmp)
+    os.replace(tmp, path)
+
+
+def _model_description(module: torch.nn.Module) -> dict:
+    """The model's class and config, so export/generate can rebuild or convert it without a config file."""
+    cls = type(module)
+    config = getattr(module, "config", None)
+    if dataclasses.is_dataclass(config):
+        config = dataclasses.asdict(config)
+    elif hasattr(config, "to_dict"):
+        config = config.to_dict()
+    else:
+        config = None
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "config": config}
+
+
+def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """{alias: canonical} for parameters reachable under two names (GPT-2's lm_head.weight = wte.weight)."""
+    canonical: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            aliases[name] = canonical[id(p)]
+        else:
+            canonical[id(p)] = name
+    return aliases
+
+
+def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state_keys = set(module.state_dict(keep_vars=True))
+    return {n: b for n, b in module.named_buffers() if n in state_keys}
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    plain = {"python": [version, list(internal), gauss],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    return tensors, plain
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+    version, internal, gauss = plain["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ------------------------------------------------------------------------------------------------
+# save
+
+
+def _chunk_pieces(engine: Any, chunk: Any) -> tuple[dict[str, torch.Tensor], list[list]]:
+    """This rank's pieces of one chunk: ({key: tensor}, [[kind, name, start, end, key], ...])."""
+    plan = chunk.plan
+    shard_index = chunk.shard_index
+    lo, _ = plan.shard_range(shard_index)
+    if plan.trainable:
+        sources = engine.sharded_optim.state_tensors_by_chunk()[plan.index]
+    else:
+        sources = {"param": chunk.shard}
+    tensors, index = {}, []
+    for kind, flat in sources.items():
+        flat = flat.detach()
+        for slot in plan.slots:
+            overlap = plan.slot_overlap(slot, shard_index)
+            if overlap is None:
+                continue
+            start, end = overlap[0] - slot.offset, overlap[1] - slot.offset
+            key = f"{kind}/{slot.name}@{start}"
+            # clone: safetensors refuses tensors that share storage, and the piece must outlive a later step
+            tensors[key] = flat[overlap[0] - lo: overlap[1] - lo].to("cpu", torch.float32).clone()
+            index.append([kind, slot.name, start, end, key])
+    return tensors, index
+
+
+def _optimizer_meta(engine: Any) -> dict:
+    """Hyperparameters per param group and the scalar state (Adam's step), which is the same for every shard."""
+    optimizer = engine.optimizer
+    groups = []
+    for group in optimizer.param_groups:
+        groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"})
+    scalars: dict[str, dict[str, float]] = {}
+    for chunk in engine.chunks:
+        master = engine.sharded_optim.masters.get(chunk.plan.index)
+        state = optimizer.state.get(master, {}) if master is not None else {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 0 or isinstance(value, (int, float)):
+                scalars.setdefault(str(chunk.plan.group_index), {})[key] = float(value)
+    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
+            "scalars": scalars}
+
+
+def save_engine(engine: Any, directory: str, extra_state: dict | None = None) -> str:
+    """Write `engine`'s state to `directory` (all ranks call). Returns the absolute directory.
+
+    extra_state must be JSON-serialisable (the trainer's state_dict is): a checkpoint never holds pickles.
+    """
+    ctx = engine.ctx
+    final = os.path.abspath(directory)
+    parent, name = os.path.split(final)
+    tmp = os.path.join(parent, f".{name}.tmp")
+    try:
+        extra_json = json.loads(json.dumps(extra_state or {}))
+    except TypeError as e:
+        raise TypeError(f"save_checkpoint(extra_state=...) must be JSON-serialisable (no pickles in checkpoints): {e}")
+    if ctx.rank == 0:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+        os.makedirs(tmp)
+    _barrier(ctx)
+
+    files: dict[str, list[list]] = {}
+    for chunk in engine.chunks:
+        if chunk.plan.num_shards == 1 and ctx.rank != 0:  # stage 0: every rank holds the same state
+            continue
+        tensors, index = _chunk_pieces(engine, chunk)
+        if tensors:
+            fname = f"r{ctx.rank:05d}_c{chunk.plan.index:05d}.safetensors"
+            _save_safetensors_atomic(tensors, os.path.join(tmp, fname))
+            files[fname] = index
+    rng_tensors, rng_plain = _rng_state()
+    _save_safetensors_atomic(rng_tensors, os.path.join(tmp, f"rng_r{ctx.rank:05d}.safetensors"))
+    if ctx.rank == 0:
+        buffers = {n: b.detach().cpu().clone() for n, b in _persistent_buffers(engine.module).items()}
+        _save_safetensors_atomic(buffers, os.path.join(tmp, BUFFERS))
+
+    gathered = _all_gather_objects({"files": files, "rng": rng_plain}, ctx)
+    if ctx.rank == 0:
+        all_files = {}
+        for part in gathered:
+            for fname, index in part["files"].items():
+                all_files[fname] = {"bytes": os.path.getsize(os.path.join(tmp, fname)), "pieces": index}
+        meta = {
+            "format": FORMAT, "version": VERSION,
+            "world_size": ctx.world_size, "stage": engine.stage, "precision": engine.config.precision,
+            "global_step": engine.global_step,
+            "params": {slot.name: {"shape": list(slot.shape), "trainable": chunk.plan.trainable}
+                       for chunk in engine.chunks for slot in chunk.plan.slots},
+            "buffers": sorted(_persistent_buffers(engine.module)),
+            "tied": _tied_aliases(engine.module),
+            "model": _model_description(engine.module),
+            "files": all_files,
+            "optimizer": _optimizer_meta(engine),
+            "loss_scaler": engine.sharded_optim.loss_scaler.state_dict(),
+            "rng": [part["rng"] for part in gathered],
+            "extra_state": extra_json,
+        }
+        run_config = getattr(engine, "run_config", None)
+        if run_config is not None:
+            with open(os.path.join(tmp, "config.py"), "w") as f:
+                f.write(run_config.to_python())
+        _write_json_atomic(os.path.join(tmp, META), meta)  # last: its presence marks a complete checkpoint
+        if os.path.exists(final):  # re-saving a step: move the old one aside, never delete before the new is in
+            old = os.path.join(parent, f".{name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(parent)
+    _barrier(ctx)
+    return final
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------
+# read
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, truncated, corrupt, or of another model."""
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory from a run directory (via checkpoints/latest) or a checkpoint directory."""
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    latest = os.path.join(path, "checkpoints", "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            ckpt = os.path.join(path, "checkpoints", f.read().strip())
+        if os.path.isfile(os.path.join(ckpt, META)):
+            return ckpt
+        raise CheckpointError(f"{latest} names {ckpt}, which is not a complete checkpoint (no {META})")
+    raise CheckpointError(f"{path} is neither a checkpoint directory (no {META}) nor a run directory "
+                          f"(no checkpoints/latest); pass e.g. runs/x or runs/x/checkpoints/step_1000")
+
+
+class CheckpointReader:
+    """Reads tensors, or element ranges of them, from a checkpoint without loading it whole.
+
+    Example:
+        >>> r = CheckpointReader(resolve_checkpoint("runs/demo_cpu"))
+        >>> r.tensor("transformer.wte.weight").shape
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        meta_path = os.path.join(directory, META)
+        if not os.path.isfile(meta_path):
+            raise CheckpointError(f"{directory} is not a complete checkpoint: {META} is missing (a save that was "
+                                  f"interrupted leaves no {META}); use the previous checkpoint")
+        try:
+            with open(meta_path) as f:
+                self.meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{meta_path} is corrupt ({e}); use another checkpoint") from None
+        if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
+            raise CheckpointError(f"{meta_path}: format {self.meta.get('format')!r} version "
+                                  f"{self.meta.get('version')!r}, expected {FORMAT!r} version {VERSION}")
+        self._check_files()
+        self._pieces: dict[tuple[str, str], list[tuple[int, int, str, str]]] = {}
+        for fname, entry in self.meta["files"].items():
+            for kind, name, start, end, key in entry["pieces"]:
+                self._pieces.setdefault((kind, name), []).append((start, end, fname, key))
+        for pieces in self._pieces.values():
+            pieces.sort()
+        self._open: dict[str, Any] = {}
+
+    def _check_files(self) -> None:
+        for fname, entry in self.meta["files"].items():
+            path = os.path.join(self.directory, fname)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
+            size = os.path.getsize(path)
+            if size != entry["bytes"]:
+                raise CheckpointError(f"checkpoint shard {path} is truncated or corrupt: {size} bytes, "
+                                      f"expected {entry['bytes']}")
+
+    @property
+    def config_path(self) -> str | None:
+        path = os.path.join(self.directory, "config.py")
+        return path if os.path.isfile(path) else None
+
+    def names(self) -> list[str]:
+        """Parameter names (unique; tied aliases not repeated), then persistent buffer names, in model order."""
+        return list(self.meta["params"]) + list(self.meta["buffers"])
+
+    def kinds(self, name: str) -> list[str]:
+        return sorted({kind for kind, n in self._pieces if n == name})
+
+    def _file(self, fname: str) -> Any:
+        if fname not in self._open:
+            from safetensors import safe_open
+
+            path = os.path.join(self.directory, fname)
+            try:
+                self._open[fname] = safe_open(path, framework="pt")
+            except Exception as e:
+                raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt): {e}") from None
+        return self._open[fname]
+
+    def read_range(self, kind: str, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened `kind` tensor ("master", "exp_avg", ...) of parameter `name`."""
+        out = torch.empty(end - start, dtype=torch.float32)
+        covered = 0
+        for p_start, p_end, fname, key in self._pieces.get((kind, name), ()):
+            lo, hi = max(start, p_start), min(end, p_end)
+            if lo >= hi:
+                continue
+            try:
+                piece = self._file(fname).get_slice(key)[lo - p_start: hi - p_start]
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"checkpoint file {os.path.join(self.directory, fname)}: cannot read "
+                                      f"{key!r} ({e})") from None
+            out[lo - start: hi - start] = piece
+            covered += hi - lo
+        if covered != end - start:
+            raise CheckpointError(f"{self.directory}: {kind} of {name!r} elements [{start}, {end}) are not all in "
+                                  f"the checkpoint ({covered} found); the checkpoint is incomplete")
+        return out
+
+    def tensor(self, name: str, kind: str | None = None) -> torch.Tensor:
+        """The full fp32 tensor of a parameter (its master or frozen value) or buffer, in its model shape."""
+        if name in self.meta["buffers"]:
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(self.directory, BUFFERS), framework="pt") as f:
+                return f.get_tensor(name)
+        if name not in self.meta["params"]:
+            raise KeyError(f"{name!r} is not in checkpoint {self.directory}")
+        info = self.meta["params"][name]
+        kind = kind or ("master" if info["trainable"] else "param")
+        numel = int(np.prod(info["shape"], dtype=np.int64))
+        return self.read_range(kind, name, 0, numel).view(info["shape"])
+
+    def rng_tensors(self, rank: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(os.path.join(self.directory, f"rng_r{rank:05d}.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------
+# load
+
+
+def _check_compatible(engine: Any, reader: CheckpointReader) -> None:
+    """Every parameter of the model is in the checkpoint with the same shape; else list what differs."""
+    saved = reader.meta["params"]
+    problems = []
+    for chunk in engine.chunks:
+        for slot in chunk.plan.slots:
+            if slot.name not in saved:
+                problems.append(f"  {slot.name}: in the model {list(slot.shape)}, not in the checkpoint")
+            elif list(slot.shape) != saved[slot.name]["shape"]:
+                problems.append(f"  {slot.name}: model {list(slot.shape)} vs checkpoint {saved[slot.name]['shape']}")
+    model_names = {s.name for c in engine.chunks for s in c.plan.slots}
+    problems += [f"  {n}: in the checkpoint {saved[n]['shape']}, not in the model" for n in saved if n not in model_names]
+    if problems:
+        raise CheckpointError(f"checkpoint {reader.directory} is of another model; mismatched tensors:\n"
+                              + "\n".join(problems))
+
+
+def _read_shard(reader: CheckpointReader, chunk: Any, kind: str) -> torch.Tensor:
+    """This rank's shard (padding zero) of `kind` for `chunk`, assembled from the saved pieces."""
+    plan = chunk.plan
+    lo, _ = plan.shard_range(chunk.shard_index)
+    out = torch.zeros(plan.shard_numel, dtype=torch.float32)
+    for slot in plan.slots:
+        overlap = plan.slot_overlap(slot, chunk.shard_index)
+        if overlap is not None:
+            out[overlap[0] - lo: overlap[1] - lo] = reader.read_range(kind, slot.name, overlap[0] - slot.offset,
+                                                                      overlap[1] - slot.offset)
+    return out
+
+
+def _load_optimizer_meta(engine: Any, reader: CheckpointReader) -> None:
+    saved = reader.meta["optimizer"]
+    groups = engine.optimizer.param_groups
+    if len(saved["param_groups"]) != len(groups):
+        raise CheckpointError(f"checkpoint {reader.directory} has {len(saved['param_groups'])} optimizer param "
+                              f"groups, the optimizer has {len(groups)}; build the optimizer as the run did")
+    for group, hyper in zip(groups, saved["param_groups"]):
+        for key, value in hyper.items():
+            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+
+
+def load_engine(engine: Any, directory: str) -> dict:
+    """Load a checkpoint written at any world size, stage or shard strategy (all ranks call).
+
+    Returns the extra_state saved with it. RNG states are restored when the world size is the same
+    (exact resume); at another world size each rank keeps the seed it was launched with.
+    """
+    ctx = engine.ctx
+    reader = CheckpointReader(directory)
+    _check_compatible(engine, reader)
+    _load_optimizer_meta(engine, reader)
+    optim = engine.sharded_optim
+    scalars = reader.meta["optimizer"]["scalars"]
+    with torch.no_grad():
+        for chunk in engine.chunks:
+            index = chunk.plan.index
+            if not chunk.plan.trainable:
+                chunk.shard.copy_(_read_shard(reader, chunk, "param"))
+                continue
+            master = optim.masters[index]
+            master.copy_(_read_shard(reader, chunk, "master"))
+            state = optim.optimizer.state[master]
+            for kind in reader.kinds(chunk.plan.slots[0].name):
+                if kind == "master":
+                    continue
+                values = _read_shard(reader, chunk, kind)
+                if kind in state and isinstance(state[kind], torch.Tensor) and state[kind].shape == values.shape:
+                    state[kind].copy_(values)  # keep its home (pinned host, memory-mapped disk)
+                else:
+                    state[kind] = optim.placement.empty(values.numel(), torch.float32, optim.optim_home,
+                                                        f"{kind}{index}")
+                    state[kind].copy_(values)
+            group = optim.optimizer.param_groups[chunk.plan.group_index]
+            on_device = group.get("fused") or group.get("capturable")  # torch keeps their step on the param's device
+            for key, value in scalars.get(str(chunk.plan.group_index), {}).items():
+                state[key] = torch.tensor(value, dtype=torch.float32, device=master.device if on_device else "cpu")
+        for chunk in engine.chunks:  # masters -> param shards -> (stages 0-2) the full chunks
+            if chunk.plan.trainable and not optim.aliased:
+                chunk.shard.copy_(optim.masters[chunk.plan.index])
+            if chunk.persistent_full:
+                chunk.all_gather_full()
+    engine.micro_step = 0
+    engine.zero_grad()
+    optim.loss_scaler.load_state_dict(reader.meta["loss_scaler"])
+    engine.global_step = reader.meta["global_step"]
+    _load_buffers(engine, reader)
+    if reader.meta["world_size"] == ctx.world_size:
+        _set_rng_state(reader.rng_tensors(ctx.rank), reader.meta["rng"][ctx.rank])
+    _barrier(ctx)
+    return reader.meta["extra_state"]
+
+
+def _load_buffers(engine: Any, reader: CheckpointReader) -> None:
+    if not reader.meta["buffers"]:
+        return
+    buffers = _persistent_buffers(engine.module)
+    for name in reader.meta["buffers"]:
+        if name in buffers:
+            buffers[name].copy_(reader.tensor(name))
