@@ -25,7 +25,8 @@ class Engine:
     """A model trained with ZeRO. Call it like the model; then backward(loss), step(), zero_grad()."""
 
     def __init__(self, module: nn.Module, sharded_optim: ShardedOptimizer, hooks: ZeroHooks, chunks: list[Chunk],
-                 placement: Placement, config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None) -> None:
+                 placement: Placement, config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None,
+                 run_config: Any = None) -> None:
         self.module = module
         self.sharded_optim = sharded_optim
         self.optimizer = sharded_optim.optimizer
@@ -36,6 +37,7 @@ class Engine:
         self.ctx = ctx
         self.logger = logger
         self.criterion = criterion
+        self.run_config = run_config  # the whole Config when built from one: checkpoints record it as config.py
         self.gradient_accumulation = config.gradient_accumulation
         self.stage = config.zero.stage
         self.micro_step = 0  # backward() calls since the last optimizer step

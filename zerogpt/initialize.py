@@ -149,9 +149,10 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     """
     ctx = ctx or _default_context()
     if isinstance(config, EngineConfig):
-        ecfg = config
+        ecfg, run_config = config, None
     else:
-        ecfg = engine_config(config if isinstance(config, Config) else Config(config or {}), ctx.world_size)
+        run_config = config if isinstance(config, Config) else Config(config or {})
+        ecfg = engine_config(run_config, ctx.world_size)
     if dist.is_initialized() and dist.get_world_size(ctx.group) != ctx.world_size:
         raise ValueError(f"ctx.world_size={ctx.world_size} but the process group has "
                          f"{dist.get_world_size(ctx.group)} ranks; pass the context from launch_from_torch")
@@ -191,7 +192,7 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     sharded_optim = ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=optim_home,
                                      precision=ecfg.precision, stage=zero.stage, group=ctx.group,
                                      loss_scaler=loss_scaler, clip_grad_norm=ecfg.clip_grad_norm)
-    engine = Engine(model, sharded_optim, hooks, chunks, placement, ecfg, ctx, logger, criterion)
+    engine = Engine(model, sharded_optim, hooks, chunks, placement, ecfg, ctx, logger, criterion, run_config)
     logger.info(engine.describe())
     return engine, train_dataloader, eval_dataloader, lr_scheduler
 
