@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "GPTOutput", "GPTLMLoss",
-           "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "from_hf", "to_hf"]
+           "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "from_hf", "to_hf", "hf_config",
+           "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf", "model_from_config"]
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each (B, nh, T_past, hs)
 
@@ -351,18 +352,31 @@ def gpt2_xl(pretrained: str | None = None, **overrides: Any) -> GPT:
 
 # ----------------------------------------------------------------------------------------------------------
 # Hugging Face conversion. HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
+# The rules live in four small functions (configs both ways, one tensor at a time both ways) that from_hf /
+# to_hf and zerogpt's checkpoint exporter share, so there is one copy of them. zerogpt finds them through
+# the model class a checkpoint records ("model_zoo.gpt.GPT" -> this module), never by a static import:
+#   hf_config(config) -> GPT2Config,  to_hf_tensor(name, tensor, config) -> (hf_name, tensor),
+#   model_from_config(config) -> GPT  (config: a GPTConfig or its asdict() form, as checkpoints store it).
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # (padded_vocab_size, n_embd): pad rows dropped in HF
 
 
-def from_hf(hf_model: Any, **overrides: Any) -> GPT:
-    """Convert a transformers GPT2LMHeadModel into a GPT with identical outputs (fp32 logits within 1e-5).
+def _as_config(config: GPTConfig | dict[str, Any]) -> GPTConfig:
+    """A GPTConfig from itself or from its `dataclasses.asdict` form (what checkpoints record)."""
+    return config if isinstance(config, GPTConfig) else GPTConfig(**config)
 
-    Args:
-        hf_model: transformers.GPT2LMHeadModel (any size).
-        overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
+
+def model_from_config(config: GPTConfig | dict[str, Any]) -> GPT:
+    """A freshly initialised GPT of a recorded config (zerogpt.generate loads checkpoint tensors into it)."""
+    return GPT(_as_config(config))
+
+
+def gpt_config_from_hf(hc: Any, **overrides: Any) -> GPTConfig:
+    """The GPTConfig of a transformers GPT2Config; ValueError for GPT-2 variants our GPT cannot reproduce.
+
+    overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
     """
-    hc = hf_model.config
     unsupported = {k: getattr(hc, k, None) for k in ("scale_attn_by_inverse_layer_idx", "add_cross_attention")
                    if getattr(hc, k, False)}
     if not getattr(hc, "scale_attn_weights", True):
@@ -373,43 +387,70 @@ def from_hf(hf_model: Any, **overrides: Any) -> GPT:
     config = GPTConfig(vocab_size=hc.vocab_size, max_position_embeddings=hc.n_positions, n_layer=hc.n_layer,
                        n_head=hc.n_head, n_embd=hc.n_embd, n_inner=hc.n_inner, dropout=hc.resid_pdrop,
                        layer_norm_epsilon=hc.layer_norm_epsilon, activation=hc.activation_function)
-    config = replace(config, **overrides)
+    return replace(config, **overrides)
+
+
+def hf_config(config: GPTConfig | dict[str, Any]) -> Any:
+    """The transformers GPT2Config of a GPTConfig (real vocab_size: the padded rows are not exported)."""
+    from transformers import GPT2Config
+
+    c = _as_config(config)
+    return GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.n_embd,
+                      n_layer=c.n_layer, n_head=c.n_head, n_inner=c.n_inner, activation_function=c.activation,
+                      resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
+                      layer_norm_epsilon=c.layer_norm_epsilon, tie_word_embeddings=True,
+                      # GPT-2's <|endoftext|> is 50256; a smaller (own-tokenizer) vocab has no such id.
+                      bos_token_id=50256 if c.vocab_size > 50256 else None,
+                      eos_token_id=50256 if c.vocab_size > 50256 else None)
+
+
+def to_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
+    """One of our tensors as HF GPT-2 stores it: Conv1D weights transposed, padded vocab rows dropped.
+
+    Names are the same on both sides (GPT-2's module names); the result is contiguous, ready for safetensors.
+    """
+    if name.endswith(_CONV1D):
+        tensor = tensor.t()
+    if name in _VOCAB_ROWS:
+        tensor = tensor[: _as_config(config).vocab_size]
+    return name, tensor.contiguous()
+
+
+def from_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
+    """One HF GPT-2 tensor in our layout: Conv1D weights transposed, vocab rows zero-padded to padded_vocab_size."""
+    c = _as_config(config)
+    if name.endswith(_CONV1D):
+        tensor = tensor.t()
+    if name in _VOCAB_ROWS and tensor.size(0) < c.padded_vocab_size:
+        tensor = torch.cat([tensor, tensor.new_zeros(c.padded_vocab_size - tensor.size(0), tensor.size(1))])
+    return name, tensor.contiguous()
+
+
+def from_hf(hf_model: Any, **overrides: Any) -> GPT:
+    """Convert a transformers GPT2LMHeadModel into a GPT with identical outputs (fp32 logits within 1e-5).
+
+    Args:
+        hf_model: transformers.GPT2LMHeadModel (any size).
+        overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
+    """
+    config = gpt_config_from_hf(hf_model.config, **overrides)
     model = GPT(config)
     hf_state = hf_model.state_dict()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            src = hf_state[name].to(param.dtype)
-            if name.endswith(_CONV1D):
-                src = src.t()
-            if name == "transformer.wte.weight":
-                param.zero_()
-                param[: config.vocab_size].copy_(src)
-            else:
-                param.copy_(src)
+            param.copy_(from_hf_tensor(name, hf_state[name], config)[1].to(param.dtype))
     return model
 
 
 def to_hf(model: GPT) -> Any:
     """Convert a GPT into a transformers GPT2LMHeadModel with identical outputs (padded vocab rows dropped)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    c = model.config
-    hc = GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.n_embd,
-                    n_layer=c.n_layer, n_head=c.n_head, n_inner=c.n_inner, activation_function=c.activation,
-                    resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
-                    layer_norm_epsilon=c.layer_norm_epsilon, tie_word_embeddings=True,
-                    # GPT-2's <|endoftext|> is 50256; a smaller (own-tokenizer) vocab has no such id.
-                    bos_token_id=50256 if c.vocab_size > 50256 else None,
-                    eos_token_id=50256 if c.vocab_size > 50256 else None)
-    hf_model = GPT2LMHeadModel(hc)
+    hf_model = GPT2LMHeadModel(hf_config(model.config))
     hf_params = dict(hf_model.named_parameters())
     with torch.no_grad():
         for name, param in model.named_parameters():
-            src = param.detach()
-            if name.endswith(_CONV1D):
-                src = src.t()
-            if name == "transformer.wte.weight":
-                src = src[: c.vocab_size]
-            hf_params[name].copy_(src.to(hf_params[name].dtype))
+            hf_name, src = to_hf_tensor(name, param.detach(), model.config)
+            hf_params[hf_name].copy_(src.to(hf_params[hf_name].dtype))
     hf_model.tie_weights()
     return hf_model.to(next(model.parameters()).device)
