@@ -33,8 +33,6 @@ def read_jsonl(path):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    # TODO: drop this guard once the engine's checkpoint module has landed (every run saves one at the end).
-    pytest.importorskip("zerogpt.checkpoint", reason="engine checkpoints (zerogpt/checkpoint.py) not landed yet")
     return tmp_path_factory.mktemp("data")
 
 
