@@ -1,0 +1,359 @@
+"""Export a zerogpt checkpoint as a Hugging Face model directory, streaming one tensor at a time.
+
+    python -m zerogpt.export runs/demo_cpu --out exports/demo_cpu [--dtype bf16] [--tokenizer DIR]
+
+The output (config.json, model.safetensors or model-0000i-of-0000n.safetensors + model.safetensors.index.json,
+generation_config.json, the run's tokenizer files) loads with `AutoModelForCausalLM.from_pretrained(DIR)` and
+`AutoTokenizer.from_pretrained(DIR)`. Peak memory is one safetensors shard (--max-shard-size) plus one fp32
+tensor: neither the whole trained model nor an HF model is ever built.
+
+zerogpt imports no model code (DESIGN §1), so it finds the conversion through the model class the checkpoint
+records. A transformers class ("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel") is written as is.
+Any other class "pkg.mod.Cls" plugs in through module-level functions of "pkg.mod" (model_zoo/gpt.py has them):
+    hf_config(config: dict) -> transformers.PretrainedConfig
+    to_hf_tensor(name, tensor, config: dict) -> (hf_name, tensor) or None to leave the tensor out
+    model_from_config(config: dict) -> nn.Module          (used by zerogpt.generate to rebuild the model)
+This module also owns the small HF-side helpers that generate.py and extend_vocab.py share: the sharded
+safetensors writer and reader, and finding and loading the run's tokenizer.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import re
+import shutil
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = ["export_checkpoint", "ShardWriter", "iter_hf_weights", "model_plugin", "find_tokenizer",
+           "load_tokenizer", "save_tokenizer", "atomic_output_dir", "main"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_TOKENIZER_HINT = ("pass --tokenizer DIR (the tokenizer the model was trained with, e.g. the run's data.tokenizer "
+                   "or a `python -m data_pipeline train-tokenizer` output)")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1GB', '500MB', '64KiB' or a plain integer (decimal units as HF's max_shard_size, binary *iB)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"--max-shard-size {text!r} is not a size; use e.g. 1GB, 500MB or 2GiB")
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str) -> Iterator[str]:
+    """Yield a temporary sibling directory that replaces `out_dir` only if the block completes."""
+    out_dir = os.path.abspath(out_dir.rstrip("/"))
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        if os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# safetensors: write in bounded shards, read back one tensor at a time
+
+
+class ShardWriter:
+    """Writes tensors into safetensors shards of at most `max_shard_bytes`, holding at most one shard in memory.
+
+    A tensor larger than the limit gets a shard of its own (as HF's save_pretrained does). `close()` names the
+    files as HF expects: one `model.safetensors`, or `model-0000i-of-0000n.safetensors` plus the index json.
+    `peak_bytes` records the most tensor bytes ever held, so callers and tests can check the memory bound.
+    """
+
+    def __init__(self, out_dir: str, max_shard_bytes: int) -> None:
+        if max_shard_bytes < 1:
+            raise ValueError(f"max shard size must be >= 1 byte, got {max_shard_bytes}")
+        self.out_dir, self.max_shard_bytes = out_dir, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.peak_bytes = 0
+        self.shards: list[list[str]] = []  # tensor names per written shard
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.pending or any(name in shard for shard in self.shards):
+            raise ValueError(f"tensor {name!r} written twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self.pending[name] = tensor.detach().cpu().contiguous()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.pending_bytes)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        from safetensors.torch import save_file
+
+        save_file(self.pending, self._tmp_name(len(self.shards)), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def _tmp_name(self, index: int) -> str:
+        return os.path.join(self.out_dir, f".shard-{index:05d}.safetensors")
+
+    def close(self) -> list[str]:
+        """Flush the last shard and give the files their final names; returns them."""
+        self.flush()
+        n = len(self.shards)
+        if n == 0:
+            raise ValueError("no tensors were written")
+        names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, final in enumerate(names):
+            os.replace(self._tmp_name(i), os.path.join(self.out_dir, final))
+        if n > 1:
+            weight_map = {t: names[i] for i, shard in enumerate(self.shards) for t in shard}
+            with open(os.path.join(self.out_dir, INDEX_FILE), "w") as f:
+                json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
+            names.append(INDEX_FILE)
+        return names
+
+
+def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of an HF model directory's safetensors weights, one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = list(dict.fromkeys(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(model_dir, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        raise ValueError(f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; point at a directory written by "
+                         f"`python -m zerogpt.export` or save_pretrained(..., safe_serialization=True)")
+    for fname in files:
+        with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ------------------------------------------------------------------------------------------------
+# the model plugin: how a recorded model class converts to Hugging Face
+
+
+def _import_class(class_path: str) -> type:
+    module_name, _, cls_name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"the checkpoint's model class {class_path!r} cannot be imported ({e}); run from the "
+                         f"directory that holds its package (e.g. the zerogpt checkout for model_zoo)") from None
+
+
+def model_plugin(model_meta: dict) -> tuple[Any, Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None],
+                                            Callable[[], torch.nn.Module]]:
+    """(hf_config, to_hf_tensor(name, tensor), build_model()) for a checkpoint's `meta["model"]`.
+
+    Raises ValueError when the class is unknown, has no recorded config, or its module has no conversion.
+    """
+    class_path, config = model_meta.get("class"), model_meta.get("config")
+    if not class_path or config is None:
+        raise ValueError(f"the checkpoint records no model class/config ({model_meta!r}); it was saved from a "
+                         f"model without a `config` attribute, which export cannot convert")
+    cls = _import_class(class_path)
+    if class_path.startswith("transformers."):  # already an HF model: same names, same layout
+        hf_config = cls.config_class.from_dict(dict(config))
+        return hf_config, lambda name, tensor: (name, tensor), lambda: cls(hf_config)
+    module = sys.modules[cls.__module__]
+    missing = [f for f in ("hf_config", "to_hf_tensor", "model_from_config") if not hasattr(module, f)]
+    if missing:
+        raise ValueError(f"model class {class_path} has no Hugging Face conversion: its module {module.__name__} "
+                         f"defines no {', '.join(missing)} (see the plugin protocol in zerogpt/export.py)")
+    return (module.hf_config(config), lambda name, tensor: module.to_hf_tensor(name, tensor, config),
+            lambda: module.model_from_config(config))
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizer: find the run's, load it with transformers alone
+
+
+def find_tokenizer(explicit: str | None, reader: Any = None, model_dir: str | None = None) -> str | None:
+    """The tokenizer path to use: --tokenizer, else an HF dir's own files, else the run config's data.tokenizer."""
+    if explicit:
+        if not os.path.exists(explicit):
+            raise ValueError(f"--tokenizer {explicit}: no such file or directory")
+        return explicit
+    if model_dir and {"tokenizer.json", "tokenizer_config.json", "vocab.json"} & set(os.listdir(model_dir)):
+        return model_dir
+    if reader is not None and reader.config_path:
+        from zerogpt.config import Config, data_config
+
+        path = data_config(Config.from_file(reader.config_path)).tokenizer
+        if path and not os.path.exists(path):
+            raise ValueError(f"the run config {reader.config_path} names data.tokenizer={path!r}, which does not "
+                             f"exist from {os.getcwd()} (a relative path is resolved from the current directory); "
+                             f"{_TOKENIZER_HINT}")
+        return path
+    return None
+
+
+def load_tokenizer(path: str) -> Any:
+    """A transformers fast tokenizer from a HF tokenizer dir, a tokenizer.json file, or vocab.json + merges.txt.
+
+    Like data_pipeline's loader (which zerogpt must not import): `<|endoftext|>` becomes EOS when none is set.
+    """
+    from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerFast
+
+    try:
+        if os.path.isfile(path):
+            tok = PreTrainedTokenizerFast(tokenizer_file=path)
+        elif {"tokenizer.json", "tokenizer_config.json"} & set(os.listdir(path)):
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        elif {"vocab.json", "merges.txt"} <= set(os.listdir(path)):
+            tok = GPT2TokenizerFast(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"))
+        else:
+            raise ValueError(f"tokenizer {path} holds no tokenizer.json, tokenizer_config.json or "
+                             f"vocab.json + merges.txt; {_TOKENIZER_HINT}")
+    except ValueError:
+        raise
+    except Exception as e:  # OSError, json errors, tokenizers' bare Exception
+        raise ValueError(f"tokenizer {path} does not load: {type(e).__name__}: {e}; {_TOKENIZER_HINT}") from e
+    if tok.eos_token is None and "<|endoftext|>" in tok.get_vocab():
+        tok.eos_token = "<|endoftext|>"
+    return tok
+
+
+def save_tokenizer(tok: Any, out_dir: str, model_max_length: int | None = None) -> None:
+    """Save `tok` so AutoTokenizer loads it in transformers 4 and 5 (as data_pipeline's tokenizer dirs do)."""
+    tok.save_pretrained(out_dir)
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    if config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast", None):
+        # transformers 5's generic class name is unknown to 4.x; this one means "tokenizer.json as is" in both.
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config.pop("backend", None)
+    for key in ("is_local", "local_files_only"):  # load-time arguments that transformers 5 writes back
+        config.pop(key, None)
+    if model_max_length:
+        config["model_max_length"] = model_max_length
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _set_special_ids(hf_config: Any, tok: Any) -> None:
+    """bos/eos/pad in config.json from the tokenizer, so HF generate stops where ours does."""
+    eos = tok.eos_token_id
+    if eos is not None:
+        hf_config.eos_token_id = eos
+        hf_config.bos_token_id = tok.bos_token_id if tok.bos_token_id is not None else eos
+
+
+def write_configs(hf_config: Any, out_dir: str, dtype: torch.dtype) -> None:
+    """config.json (with the weights' dtype) and generation_config.json (eos doubles as pad, as for GPT-2)."""
+    from transformers import GenerationConfig
+
+    hf_config.dtype = dtype
+    hf_config.save_pretrained(out_dir)
+    generation = GenerationConfig.from_model_config(hf_config)
+    if generation.pad_token_id is None and generation.eos_token_id is not None:
+        generation.pad_token_id = generation.eos_token_id
+    generation.save_pretrained(out_dir)
+
+
+# ------------------------------------------------------------------------------------------------
+# export
+
+
+def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: str | None = None,
+                      max_shard_bytes: int = 10**9, with_tokenizer: bool = True) -> dict:
+    """Write checkpoint (or run dir) `path` as a Hugging Face model directory at `out_dir`, atomically.
+
+    Args:
+        path: a run directory (its checkpoints/latest is used) or a checkpoint directory.
+        out_dir: output directory; replaced only once the export is complete.
+        dtype: "fp32", "bf16" or "fp16" for the saved weights (the checkpoint's fp32 masters are cast).
+        tokenizer: tokenizer dir/file to ship; default the run config's data.tokenizer.
+        max_shard_bytes: safetensors shard size limit (also the writer's memory bound).
+        with_tokenizer: False exports weights and configs only.
+    Returns:
+        dict(checkpoint, out, files, shards, tensors, total_bytes, peak_shard_bytes, vocab_size).
+    Example:
+        >>> export_checkpoint("runs/demo_cpu", "exports/demo")["files"]          # doctest: +SKIP
+        ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', ...]
+    """
+    from zerogpt.checkpoint import CheckpointReader, resolve_checkpoint
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    reader = CheckpointReader(resolve_checkpoint(path))
+    hf_config, convert, _ = model_plugin(reader.meta["model"])
+    tok = None
+    if with_tokenizer:
+        tok_path = find_tokenizer(tokenizer, reader)
+        if tok_path is None:
+            raise ValueError(f"no tokenizer found for {path}: the checkpoint's run config sets no data.tokenizer; "
+                             f"{_TOKENIZER_HINT}, or --no-tokenizer to export the weights alone")
+        tok = load_tokenizer(tok_path)
+        if len(tok) > hf_config.vocab_size:
+            raise ValueError(f"tokenizer {tok_path} has {len(tok)} tokens but the model's vocabulary is "
+                             f"{hf_config.vocab_size}; pass the tokenizer the model was trained with (--tokenizer)")
+        _set_special_ids(hf_config, tok)
+
+    with atomic_output_dir(out_dir) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        tied = reader.meta.get("tied", {})
+        for name in reader.names():
+            if name in tied:  # names() lists tied tensors once already; tolerate older metadata
+                continue
+            converted = convert(name, reader.tensor(name))
+            if converted is not None:
+                hf_name, tensor = converted
+                writer.add(hf_name, tensor.to(DTYPES[dtype]))
+        writer.close()
+        write_configs(hf_config, tmp, DTYPES[dtype])
+        if tok is not None:
+            save_tokenizer(tok, tmp, getattr(hf_config, "max_position_embeddings", None))
+    out_dir = os.path.abspath(out_dir)
+    return dict(checkpoint=reader.directory, out=out_dir, files=sorted(os.listdir(out_dir)), shards=len(writer.shards),
+                tensors=sum(len(s) for s in writer.shards), total_bytes=writer.total_bytes,
+                peak_shard_bytes=writer.peak_bytes, vocab_size=hf_config.vocab_size)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zerogpt-export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="run directory (uses checkpoints/latest) or checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (Hugging Face layout); replaced atomically")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="dtype of the saved weights")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir/file to ship (default: the run's data.tokenizer)")
+    p.add_argument("--no-tokenizer", action="store_true", help="export weights and configs only")
+    p.add_argument("--max-shard-size", default="1GB", help="largest safetensors file, e.g. 500MB, 2GB (default 1GB)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        stats = export_checkpoint(args.checkpoint, args.out, args.dtype, args.tokenizer,
+                                  parse_size(args.max_shard_size), with_tokenizer=not args.no_tokenizer)
+    except (ValueError, KeyError) as e:  # CheckpointError is a ValueError
+        raise SystemExit(f"error: {e}")
+    print(f"[export] {stats['checkpoint']} -> {stats['out']}: {stats['tensors']} tensors, "
+          f"{stats['total_bytes'] / 2**20:.1f} MiB {args.dtype} in {stats['shards']} shard(s), "
+          f"vocab {stats['vocab_size']}; files: {', '.join(stats['files'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
