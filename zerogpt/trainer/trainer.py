@@ -88,6 +88,17 @@ def _batch_sampler(loader: Any) -> Any:
     return None
 
 
+def _iterate(loader: Iterable) -> Iterator[Any]:
+    """iter(loader) without touching the global RNG.
+
+    A DataLoader draws its workers' base seed from the global generator when its iterator is created. A
+    resumed run creates its iterator at another point of that stream than the uninterrupted run did, so
+    every later dropout mask would shift by one draw and resume would not be exact.
+    """
+    with torch.random.fork_rng(devices=[]):
+        return iter(loader)
+
+
 class Trainer:
     """Runs `engine` over a dataloader and fires hook events; `trainer.state` is the shared state.
 
@@ -175,7 +186,7 @@ class Trainer:
                 sampler.set_epoch(self.state.epoch)
             self.fire("before_epoch")
             self._epoch_batches = 0
-            for batch in loader:
+            for batch in _iterate(loader):
                 self._epoch_batches += 1
                 yield batch
             if self._epoch_batches == 0:
@@ -232,7 +243,7 @@ class Trainer:
             sampler.set_epoch(0)
         self.engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)   # (sum of losses, batches)
-        for i, batch in enumerate(loader):
+        for i, batch in enumerate(_iterate(loader)):
             if num_batches is not None and i >= num_batches:
                 break
             inputs, labels = (t.to(self.device, non_blocking=True) for t in split_batch(batch))
