@@ -115,7 +115,8 @@ def _load_checkpoint_model(reader: Any) -> torch.nn.Module:
     model = build()
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     tied = reader.meta.get("tied", {})
-    missing = [n for n in model.state_dict() if n not in reader.names() and n not in tied]
+    saved = set(reader.names())
+    missing = [n for n in model.state_dict() if n not in saved and n not in tied]
     if missing:
         raise ValueError(f"checkpoint {reader.directory} lacks {missing[:5]} of model {reader.meta['model']['class']}")
     with torch.no_grad():
