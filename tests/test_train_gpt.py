@@ -123,3 +123,23 @@ def test_missing_data_names_the_pipeline_command(tmp_path):
     with pytest.raises(ValueError, match=r"data.path is not set"):
         train_gpt.main.__wrapped__(["--config", DEMO, "--set", "data.path=None"])
     assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(200)
+def test_resume_at_another_world_size_and_stage(run_dir, data_dir, tmp_path):
+    """2 ranks at ZeRO-2 -> 1 process at ZeRO-3 with GLOBAL_BATCH_SIZE fixed (accumulation 2 instead of 2 ranks):
+    the same global batches in the same order, so the losses continue within float tolerance."""
+    out, _ = run_dir
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train_gpt.py"), "--config", DEMO, "--resume",
+         str(out / "checkpoints" / "step_3"),
+         *overrides(SHORT + [f"train.output_dir={tmp_path}", f"data.path={data_dir}/stdlib_docs",
+                             f"data.tokenizer={data_dir}/tokenizer", "GLOBAL_BATCH_SIZE=8", "zero.stage=3"])],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), capture_output=True, text=True,
+        timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    first = {(r["split"], r["step"]): r["loss"] for r in read_jsonl(out / "metrics.jsonl")}
+    resumed = {(r["split"], r["step"]): r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
+    assert set(resumed) == {("train", 4), ("train", 6), ("valid", 6)}
+    for key, loss in resumed.items():
+        assert loss == pytest.approx(first[key], rel=1e-5), key

@@ -148,7 +148,7 @@ class TrainConfig:
     eval_interval: int | None = None
     """Optimizer steps between evaluations; None = only at the end (if there is eval data)."""
     eval_iters: int = 10
-    """Batches per evaluation."""
+    """Global batches per evaluation (each rank reads eval_iters x accumulation micro-batches)."""
     save_interval: int | None = None
     """Optimizer steps between checkpoints; None = only at the end."""
     keep_last: int = 3

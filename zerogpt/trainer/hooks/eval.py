@@ -1,8 +1,10 @@
-"""EvalHook: validation loss and perplexity every `eval_interval` steps over `eval_iters` batches, and at the end.
+"""EvalHook: validation loss and perplexity every `eval_interval` steps over `eval_iters` global batches, and at the end.
 
 The evaluation itself is `Trainer.evaluate` (it fires before_eval/after_eval); this hook decides when.
 Each evaluation restarts the validation loader, so every point of the curve is measured on the same
-batches and the curve moves only because the model does.
+batches and the curve moves only because the model does. An eval iteration is one global batch (as in
+Megatron-LM): `eval_iters * gradient_accumulation` micro-batches per rank, so a run resumed at another world
+size with the same GLOBAL_BATCH_SIZE evaluates the same samples.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ class EvalHook(Hook):
 
     Args:
         eval_interval: steps between evaluations (None: only at the end).
-        eval_iters: batches per evaluation (per rank).
+        eval_iters: global batches per evaluation (micro-batches per rank x accumulation steps).
         eval_dataloader: defaults to the one passed to `fit`.
         at_start: also evaluate before the first step (the untrained baseline).
     """
@@ -32,7 +34,8 @@ class EvalHook(Hook):
     def _run(self, trainer) -> None:
         if (self.eval_dataloader or trainer.eval_dataloader) is None:
             return
-        trainer.evaluate(self.eval_dataloader, num_batches=self.eval_iters)
+        accumulation = getattr(trainer.engine, "gradient_accumulation", 1)
+        trainer.evaluate(self.eval_dataloader, num_batches=self.eval_iters * accumulation)
         self._last_eval_step = trainer.state.step
 
     def before_train(self, trainer) -> None:
