@@ -1,0 +1,263 @@
+"""Training step time: zerogpt ZeRO stages 1/2/3 beside DeepSpeed ZeRO 1/2/3, PyTorch FSDP2 and DDP, in one run.
+
+    python bench/step_time.py                               # 6L-384 GPT-2 and gpt2_small, 2 gloo ranks, CPU
+    python bench/step_time.py --models gpt2_6l384 --steps 4 --json /tmp/step_time.json
+    python bench/step_time.py --device cuda --world 1 ...    # on a GPU machine (NCCL for world > 1)
+
+Every system trains the same model (GPT-2, dropout 0, fp32 on CPU / bf16 on CUDA) on the same random
+tokens with AdamW, one rank per process, one thread per rank (2 ranks = the 2 cores of the CI VM). Each
+system's step is forward + backward + optimizer step and includes its communication. The compute floor
+is one process doing one rank's share of the compute with plain torch and no communication: the best a
+data-parallel system can do. Reported: median step time of the timed steps (after warm-up), global
+tokens/s, and ratios to DeepSpeed at the same stage and to the floor.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+# bench/ holds tokenize.py, which would shadow the stdlib module of that name: take bench/ off the path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+MODELS = {
+    "gpt2_6l384": dict(n_layer=6, n_head=6, n_embd=384),
+    "gpt2_small": dict(n_layer=12, n_head=12, n_embd=768),
+}
+SYSTEMS = ["ddp", "fsdp2", "deepspeed-1", "zerogpt-1", "deepspeed-2", "zerogpt-2", "deepspeed-3", "zerogpt-3"]
+LR = 1e-4
+
+
+def build_model(name: str, seq: int, device: str) -> torch.nn.Module:
+    from model_zoo.gpt import gpt2_small
+
+    torch.manual_seed(0)
+    return gpt2_small(**MODELS[name], dropout=0.0, max_position_embeddings=seq).to(device)
+
+
+def batch(rank: int, step: int, args) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    return torch.randint(0, 50257, (args.batch, args.seq + 1), generator=g)
+
+
+def loss_of(model, tokens: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
+    from model_zoo.gpt import GPTLMLoss
+
+    tokens = tokens.to(device)
+    with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
+        logits = model(tokens[:, :-1])
+    return GPTLMLoss(shift=False)(logits, tokens[:, 1:])
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# -------------------------------------------------------------------------------------------------
+# one function per system: build, then return a step() that trains on one micro-batch
+
+def make_plain(model, args, rank):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=args.device == "cuda" or None)
+
+    def step(tokens):
+        loss = loss_of(model, tokens, args.device, args.dtype)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def make_ddp(model, args, rank):
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, device_ids=[rank] if args.device == "cuda" else None)
+    return make_plain(ddp, args, rank)
+
+
+def make_fsdp2(model, args, rank):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    return make_plain(model, args, rank)
+
+
+def make_deepspeed(model, args, rank, stage):
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                                    "reduce_bucket_size": 25_000_000, "allgather_bucket_size": 25_000_000},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
+              "bf16": {"enabled": args.dtype == torch.bfloat16}}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(tokens):
+        tokens = tokens.to(engine.device)
+        from model_zoo.gpt import GPTLMLoss
+        loss = GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
+def make_zerogpt(model, args, rank, stage):
+    import zerogpt
+    from model_zoo.gpt import GPTLMLoss
+
+    precision = "bf16" if args.dtype == torch.bfloat16 else "fp32"
+    cfg = zerogpt.Config(dict(zero=dict(stage=stage), precision=precision))
+    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
+    engine.logger.setLevel("WARNING")
+
+    def step(tokens):
+        tokens = tokens.to(args.device)
+        loss = GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        return loss
+    return step
+
+
+def make_system(system: str, model, args, rank):
+    if system == "floor":
+        return make_plain(model, args, rank)
+    if system == "ddp":
+        return make_ddp(model, args, rank)
+    if system == "fsdp2":
+        return make_fsdp2(model, args, rank)
+    name, stage = system.split("-")
+    return (make_deepspeed if name == "deepspeed" else make_zerogpt)(model, args, rank, int(stage))
+
+
+# -------------------------------------------------------------------------------------------------
+# timing
+
+def time_system(rank: int, system: str, model_name: str, args) -> dict:
+    model = build_model(model_name, args.seq, args.device)
+    step = make_system(system, model, args, rank)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        tokens = batch(rank, i, args)
+        sync(args.device)
+        t0 = time.perf_counter()
+        loss = step(tokens)
+        sync(args.device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    return {"median_s": statistics.median(times), "min_s": min(times), "losses": losses}
+
+
+def _worker(rank: int, args, init_file: str, jobs: list, queue) -> None:
+    torch.set_num_threads(args.threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=args.world)
+    for system, model_name in jobs:
+        try:
+            result = time_system(rank, system, model_name, args)
+        except Exception as e:  # report the failure in the table instead of dropping the run
+            result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        if rank == 0:
+            queue.put((system, model_name, result))
+    dist.destroy_process_group()
+
+
+def run_distributed(args, jobs: list) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init_file = os.path.join(tempfile.mkdtemp(prefix="zerogpt-bench-"), "rdzv")
+    procs = [ctx.Process(target=_worker, args=(r, args, init_file, jobs, queue)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=args.timeout) for _ in jobs]
+    for p in procs:
+        p.join()
+    return results
+
+
+def run_floor(args, model_name: str) -> dict:
+    torch.set_num_threads(args.threads)
+    return time_system(0, "floor", model_name, args)
+
+
+def report(rows: list[dict], args) -> str:
+    tokens = args.batch * args.seq * args.world
+    lines = [f"| model | system | step ms (median) | tokens/s | vs DeepSpeed same stage | vs compute floor |",
+             "|---|---|---:|---:|---:|---:|"]
+    by_key = {(r["model"], r["system"]): r for r in rows}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['system']} | failed: {r['error']} | | | |")
+            continue
+        ms = r["median_s"] * 1e3
+        ds = by_key.get((r["model"], r["system"].replace("zerogpt", "deepspeed")))
+        vs_ds = (f"{ds['median_s'] / r['median_s']:.2f}x faster" if r["system"].startswith("zerogpt") and ds
+                 and "error" not in ds else "")
+        floor = by_key[(r["model"], "floor")]["median_s"]
+        tps = tokens / r["median_s"] if r["system"] != "floor" else args.batch * args.seq / r["median_s"]
+        lines.append(f"| {r['model']} | {r['system']} | {ms:,.0f} | {tps:,.0f} | {vs_ds} | "
+                     f"{r['median_s'] / floor:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="micro-batch per rank (sequences)")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per system")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--port", type=int, default=29533)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
+
+    rows = []
+    for model_name in args.models:
+        rows.append({"model": model_name, "system": "floor", **run_floor(args, model_name)})
+        print(f"{model_name} floor: {rows[-1]['median_s'] * 1e3:,.0f} ms", flush=True)
+    for system, model_name, result in run_distributed(args, [(s, m) for m in args.models for s in args.systems]):
+        rows.append({"model": model_name, "system": system, **result})
+        print(f"{model_name} {system}: {result.get('median_s', float('nan')) * 1e3:,.0f} ms "
+              f"{result.get('error', '')}", flush=True)
+    order = {s: i for i, s in enumerate(["floor"] + SYSTEMS)}
+    rows.sort(key=lambda r: (args.models.index(r["model"]), order[r["system"]]))
+    print(f"\n{args.world} ranks x {args.threads} thread(s), micro-batch {args.batch} x {args.seq} tokens, "
+          f"{args.device}, torch {torch.__version__}\n")
+    print(report(rows, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
