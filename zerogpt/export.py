@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["export_checkpoint", "ShardWriter", "iter_hf_weights", "model_plugin", "find_tokenizer",
+__all__ = ["export_checkpoint", "ShardWriter", "iter_hf_weights", "ModelPlugin", "find_tokenizer",
            "load_tokenizer", "save_tokenizer", "atomic_output_dir", "main"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -160,27 +160,43 @@ def _import_class(class_path: str) -> type:
                          f"directory that holds its package (e.g. the zerogpt checkout for model_zoo)") from None
 
 
-def model_plugin(model_meta: dict) -> tuple[Any, Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None],
-                                            Callable[[], torch.nn.Module]]:
-    """(hf_config, to_hf_tensor(name, tensor), build_model()) for a checkpoint's `meta["model"]`.
+class ModelPlugin:
+    """How a checkpoint's recorded model class converts to Hugging Face and is rebuilt (see the module docstring).
 
-    Raises ValueError when the class is unknown, has no recorded config, or its module has no conversion.
+    Example:
+        >>> plugin = ModelPlugin(CheckpointReader(ckpt).meta["model"])      # doctest: +SKIP
+        >>> plugin.hf_config().vocab_size, plugin.to_hf_tensor("transformer.wte.weight", w)[1].shape  # doctest: +SKIP
     """
-    class_path, config = model_meta.get("class"), model_meta.get("config")
-    if not class_path or config is None:
-        raise ValueError(f"the checkpoint records no model class/config ({model_meta!r}); it was saved from a "
-                         f"model without a `config` attribute, which export cannot convert")
-    cls = _import_class(class_path)
-    if class_path.startswith("transformers."):  # already an HF model: same names, same layout
-        hf_config = cls.config_class.from_dict(dict(config))
-        return hf_config, lambda name, tensor: (name, tensor), lambda: cls(hf_config)
-    module = sys.modules[cls.__module__]
-    missing = [f for f in ("hf_config", "to_hf_tensor", "model_from_config") if not hasattr(module, f)]
-    if missing:
-        raise ValueError(f"model class {class_path} has no Hugging Face conversion: its module {module.__name__} "
-                         f"defines no {', '.join(missing)} (see the plugin protocol in zerogpt/export.py)")
-    return (module.hf_config(config), lambda name, tensor: module.to_hf_tensor(name, tensor, config),
-            lambda: module.model_from_config(config))
+
+    def __init__(self, model_meta: dict) -> None:
+        self.class_path, self.config = model_meta.get("class"), model_meta.get("config")
+        if not self.class_path or self.config is None:
+            raise ValueError(f"the checkpoint records no model class/config ({model_meta!r}): it was saved from a "
+                             f"model without a `config` attribute, which cannot be converted or rebuilt")
+        self.cls = _import_class(self.class_path)
+        # A transformers class is already an HF model: same names, same layout, its own config class.
+        self.is_transformers = self.class_path.startswith("transformers.")
+        self.module = sys.modules[self.cls.__module__]
+
+    def _hook(self, name: str) -> Callable:
+        if not hasattr(self.module, name):
+            raise ValueError(f"model class {self.class_path} has no Hugging Face conversion: its module "
+                             f"{self.module.__name__} defines no {name}() (see the plugin protocol in zerogpt/export.py)")
+        return getattr(self.module, name)
+
+    def hf_config(self) -> Any:
+        if self.is_transformers:
+            return self.cls.config_class.from_dict(dict(self.config))
+        return self._hook("hf_config")(self.config)
+
+    def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        return (name, tensor) if self.is_transformers else self._hook("to_hf_tensor")(name, tensor, self.config)
+
+    def build(self) -> torch.nn.Module:
+        """A freshly initialised model of the recorded class and config (to load checkpoint tensors into)."""
+        if self.is_transformers:
+            return self.cls(self.hf_config())
+        return self._hook("model_from_config")(self.config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -198,7 +214,11 @@ def find_tokenizer(explicit: str | None, reader: Any = None, model_dir: str | No
     if reader is not None and reader.config_path:
         from zerogpt.config import Config, data_config
 
-        path = data_config(Config.from_file(reader.config_path)).tokenizer
+        try:
+            path = data_config(Config.from_file(reader.config_path)).tokenizer
+        except Exception as e:  # the recorded config imports code that is not importable here, or no longer loads
+            raise ValueError(f"cannot read data.tokenizer from the run config {reader.config_path} "
+                             f"({type(e).__name__}: {e}); {_TOKENIZER_HINT}") from e
         if path and not os.path.exists(path):
             raise ValueError(f"the run config {reader.config_path} names data.tokenizer={path!r}, which does not "
                              f"exist from {os.getcwd()} (a relative path is resolved from the current directory); "
@@ -261,11 +281,12 @@ def _set_special_ids(hf_config: Any, tok: Any) -> None:
 
 def write_configs(hf_config: Any, out_dir: str, dtype: torch.dtype) -> None:
     """config.json (with the weights' dtype) and generation_config.json (eos doubles as pad, as for GPT-2)."""
-    from transformers import GenerationConfig
+    import transformers
 
-    hf_config.dtype = dtype
+    # transformers 5 renamed config.torch_dtype to config.dtype (the key config.json records).
+    setattr(hf_config, "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype", dtype)
     hf_config.save_pretrained(out_dir)
-    generation = GenerationConfig.from_model_config(hf_config)
+    generation = transformers.GenerationConfig.from_model_config(hf_config)
     if generation.pad_token_id is None and generation.eos_token_id is not None:
         generation.pad_token_id = generation.eos_token_id
     generation.save_pretrained(out_dir)
@@ -297,7 +318,8 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     reader = CheckpointReader(resolve_checkpoint(path))
-    hf_config, convert, _ = model_plugin(reader.meta["model"])
+    plugin = ModelPlugin(reader.meta["model"])
+    hf_config = plugin.hf_config()
     tok = None
     if with_tokenizer:
         tok_path = find_tokenizer(tokenizer, reader)
@@ -316,7 +338,7 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
         for name in reader.names():
             if name in tied:  # names() lists tied tensors once already; tolerate older metadata
                 continue
-            converted = convert(name, reader.tensor(name))
+            converted = plugin.to_hf_tensor(name, reader.tensor(name))
             if converted is not None:
                 hf_name, tensor = converted
                 writer.add(hf_name, tensor.to(DTYPES[dtype]))

@@ -109,10 +109,9 @@ def generate_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: 
 
 def _load_checkpoint_model(reader: Any) -> torch.nn.Module:
     """Rebuild the recorded model class and fill it from the checkpoint, one tensor at a time."""
-    from zerogpt.export import model_plugin
+    from zerogpt.export import ModelPlugin
 
-    _, _, build = model_plugin(reader.meta["model"])
-    model = build()
+    model = ModelPlugin(reader.meta["model"]).build()
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     tied = reader.meta.get("tied", {})
     saved = set(reader.names())
