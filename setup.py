@@ -46,6 +46,7 @@ setup(
             "zerogpt-estimate=zerogpt.estimate:main",
             "zerogpt-export=zerogpt.export:main",
             "zerogpt-generate=zerogpt.generate:main",
+            "zerogpt-extend-vocab=zerogpt.extend_vocab:main",
             "zerogpt-pipeline=data_pipeline.__main__:main",
         ]
     },

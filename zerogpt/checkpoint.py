@@ -33,6 +33,7 @@ FORMAT = "zerogpt-checkpoint"
 VERSION = 1
 META = "meta.json"
 BUFFERS = "buffers.safetensors"
+_OPEN_FILES = 4  # shard files a reader keeps open at once
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,15 +328,21 @@ class CheckpointReader:
         return sorted({kind for kind, n in self._pieces if n == name})
 
     def _file(self, fname: str) -> Any:
-        if fname not in self._open:
+        """An open (memory-mapped) shard file. Only the few most recently used stay open: a mapping keeps its
+        pages counted in RSS, and a reader that kept every file open would look like a second copy of the model."""
+        handle = self._open.pop(fname, None)
+        if handle is None:
             from safetensors import safe_open
 
             path = os.path.join(self.directory, fname)
             try:
-                self._open[fname] = safe_open(path, framework="pt")
+                handle = safe_open(path, framework="pt")
             except Exception as e:
                 raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt): {e}") from None
-        return self._open[fname]
+        self._open[fname] = handle  # most recent last
+        while len(self._open) > _OPEN_FILES:
+            self._open.pop(next(iter(self._open)))
+        return handle
 
     def read_range(self, kind: str, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flattened `kind` tensor ("master", "exp_avg", ...) of parameter `name`."""
