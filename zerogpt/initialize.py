@@ -23,6 +23,7 @@ from zerogpt.amp import DynamicLossScaler, compute_dtype
 from zerogpt.config import Config, EngineConfig, engine_config
 from zerogpt.engine import Engine
 from zerogpt.zero.chunk import Chunk, plan_chunks
+from zerogpt.zero.init_ctx import give_storage, recorded_init
 from zerogpt.zero.offload import Placement, check_disk_path
 from zerogpt.zero.sharded_model import ZeroHooks
 from zerogpt.zero.sharded_optim import ShardedOptimizer
@@ -119,8 +120,9 @@ def _build_chunks(params, plans, ecfg: EngineConfig, ctx, placement: Placement, 
         chunk = Chunk(plan, chunk_params, dtype=dtype, device=ctx.device, rank=ctx.rank, group=ctx.group,
                       persistent_full=stage < 3, shard_device=placement.torch_device(param_home),
                       pin_memory=ecfg.zero.offload_param.pin_memory)
-        if init_values is not None:  # ZeroInitContext: params were never materialised whole
-            chunk.load_full(init_values.chunk_values(plan))
+        if init_values is not None:  # ZeroInitContext: this rank replays only its shard; params leave meta
+            chunk.load_shard(init_values.chunk_shard(plan, chunk.shard_index, dtype))
+            give_storage(chunk_params)
         else:
             chunk.load_full(torch.cat([p.detach().reshape(-1).to(ctx.device, dtype) for p in chunk_params]))
         placement.record(chunk.shard, "device" if stage < 3 else param_home)
@@ -163,7 +165,7 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     params = _param_groups(model, optimizer)
     _check_devices(params)
 
-    init_values = getattr(model, "_zerogpt_init_values", None)
+    init_values = recorded_init(model)  # built under ZeroInitContext: meta params, values replayed per shard
     num_shards = 1 if zero.stage == 0 else ctx.world_size
     element_size = torch.empty(0, dtype=compute_dtype(ecfg.precision)).element_size()
     plans = plan_chunks([(n, tuple(p.shape), g) for n, p, g in params], zero.shard_strategy, num_shards,
@@ -175,6 +177,8 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     placement = Placement(ctx.device, pin_memory=zero.offload_optimizer.pin_memory,
                           disk_path=zero.offload_optimizer.path, rank=ctx.rank)
     chunks = _build_chunks(params, plans, ecfg, ctx, placement, init_values)
+    for b_name, value in (init_values.buffer_values() if init_values is not None else {}).items():
+        _set_buffer(model, b_name, value)
     for b_name, buf in model.named_buffers():
         if buf.device != ctx.device:
             _set_buffer(model, b_name, buf.to(ctx.device))
