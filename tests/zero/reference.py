@@ -87,11 +87,13 @@ def reference_run(recipe: Recipe, world: int, accum: int, clip: float | None = N
 
 
 def engine_run(rank: int, world: int, recipe: Recipe, zero: dict, precision: str = "fp32", accum: int = 1,
-               clip: float | None = None, inspect: Callable | None = None) -> dict[str, Any]:
+               clip: float | None = None, setup: Callable | None = None,
+               inspect: Callable | None = None) -> dict[str, Any]:
     """Train `recipe` on the engine (call on every rank). Returns losses (global mean per step), the
-    consolidated params (`state_dict_full`), the step() stats per optimizer step, and inspect's result.
+    consolidated params (`state_dict_full`), the step() stats per optimizer step, and inspect's results.
 
-    `inspect(engine, step)` runs after each optimizer step (for invariants the caller checks).
+    `setup(engine)` runs once after initialize (to attach probes); `inspect(engine, step)` runs after
+    each optimizer step (for invariants the caller checks on the returned values).
     """
     import zerogpt
 
@@ -99,6 +101,8 @@ def engine_run(rank: int, world: int, recipe: Recipe, zero: dict, precision: str
     model = recipe.build()
     cfg = zerogpt.Config(dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=accum, clip_grad_norm=clip))
     engine, *_ = zerogpt.initialize(model, recipe.optimizer(model), config=cfg)
+    if setup is not None:
+        setup(engine)
     data = recipe.data(recipe.steps, world, accum)
     losses, stats, seen = [], [], []
     for step in range(recipe.steps):

@@ -1,0 +1,347 @@
+"""Stage 3 (zero/sharded_model.py): parameters gathered chunk by chunk in forward and backward through
+module hooks, released after use, prefetched in the recorded order, on 2 gloo ranks.
+
+Every model below trains 2 ranks x stage 3 and must reproduce plain single-process PyTorch (fp32:
+relative 1e-5): activation checkpointing (recompute re-gathers), tied weights, a layer called twice,
+a branch used on some steps only, keyword-argument forwards, a forward whose order changes by an
+argument, frozen parameters, HF transformers' GPT2LMHeadModel (tiny config, built locally) and
+model_zoo's GPT. A probe wrapped around each chunk's gather() checks the memory invariants:
+nothing gathered between steps, at most (own chunks + prefetch + held tied chunk) during a pass, and
+after the first pass only the first module's chunks are gathered cold (the rest were prefetched).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from model_zoo.gpt import GPTLMLoss, gpt2_tiny
+from tests.dist_utils import run_distributed
+from tests.zero.reference import Recipe, adamw, assert_run_matches, engine_run, reference_run
+
+WORLD = 2
+VOCAB, HIDDEN, SEQ, MICRO_BATCH = 32, 16, 8, 2
+PREFETCH = 2
+
+
+def tokens(steps: int, world: int, accum: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, VOCAB, (steps, accum, world, MICRO_BATCH, SEQ + 1), generator=g)
+
+
+def next_token_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    logits = getattr(logits, "logits", logits)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+class ToyLM(nn.Module):
+    """Embedding -> 3 layers -> optional extra branch -> head tied to the embedding.
+
+    Keyword-only arguments pick the behaviour per call: `reverse` runs the layers in reverse order
+    (a different chunk order), `use_extra` runs a branch whose parameters get no gradient otherwise,
+    `twice` applies `shared` two times (one module, two uses per pass), `scale` multiplies the input.
+    """
+
+    def __init__(self, frozen_embedding: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(3)])
+        self.shared = nn.Linear(HIDDEN, HIDDEN)
+        self.extra = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.embed.weight.requires_grad_(not frozen_embedding)
+
+    def forward(self, ids: torch.Tensor, *, reverse: bool = False, use_extra: bool = False, twice: bool = False,
+                scale: float = 1.0) -> torch.Tensor:
+        x = self.embed(ids) * scale  # (B, T, C)
+        for layer in (reversed(self.layers) if reverse else self.layers):
+            x = torch.tanh(layer(x))
+        x = self.shared(x)
+        if twice:
+            x = self.shared(torch.tanh(x))
+        if use_extra:
+            x = x + self.extra(x)
+        return self.head(self.norm(x))  # (B, T, VOCAB)
+
+
+def toy() -> nn.Module:
+    torch.manual_seed(0)
+    return ToyLM()
+
+
+def toy_frozen() -> nn.Module:
+    torch.manual_seed(0)
+    return ToyLM(frozen_embedding=True)
+
+
+def trainable_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.1,
+                             eps=1e-6)
+
+
+def plain_loss(model, batch, step):
+    return next_token_loss(model(batch[:, :-1]), batch)
+
+
+def kwargs_loss(model, batch, step):  # every step passes keyword arguments, some vary per step
+    return next_token_loss(model(ids=batch[:, :-1], scale=0.5 + 0.25 * (step % 3), twice=True), batch)
+
+
+def branch_loss(model, batch, step):  # the extra branch runs on steps 0, 3, 6, 9 only
+    return next_token_loss(model(batch[:, :-1], use_extra=step % 3 == 0), batch)
+
+
+def reorder_loss(model, batch, step):  # order: forward on steps 0-3, reversed 4-7, forward 8-9
+    return next_token_loss(model(batch[:, :-1], reverse=4 <= step < 8), batch)
+
+
+def gpt_ckpt() -> nn.Module:
+    torch.manual_seed(0)
+    return gpt2_tiny(vocab_size=VOCAB, dropout=0.0, max_position_embeddings=SEQ, checkpoint=True)
+
+
+def gpt_plain() -> nn.Module:
+    torch.manual_seed(0)
+    return gpt2_tiny(vocab_size=VOCAB, dropout=0.0, max_position_embeddings=SEQ)
+
+
+def gpt_loss(model, batch, step):
+    return GPTLMLoss(shift=False)(model(batch[:, :-1]), batch[:, 1:])
+
+
+def hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(config)
+
+
+def hf_loss(model, batch, step):  # HF call convention: keyword arguments, a ModelOutput back
+    return next_token_loss(model(input_ids=batch[:, :-1], use_cache=False), batch)
+
+
+RECIPES = {
+    "toy_plain": Recipe(build=toy, data=tokens, loss=plain_loss),
+    "toy_kwargs_shared_layer": Recipe(build=toy, data=tokens, loss=kwargs_loss),
+    "toy_branch_some_steps": Recipe(build=toy, data=tokens, loss=branch_loss),
+    "toy_order_changes": Recipe(build=toy, data=tokens, loss=reorder_loss),
+    "toy_frozen_embedding": Recipe(build=toy_frozen, data=tokens, loss=plain_loss, optimizer=trainable_adamw),
+    "gpt_activation_checkpointing": Recipe(build=gpt_ckpt, data=tokens, loss=gpt_loss),
+    "gpt": Recipe(build=gpt_plain, data=tokens, loss=gpt_loss),
+    "hf_gpt2": Recipe(build=hf_gpt2, data=tokens, loss=hf_loss, optimizer=adamw),
+}
+ACCUM = {"toy_branch_some_steps": 2, "gpt_activation_checkpointing": 2}
+
+
+# ----------------------------------------------------------------------------------------------
+# the gather probe (lives in the spawned rank's process)
+
+_PROBE: dict = {}
+
+
+def _held(chunks) -> int:
+    """Chunks whose full buffer exists: gathered, or in flight (an async all-gather's output buffer)."""
+    return sum(c.full is not None or c._gather_buffer is not None for c in chunks)
+
+
+def attach_probe(engine) -> None:
+    """Wrap each chunk's gather(): log (phase, chunk, prefetch?, cold?) and the most chunks held at once."""
+    _PROBE.clear()
+    _PROBE.update(events=[], max_held={"forward": 0, "backward": 0})
+    chunks = engine.chunks
+    for chunk in chunks:
+        def gather(async_op: bool = False, chunk=chunk, original=chunk.gather) -> None:
+            phase = "backward" if engine.hooks.in_backward else "forward"
+            cold = chunk.full is None and chunk._gather_buffer is None
+            original(async_op)
+            _PROBE["events"].append((phase, chunk.plan.index, async_op, cold))
+            _PROBE["max_held"][phase] = max(_PROBE["max_held"][phase], _held(chunks))
+        chunk.gather = gather
+
+
+def inspect_step(engine, step: int) -> dict:
+    """After each optimizer step: what is gathered now, and this step's gather log (then reset)."""
+    events, max_held = _PROBE["events"], dict(_PROBE["max_held"])
+    _PROBE.update(events=[], max_held={"forward": 0, "backward": 0})
+    return {
+        "held_between_steps": _held(engine.chunks),
+        "nonempty_params": [n for n, p in engine.module.named_parameters() if p.numel() > 0],
+        "events": events,
+        "max_held": max_held,
+        "recorded_order": list(engine.hooks.recorded_order),
+        "num_chunks": len(engine.chunks),
+        "max_chunks_per_module": max(len(c) for c in engine.hooks.module_chunks.values()),
+        "shard_numels": [c.shard.numel() for c in engine.chunks],
+        "padded_numels": [c.plan.padded_numel for c in engine.chunks],
+        "state_numels": {c.plan.index: sorted({v.numel() for v in engine.optimizer.state.get(
+            engine.sharded_optim.masters.get(c.plan.index), {}).values() if v.dim() > 0}) for c in engine.chunks},
+        "trainable": [c.plan.trainable for c in engine.chunks],
+        "first_module_chunks": _first_module_chunks(engine),
+    }
+
+
+def _first_module_chunks(engine) -> int:
+    order = engine.hooks.recorded_order
+    first_module = next(ids for ids in engine.hooks.module_chunks.values() if order and ids[0] == order[0])
+    return len(first_module)
+
+
+def _run_all(rank: int, world: int) -> dict:
+    from zerogpt.zero import TensorShardStrategy
+
+    zero = dict(stage=3, shard_strategy=TensorShardStrategy(), prefetch=PREFETCH)
+    return {name: engine_run(rank, world, recipe, zero, accum=ACCUM.get(name, 1), setup=attach_probe,
+                             inspect=inspect_step) for name, recipe in RECIPES.items()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_distributed(_run_all, WORLD, timeout=280)
+
+
+# ----------------------------------------------------------------------------------------------
+# parity
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_stage3_matches_single_process_pytorch(runs, name):
+    accum = ACCUM.get(name, 1)
+    assert_run_matches(runs[0][name], reference_run(RECIPES[name], WORLD, accum), precision="fp32",
+                       what=f"stage 3 {name}")
+    assert runs[0][name]["losses"] == runs[1][name]["losses"]
+
+
+# ----------------------------------------------------------------------------------------------
+# gather / release / prefetch invariants
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_nothing_gathered_between_steps(runs, name):
+    for rank, run in enumerate(runs):
+        for step, seen in enumerate(run[name]["inspect"]):
+            assert seen["held_between_steps"] == 0, f"rank {rank} step {step}: chunks still gathered"
+            assert seen["nonempty_params"] == [], f"rank {rank} step {step}: {seen['nonempty_params']}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["toy_plain", "toy_kwargs_shared_layer", "toy_order_changes", "gpt", "hf_gpt2"])
+def test_at_most_chunks_in_use_plus_prefetch_are_gathered(runs, name):
+    """Own chunks of the running module + PREFETCH ahead + 1 tied chunk (embedding = head, held
+    from the embedding's forward to the head's) - far fewer than all chunks."""
+    for step, seen in enumerate(runs[0][name]["inspect"]):
+        bound = seen["max_chunks_per_module"] + PREFETCH + 1
+        assert seen["num_chunks"] > 2 * bound, "model too small for this check to mean anything"
+        for phase in ("forward", "backward"):
+            assert 0 < seen["max_held"][phase] <= bound, \
+                f"step {step} {phase}: {seen['max_held'][phase]} chunks held at once, bound {bound}"
+
+
+@pytest.mark.timeout(300)
+def test_activation_checkpointing_regathers_in_backward(runs):
+    """Recompute runs each block's forward again inside backward: its chunks are gathered again there."""
+    for step, seen in enumerate(runs[0]["gpt_activation_checkpointing"]["inspect"]):
+        backward = {c for phase, c, _, cold in seen["events"] if phase == "backward" and cold}
+        forward = {c for phase, c, _, cold in seen["events"] if phase == "forward"}
+        assert forward <= backward, f"step {step}: chunks {sorted(forward - backward)} never re-gathered"
+        assert seen["max_held"]["backward"] < seen["num_chunks"]  # still released as grads complete
+
+
+def _cold_forward_gathers(seen: dict) -> int:
+    return sum(1 for phase, _, async_op, cold in seen["events"] if phase == "forward" and cold and not async_op)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["toy_plain", "gpt", "hf_gpt2"])
+def test_prefetch_follows_the_recorded_order(runs, name):
+    steps = runs[0][name]["inspect"]
+    first = steps[0]
+    used = {c for phase, c, _, _ in first["events"] if phase == "forward"}
+    assert _cold_forward_gathers(first) == len(used)  # nothing recorded yet: every chunk on demand
+    for step, seen in enumerate(steps[1:], start=1):
+        assert _cold_forward_gathers(seen) == seen["first_module_chunks"], \
+            f"step {step}: {_cold_forward_gathers(seen)} chunks gathered on demand; prefetch missed"
+        prefetched = [c for phase, c, async_op, cold in seen["events"] if phase == "forward" and async_op and cold]
+        order = list(dict.fromkeys(seen["recorded_order"]))  # first use of each chunk
+        assert prefetched == order[seen["first_module_chunks"]:], f"step {step}: prefetch out of recorded order"
+
+
+@pytest.mark.timeout(300)
+def test_order_change_is_rerecorded(runs):
+    steps = runs[0]["toy_order_changes"]["inspect"]
+    forward_order, reversed_order = steps[3]["recorded_order"], steps[4]["recorded_order"]
+    assert forward_order != reversed_order
+    assert steps[7]["recorded_order"] == reversed_order and steps[8]["recorded_order"] == forward_order
+    cold = [_cold_forward_gathers(s) for s in steps]
+    base = steps[1]["first_module_chunks"]
+    # the first pass in a new order mispredicts (gathers on demand); the next one is prefetched again
+    assert cold[4] > base and cold[8] > base
+    assert cold[5] == cold[6] == cold[7] == cold[9] == base, cold
+
+
+@pytest.mark.timeout(300)
+def test_frozen_parameters_have_no_grads_or_optimizer_state_but_are_gathered(runs):
+    for rank, run in enumerate(runs):
+        seen = run["toy_frozen_embedding"]["inspect"][-1]
+        frozen = [i for i, t in enumerate(seen["trainable"]) if not t]
+        assert len(frozen) == 1, seen["trainable"]  # the tied embedding/head chunk
+        assert seen["state_numels"][frozen[0]] == []  # no master, no Adam state
+        for i, t in enumerate(seen["trainable"]):
+            if t:  # Adam state exists only for this rank's shard
+                assert seen["state_numels"][i] == [seen["shard_numels"][i]]
+        gathered = {c for phase, c, _, _ in seen["events"] if phase == "forward"}
+        assert frozen[0] in gathered  # still gathered for the forward
+    # and unchanged by training (the reference never steps it either)
+    init = toy_frozen().embed.weight
+    torch.testing.assert_close(runs[0]["toy_frozen_embedding"]["params"]["embed.weight"], init.detach(),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_holds_one_equal_shard(runs):
+    for run in runs:
+        seen = run["gpt"]["inspect"][0]
+        assert seen["shard_numels"] == [p // WORLD for p in seen["padded_numels"]]
+
+
+# ----------------------------------------------------------------------------------------------
+# the seed tutorial's zero section (no stage) is stage 3
+
+
+def _seed_form(rank: int, world: int) -> dict:
+    from zerogpt.zero import TensorShardStrategy
+
+    zero = dict(model_config=dict(offload_config=dict(device="cpu"), shard_strategy=TensorShardStrategy()),
+                optimizer_config=dict(cpu_offload=True))
+    seen = {}
+
+    def setup(engine):
+        seen.update(stage=engine.stage, strategy=type(engine.config.zero.shard_strategy).__name__,
+                    shards=[c.shard.numel() for c in engine.chunks], padded=[c.plan.padded_numel for c in engine.chunks],
+                    persistent=[c.persistent_full for c in engine.chunks])
+
+    run = engine_run(rank, world, RECIPES["gpt"], zero, setup=setup, inspect=inspect_step_light)
+    return {**run, "seen": seen}
+
+
+def inspect_step_light(engine, step):
+    return _held(engine.chunks)
+
+
+@pytest.mark.timeout(200)
+def test_seed_tutorial_zero_config_means_stage_3():
+    runs = run_distributed(_seed_form, WORLD, timeout=180)
+    seen = runs[0]["seen"]
+    assert seen["stage"] == 3 and seen["strategy"] == "TensorShardStrategy"
+    assert seen["shards"] == [p // WORLD for p in seen["padded"]] and not any(seen["persistent"])
+    assert runs[0]["inspect"] == [0] * len(runs[0]["inspect"])
+    assert_run_matches(runs[0], reference_run(RECIPES["gpt"], WORLD, 1), precision="fp32", what="seed form")
