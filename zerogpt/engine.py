@@ -143,7 +143,7 @@ class Engine:
             stats[category][self.placement.home_of(tensor)] += tensor.untyped_storage().nbytes()
 
         for chunk in self.chunks:
-            add("params", chunk.full)
+            add("params", chunk.full_buffer)  # in-flight prefetches included
             add("params", chunk.shard)
             add("grads", chunk.grad_full)
         for index, grad in self.sharded_optim.grad_shards.items():

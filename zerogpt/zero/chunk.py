@@ -204,6 +204,12 @@ class Chunk:
     def is_gathered(self) -> bool:
         return self.full is not None and self._gather_work is None
 
+    @property
+    def full_buffer(self) -> torch.Tensor | None:
+        """The full-chunk buffer if one is allocated: gathered, or the target of an in-flight all-gather
+        (a prefetch holds its memory before `full` is set, so accounting must count it)."""
+        return self.full if self.full is not None else self._gather_buffer
+
     def bind_params(self) -> None:
         """Point every parameter's .data at its slot in `full` (or at an empty tensor)."""
         for param, slot in zip(self.params, self.plan.slots):
