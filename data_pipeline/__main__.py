@@ -25,7 +25,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "train-tokenizer": ("data_pipeline.train_tokenizer", "train a byte-level BPE tokenizer"),
     "tokenize": ("data_pipeline.tokenize_stage", "tokenize JSONL into Megatron .bin/.idx"),
     "merge-tokenizers": ("data_pipeline.merge_tokenizers", "merge tokenizer vocabularies"),
-    "all": ("data_pipeline.run_all", "run blacklist -> ... -> shuffle, skipping complete stages"),
+    "all": ("data_pipeline.run_all", "run blacklist -> ... -> shuffle [-> tokenize], skipping complete stages"),
 }
 
 # Errors that come from user input (paths, flags, data); anything else is a bug and keeps its traceback.

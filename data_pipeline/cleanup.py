@@ -75,30 +75,21 @@ def gopher_quality(text: str) -> str | None:
     return None
 
 
-def load_tokenizer(path: str):
-    """A `tokenizers` tokenizer from a tokenizer.json file, a directory with one, or a
-    GPT-2 style directory (vocab.json + merges.txt)."""
-    from tokenizers import ByteLevelBPETokenizer, Tokenizer
-
-    if os.path.isfile(path):
-        return Tokenizer.from_file(path)
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
-    if os.path.isfile(vocab) and os.path.isfile(merges):
-        return ByteLevelBPETokenizer(vocab, merges)
-    raise ValueError(f"--tokenizer {path!r}: expected tokenizer.json or vocab.json + merges.txt "
-                     f"(train one with `python -m data_pipeline train-tokenizer`)")
-
-
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: str | None) -> None:
+def _init_worker(tokenizer_json: str | None) -> None:
+    """Seed langdetect and rebuild the length tokenizer from its JSON (no file access, cannot fail
+    on a bad path: the parent already loaded it, and a raising Pool initializer would respawn forever)."""
     from langdetect import DetectorFactory
 
     DetectorFactory.seed = 0  # langdetect samples features randomly; seed it in every process
-    _STATE["tokenizer"] = load_tokenizer(tokenizer) if tokenizer else None
+    if tokenizer_json:
+        from tokenizers import Tokenizer
+
+        _STATE["tokenizer"] = Tokenizer.from_str(tokenizer_json)
+    else:
+        _STATE["tokenizer"] = None
 
 
 def clean_record(rec: dict, lang: str, min_tokens: int, quality: bool) -> tuple[str | None, Any]:
@@ -160,7 +151,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lang", default="en", help="keep this langdetect code ('any' disables the filter)")
     p.add_argument("--min-tokens", type=int, default=128,
                    help="minimum length in tokens of --tokenizer (in whitespace words without one)")
-    p.add_argument("--tokenizer", help="tokenizer.json or a directory with tokenizer.json / vocab.json+merges.txt")
+    p.add_argument("--tokenizer", help="tokenizer directory (train-tokenizer output, any local HF tokenizer dir, "
+                   "or vocab.json + merges.txt) or a tokenizer.json file")
     p.add_argument("--quality", action="store_true", help="apply Gopher quality and repetition rules")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes")
     add_common_args(p)
@@ -170,14 +162,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     started = time.time()
     check_input(args.input)
-    if args.tokenizer:
-        load_tokenizer(args.tokenizer)  # fail fast with a clear message, before starting workers
+    tokenizer_json = None
+    if args.tokenizer:  # the same loader as `tokenize`; fails with a message naming the path
+        from data_pipeline.tokenizer import load_backend
+
+        tokenizer_json = load_backend(args.tokenizer, require_eod=False)[0].to_str()
     counts: Counter = Counter(kept=0, empty=0, too_short=0, wrong_lang=0, lang_detect_failed=0, malformed=0)
     languages: Counter = Counter()
     total_length = 0
     report = BadLineReporter(args.input, args.strict)
     tasks = ((batch, args.lang, args.min_tokens, args.quality) for batch in iter_line_batches(args.input, BATCH_LINES))
-    results = imap_bounded(_process_batch, tasks, args.workers, _init_worker, (args.tokenizer,))
+    results = imap_bounded(_process_batch, tasks, args.workers, _init_worker, (tokenizer_json,))
     try:
         with atomic_write(args.output) as out, atomic_write(args.output + ".rejected.jsonl") as rej, \
                 progress(desc="cleanup", unit="doc") as bar:
@@ -205,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         results.close()  # stops the worker pool even when a --strict error is raised
     unit = f"tokens ({args.tokenizer})" if args.tokenizer else "words (whitespace split; no --tokenizer)"
-    write_stats(args.output, "cleanup", counts, args, [args.input] + ([args.tokenizer] if args.tokenizer and
-                os.path.isfile(args.tokenizer) else []), started, length_unit=unit,
+    # the tokenizer (file or directory) is an input: `all` re-runs cleanup when it is replaced
+    write_stats(args.output, "cleanup", counts, args, [args.input] + ([args.tokenizer] if args.tokenizer else []),
+                started, length_unit=unit,
                 kept_length_total=total_length, languages=dict(languages.most_common()))
     return 0

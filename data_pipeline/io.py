@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -26,6 +27,9 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: mkstemp creates 0600 files, outputs should get the usual mode
 NON_SEMANTIC_ARGS = frozenset({"workers", "strict", "quiet", "stage", "func", "progress", "extract_workers",
                                "memory_limit"})
+# A JSON escape of a UTF-16 surrogate. Paired ones decode to one character; a lone one gives a str
+# that cannot be encoded (UTF-8 output, the Rust tokenizer), so such records are rejected as bad lines.
+_SURROGATE_ESCAPE_RE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class BadLineReporter:
@@ -50,8 +54,10 @@ class BadLineReporter:
 def parse_jsonl_line(raw_bytes: bytes, text_key: str | None = "text") -> tuple[dict | None, str]:
     """Decode one JSONL line: `(record, raw_text)` or `(None, reason)`; blank lines give `(None, "")`.
 
-    A record is valid when it is UTF-8, valid JSON, a JSON object and (if `text_key` is given)
-    has a string `text_key`. Stages that parse in worker processes call this directly.
+    A record is valid when it is UTF-8, valid JSON, a JSON object with no unpaired surrogate
+    escape (`"\\ud800"` alone is valid JSON but not valid Unicode: it cannot be written as UTF-8 or
+    tokenized) and (if `text_key` is given) has a string `text_key`. Stages that parse in worker
+    processes call this directly.
     """
     try:
         raw = raw_bytes.decode("utf-8")
@@ -65,6 +71,11 @@ def parse_jsonl_line(raw_bytes: bytes, text_key: str | None = "text") -> tuple[d
         return None, f"malformed JSON ({e.msg} at column {e.colno})"
     if not isinstance(rec, dict):
         return None, f"expected a JSON object, got {type(rec).__name__}"
+    if _SURROGATE_ESCAPE_RE.search(raw):  # rare: only then pay for a second pass over the record
+        try:
+            json.dumps(rec, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return None, "unpaired UTF-16 surrogate escape (e.g. \\ud800) in a string: not valid Unicode"
     if text_key is not None and not isinstance(rec.get(text_key), str):
         got = "missing" if text_key not in rec else type(rec[text_key]).__name__
         return None, f"field {text_key!r} must be a string, got {got}"
@@ -211,16 +222,27 @@ def read_stats(output: str) -> dict | None:
     return stats if isinstance(stats, dict) else None
 
 
-def is_complete(output: str, args: Any) -> bool:
-    """True when `output` and its stats exist and are complete, were made with these args, the
-    output is unchanged since, and every input the stats recorded still has the same size and
-    mtime. `all` uses this to skip stages; a partial or stale output is simply rebuilt."""
+def is_complete(output: str, args: Any = None, params: dict | None = None,
+                outputs: list[str] | None = None) -> bool:
+    """True when `output`'s stats exist and are complete, were made with these parameters, the
+    outputs are unchanged since, and every input the stats recorded still has the same size and
+    mtime. `all` uses this to skip stages; a partial or stale output is simply rebuilt.
+
+    Parameters are `stage_params(args)` unless `params` gives them; the output is the file or
+    directory `output` itself unless `outputs` lists the files (checked against the stats'
+    `output_signatures`, as `tokenize` writes PREFIX.bin/.idx for the name PREFIX).
+    """
     stats = read_stats(output)
-    if not stats or not stats.get("complete") or not os.path.exists(output):
+    if not stats or not stats.get("complete"):
         return False
-    if stats.get("params") != stage_params(args) or stats.get("output_signature") != file_signature(output):
+    if stats.get("params") != (stage_params(args) if params is None else params):
         return False
     try:
+        if outputs is None:
+            if stats.get("output_signature") != file_signature(output):
+                return False
+        elif stats.get("output_signatures") != [file_signature(p) for p in outputs]:
+            return False
         return all(file_signature(rec["path"]) == rec for rec in stats.get("inputs", []))
     except (OSError, KeyError, TypeError):
         return False

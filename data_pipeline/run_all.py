@@ -1,12 +1,15 @@
-"""Stage `all`: blacklist -> download -> cleanup -> find/group/remove-duplicates -> shuffle.
+"""Stage `all`: blacklist -> download -> cleanup -> find/group/remove-duplicates -> shuffle
+[-> train-tokenizer -> tokenize].
 
 Runs each stage through its own parser and `run()`, with outputs in --workdir:
-urls.txt, raw.jsonl, clean.jsonl, pairs.jsonl, groups.jsonl, dedup.jsonl, webtext.jsonl.
-A stage is skipped when its output and `<output>.stats.json` are complete, made with the same
-arguments, and its inputs are unchanged (io.is_complete); otherwise it runs again (download
-resumes). Tokenizer training and tokenization are separate stages (dataset worker).
+urls.txt, raw.jsonl, clean.jsonl, pairs.jsonl, groups.jsonl, dedup.jsonl, webtext.jsonl, and with
+--tokenize also tokenizer/ (trained on webtext.jsonl unless --tokenizer names one) and
+webtext_text_document.bin/.idx (the prefix the shipped configs read). A stage is skipped when its
+output and `<output>.stats.json` are complete, made with the same arguments, and its inputs are
+unchanged (io.is_complete, or the stage's own `is_complete(args)`); otherwise it runs again
+(download resumes).
 
-    python -m data_pipeline all --urls urls/ --workdir data/webtext --lang en --threshold 0.7
+    python -m data_pipeline all --urls urls/ --workdir data/webtext --lang en --threshold 0.7 --tokenize
 """
 from __future__ import annotations
 
@@ -19,42 +22,52 @@ from data_pipeline.io import is_complete
 
 OUTPUTS = {"blacklist": "urls.txt", "download": "raw.jsonl", "cleanup": "clean.jsonl",
            "find-duplicates": "pairs.jsonl", "group-duplicates": "groups.jsonl",
-           "remove-duplicates": "dedup.jsonl", "shuffle": "webtext.jsonl"}
+           "remove-duplicates": "dedup.jsonl", "shuffle": "webtext.jsonl",
+           "train-tokenizer": "tokenizer", "tokenize": "webtext_text_document"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("all", help="run blacklist -> ... -> shuffle, skipping complete stages",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "all", help="run blacklist -> ... -> shuffle [-> tokenize], skipping complete stages",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--urls", required=True, help="a .txt of URLs or a directory of them")
     p.add_argument("--workdir", required=True, help="directory for every stage's output")
     p.add_argument("--force", action="store_true", help="re-run every stage even if complete")
-    p.add_argument("--strict", action="store_true", help="fail on malformed input lines")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes for cleanup/find")
+    p.add_argument("--strict", action="store_true", help="fail on malformed input lines (every stage)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="processes for cleanup, find-duplicates and tokenize")
     # blacklist
     p.add_argument("--extra-domains", help="blacklist: extra domains file")
     p.add_argument("--extra-extensions", help="blacklist: extra extensions file")
     # download
-    p.add_argument("--download-workers", type=int, default=32, help="download: concurrent requests")
-    p.add_argument("--per-host", type=int, default=4)
-    p.add_argument("--timeout", type=float, default=30.0)
-    p.add_argument("--max-bytes", type=int, default=5_000_000)
-    p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--backoff", type=float, default=1.0)
-    p.add_argument("--allow-private", action="store_true")
-    p.add_argument("--extract-workers", type=int, default=None)
+    p.add_argument("--download-workers", type=int, default=32, help="download: concurrent requests (its --workers)")
+    p.add_argument("--per-host", type=int, default=4, help="download: concurrent requests per host")
+    p.add_argument("--timeout", type=float, default=30.0, help="download: seconds per attempt, whole fetch")
+    p.add_argument("--max-bytes", type=int, default=5_000_000, help="download: body size cap")
+    p.add_argument("--retries", type=int, default=2, help="download: extra attempts on 5xx/429/timeouts")
+    p.add_argument("--backoff", type=float, default=1.0, help="download: first retry delay in seconds")
+    p.add_argument("--allow-private", action="store_true", help="download: allow loopback/private addresses")
+    p.add_argument("--extract-workers", type=int, default=None, help="download: trafilatura processes")
     # cleanup
-    p.add_argument("--lang", default="en")
-    p.add_argument("--min-tokens", type=int, default=128)
-    p.add_argument("--tokenizer")
-    p.add_argument("--quality", action="store_true")
+    p.add_argument("--lang", default="en", help="cleanup: language to keep ('any': no filter)")
+    p.add_argument("--min-tokens", type=int, default=128,
+                   help="cleanup: minimum length, in tokens of --tokenizer or else in words")
+    p.add_argument("--tokenizer", help="cleanup: tokenizer that counts --min-tokens; with --tokenize, also the "
+                                       "tokenizer used (no train-tokenizer stage)")
+    p.add_argument("--quality", action="store_true", help="cleanup: Gopher quality rules")
     # dedup
-    p.add_argument("--threshold", type=float, default=0.7)
-    p.add_argument("--num-perm", type=int, default=128)
-    p.add_argument("--ngram", type=int, default=5)
-    p.add_argument("--unit", choices=("char", "word"), default="char")
+    p.add_argument("--threshold", type=float, default=0.7, help="find/group-duplicates: Jaccard threshold")
+    p.add_argument("--num-perm", type=int, default=128, help="find-duplicates: MinHash permutations")
+    p.add_argument("--ngram", type=int, default=5, help="find-duplicates: shingle length")
+    p.add_argument("--unit", choices=("char", "word"), default="char", help="find-duplicates: shingle unit")
     # shuffle
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--memory-limit", default="1G")
+    p.add_argument("--seed", type=int, default=1234, help="shuffle: seed")
+    p.add_argument("--memory-limit", default="1G", help="shuffle: external shuffle above this input size")
+    # tokenization (optional)
+    p.add_argument("--tokenize", action="store_true",
+                   help="also tokenize webtext.jsonl into WORKDIR/webtext_text_document.bin/.idx, training "
+                        "WORKDIR/tokenizer first unless --tokenizer is given")
+    p.add_argument("--vocab-size", type=int, default=50257, help="train-tokenizer: vocabulary size")
     return p
 
 
@@ -66,14 +79,14 @@ def stage_argvs(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
     def opt(flag: str, value) -> list[str]:
         return [flag, str(value)] if value is not None else []
 
-    return [
+    stages = [
         ("blacklist", [a.urls, "--output", out["blacklist"], *opt("--extra-domains", a.extra_domains),
-                       *opt("--extra-extensions", a.extra_extensions)]),
+                       *opt("--extra-extensions", a.extra_extensions), *strict]),
         ("download", [out["blacklist"], "--output", out["download"], "--workers", str(a.download_workers),
                       "--per-host", str(a.per_host), "--timeout", str(a.timeout), "--max-bytes", str(a.max_bytes),
                       "--retries", str(a.retries), "--backoff", str(a.backoff),
                       *opt("--extract-workers", a.extract_workers),
-                      *(["--allow-private"] if a.allow_private else [])]),
+                      *(["--allow-private"] if a.allow_private else []), *strict]),
         ("cleanup", [out["download"], "--output", out["cleanup"], "--lang", a.lang, "--min-tokens",
                      str(a.min_tokens), "--workers", str(a.workers), *opt("--tokenizer", a.tokenizer),
                      *(["--quality"] if a.quality else []), *strict]),
@@ -87,6 +100,14 @@ def stage_argvs(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
         ("shuffle", [out["remove-duplicates"], "--output", out["shuffle"], "--seed", str(a.seed),
                      "--memory-limit", a.memory_limit, *strict]),
     ]
+    if a.tokenize:
+        tokenizer = a.tokenizer or out["train-tokenizer"]
+        if not a.tokenizer:
+            stages.append(("train-tokenizer", [out["shuffle"], "--output", tokenizer, "--vocab-size",
+                                               str(a.vocab_size), *strict]))
+        stages.append(("tokenize", [out["shuffle"], "--tokenizer", tokenizer, "--output-prefix", out["tokenize"],
+                                    "--workers", str(a.workers), *strict]))
+    return stages
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,14 +120,16 @@ def run(args: argparse.Namespace) -> int:
         parser = argparse.ArgumentParser(prog=f"all -> {stage}")
         module.add_parser(parser.add_subparsers(dest="stage"))
         stage_args = parser.parse_args([stage, *argv])
-        if not args.force and is_complete(stage_args.output, stage_args):
-            print(f"[all] {stage}: skipped, {stage_args.output} is complete", file=sys.stderr)
+        complete = getattr(module, "is_complete", None)  # stages whose output is not one file say how
+        if not args.force and (complete(stage_args) if complete else is_complete(stage_args.output, stage_args)):
+            output = getattr(stage_args, "output", None) or stage_args.output_prefix
+            print(f"[all] {stage}: skipped, {output} is complete", file=sys.stderr)
             continue
         print(f"[all] {stage}: running", file=sys.stderr)
         rc = module.run(stage_args)
         if rc:
             print(f"[all] {stage} failed with exit code {rc}; fix it and re-run `all` to resume", file=sys.stderr)
             return rc
-    print(f"[all] done in {time.time() - started:.1f}s: {os.path.join(args.workdir, OUTPUTS['shuffle'])}",
-          file=sys.stderr)
+    final = OUTPUTS["tokenize"] + ".bin/.idx" if args.tokenize else OUTPUTS["shuffle"]
+    print(f"[all] done in {time.time() - started:.1f}s: {os.path.join(args.workdir, final)}", file=sys.stderr)
     return 0

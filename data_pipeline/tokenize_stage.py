@@ -21,9 +21,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from data_pipeline.indexed import IndexedDatasetWriter, best_fitting_dtype
-from data_pipeline.io import (BadLineReporter, add_common_args, check_input, parse_jsonl_line, progress,
-                              write_stats)
+from data_pipeline.indexed import IndexedDatasetWriter, best_fitting_dtype, data_file_path, index_file_path
+from data_pipeline.io import (BadLineReporter, add_common_args, check_input, file_signature, parse_jsonl_line,
+                              progress, write_stats)
+from data_pipeline.io import is_complete as _is_complete
 
 BLOCK_BYTES = 1 << 19  # bytes of JSONL per worker task: big enough for Rust batching, small enough to balance
 
@@ -177,11 +178,30 @@ def tokenize_file(input_path: str, tokenizer: str, output_prefix: str, workers: 
     if counts["docs"] == 0:
         print(f"warning: {input_path} produced no documents (empty={counts['empty']}, "
               f"malformed={counts['malformed']}); {output_prefix}.bin is empty", file=sys.stderr)
-    return write_stats(output_prefix, "tokenize", counts, inputs=[input_path], started=started,
-                       params={"tokenizer": os.path.abspath(tokenizer), "text_key": text_key, "workers": workers},
+    # The tokenizer is an input too, and the .bin/.idx signatures are recorded, so `all` can tell a
+    # complete output (same corpus, tokenizer and key; files untouched) from a stale one (is_complete).
+    return write_stats(output_prefix, "tokenize", counts, inputs=[input_path, tokenizer], started=started,
+                       params=_params(tokenizer, text_key), workers=workers,
+                       output_signatures=[file_signature(p) for p in _outputs(output_prefix)],
                        tokenizer=os.path.abspath(tokenizer), vocab_size=vocab, eod_id=eod, dtype=dtype.name,
                        chars=num_chars, tokens_per_s=round(counts["tokens"] / max(seconds, 1e-9), 1),
                        skipped={"empty": counts["empty"], "malformed": counts["malformed"]})
+
+
+def _params(tokenizer: str, text_key: str) -> dict[str, Any]:
+    """What determines the tokens (workers and block size do not: the output is the same bytes)."""
+    return {"tokenizer": os.path.abspath(tokenizer), "text_key": text_key}
+
+
+def _outputs(prefix: str) -> list[str]:
+    return [data_file_path(prefix), index_file_path(prefix)]
+
+
+def is_complete(args: argparse.Namespace) -> bool:
+    """True when PREFIX.bin/.idx and their stats are whole and were made from the same input, tokenizer
+    (path and files) and key; `all` skips the stage then."""
+    return _is_complete(args.output_prefix, params=_params(args.tokenizer, args.json_key),
+                        outputs=_outputs(args.output_prefix))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -109,6 +109,8 @@ def load_backend(path: str, require_eod: bool = True):
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
         raise ValueError(f"tokenizer {path} does not load: {type(e).__name__}: {e}; {_TRAIN_HINT}") from e
     eod = None if backend is None else backend.token_to_id(EOD_TOKEN)
+    if backend is not None and eod is None and not require_eod:  # e.g. cleanup's length count: no EOD needed
+        return backend, None, int(backend.get_vocab_size(with_added_tokens=True))
     if eod is None:  # not a plain tokenizer.json, or no <|endoftext|>: let transformers resolve eos
         tok = load_tokenizer(path)
         backend, vocab = tok.backend_tokenizer, vocab_size(tok)

@@ -17,6 +17,7 @@ from collections import Counter
 from typing import Iterable, Iterator
 
 from data_pipeline.io import add_common_args, check_input, iter_jsonl, progress, write_stats
+from data_pipeline.io import is_complete as _is_complete
 from data_pipeline.tokenizer import EOD_TOKEN, save_tokenizer_dir
 
 BATCH_DOCS = 1000  # texts handed to the Rust trainer per iterator step
@@ -88,9 +89,20 @@ def train_tokenizer(input_path: str, output_dir: str, vocab_size: int = 50257, m
     output_dir = os.path.abspath(output_dir.rstrip("/"))
     files = save_tokenizer_dir(backend, output_dir)
     return write_stats(output_dir, "train-tokenizer", counts, inputs=[input_path], started=started,
-                       params={"vocab_size": vocab_size, "min_frequency": min_frequency, "text_key": text_key},
+                       params=_params(vocab_size, min_frequency, text_key),
                        vocab_size=backend.get_vocab_size(), requested_vocab_size=vocab_size,
                        eod_token=EOD_TOKEN, eod_id=backend.token_to_id(EOD_TOKEN), files=files)
+
+
+def _params(vocab_size: int, min_frequency: int, text_key: str) -> dict:
+    return {"vocab_size": vocab_size, "min_frequency": min_frequency, "text_key": text_key}
+
+
+def is_complete(args: argparse.Namespace) -> bool:
+    """True when DIR and DIR.stats.json are whole, made with these settings from the unchanged corpus;
+    `all` skips the stage then."""
+    return _is_complete(os.path.abspath(args.output.rstrip("/")),
+                        params=_params(args.vocab_size, args.min_frequency, args.json_key))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

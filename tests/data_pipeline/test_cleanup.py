@@ -125,3 +125,36 @@ def test_parallel_equals_serial_and_tokenizer_length(tmp_path):
     assert stats["length_unit"].startswith("tokens") and stats["kept_length_total"] == 300 * n_tokens
     assert main(["cleanup", str(src), "--output", str(tmp_path / "x.jsonl"), "--tokenizer",
                  str(tmp_path / "nope")]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_tokenizer_directories_count_like_tokenize(tmp_path, capsys):
+    """--tokenizer takes what `tokenize` takes (a train-tokenizer directory, a GPT-2 style vocab.json +
+    merges.txt directory) and counts the same ids; a directory that does not load is a clear error."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from data_pipeline.tokenizer import save_tokenizer_dir
+    from data_pipeline.train_tokenizer import train_byte_level_bpe
+
+    save_tokenizer_dir(train_byte_level_bpe([ENGLISH, GERMAN], vocab_size=300), str(tmp_path / "tok"))
+    gpt2_style = tmp_path / "gpt2_style"
+    gpt2_style.mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(tmp_path / "tok" / name, gpt2_style / name)
+    src = write_jsonl(tmp_path / "raw.jsonl", [{"text": ENGLISH, "url": "a"}, {"text": ENGLISH[:200], "url": "b"}])
+    expected = len(AutoTokenizer.from_pretrained(str(tmp_path / "tok"))(ENGLISH)["input_ids"])
+    for tok in (tmp_path / "tok", gpt2_style):
+        out = tmp_path / f"{tok.name}.jsonl"
+        assert main(["cleanup", str(src), "--output", str(out), "--tokenizer", str(tok), "--workers", "2",
+                     "--min-tokens", str(expected)]) == 0
+        stats = json.loads((tmp_path / f"{tok.name}.jsonl.stats.json").read_text())
+        assert stats["counts"]["kept"] == 1 and stats["kept_length_total"] == expected
+        assert stats["inputs"][1]["path"] == str(tok)  # a replaced tokenizer makes `all` re-run cleanup
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{")
+    assert main(["cleanup", str(src), "--output", str(tmp_path / "x.jsonl"), "--tokenizer", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert f"tokenizer {broken} does not load" in err and "Traceback" not in err

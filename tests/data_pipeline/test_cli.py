@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -61,7 +62,8 @@ def test_all_end_to_end_then_skips(tmp_path, site, capsys):
                                 f"not a url\n")
     work = tmp_path / "work"
     argv = ["all", "--urls", str(urls), "--workdir", str(work), "--allow-private", "--min-tokens", "50",
-            "--timeout", "5", "--backoff", "0.05", "--extract-workers", "1", "--workers", "2", "--seed", "3"]
+            "--timeout", "5", "--backoff", "0.05", "--extract-workers", "1", "--workers", "2", "--tokenize",
+            "--vocab-size", "300", "--seed", "3"]
     assert main(argv) == 0
     final = read_jsonl(work / "webtext.jsonl")
     got = sorted(r["url"].removeprefix(base) for r in final)
@@ -75,6 +77,16 @@ def test_all_end_to_end_then_skips(tmp_path, site, capsys):
     assert stats["bl"]["counts"]["duplicate"] == 1 and stats["bl"]["counts"]["domain"] == 1
     assert stats["cl"]["counts"]["wrong_lang"] == 1 and stats["rm"]["counts"]["removed"] == 2
     assert stats["gr"]["group_sizes"] == {"2": 2}
+    # --tokenize: a tokenizer trained on webtext.jsonl, and the shuffled documents in order as .bin/.idx + EOD
+    from transformers import AutoTokenizer
+
+    from data_pipeline.indexed import IndexedDataset
+
+    tok = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
+    ds = IndexedDataset(str(work / "webtext_text_document"))
+    assert len(tok) == 300 and ds.num_documents == len(final)
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok(r["text"])["input_ids"] + [tok.eos_token_id]
+                                                        for r in final]
     before = {p: os.stat(work / p).st_mtime_ns for p in os.listdir(work)}
     first_bytes = (work / "webtext.jsonl").read_bytes()
 
@@ -82,13 +94,24 @@ def test_all_end_to_end_then_skips(tmp_path, site, capsys):
     handler.counters.clear()
     assert main(argv) == 0  # everything complete: nothing runs, nothing is fetched
     err = capsys.readouterr().err
-    assert err.count("skipped") == 7 and sum(handler.counters.values()) == 0
+    assert err.count("skipped") == 9 and sum(handler.counters.values()) == 0
     assert {p: os.stat(work / p).st_mtime_ns for p in os.listdir(work)} == before
 
+    # another vocabulary size re-trains the tokenizer and re-tokenizes, nothing before
+    assert main(argv[:-3] + ["320", "--seed", "3"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("skipped") == 7 and "train-tokenizer: running" in err and "tokenize: running" in err
+    assert len(AutoTokenizer.from_pretrained(str(work / "tokenizer"))) == 320
+    assert main(argv[:-3] + ["320", "--seed", "3"]) == 0
+    assert capsys.readouterr().err.count("skipped") == 9
+
     # a different threshold re-runs dedup onward only; a different seed changes only the order
+    argv = argv[:-3] + ["320", "--seed", "3"]
     assert main(argv[:-1] + ["4", "--threshold", "0.99"]) == 0
     err = capsys.readouterr().err
     assert "blacklist: skipped" in err and "cleanup: skipped" in err and "find-duplicates: running" in err
+    assert "tokenize: running" in err
+    assert IndexedDataset(str(work / "webtext_text_document")).num_documents == len(final) + 1
     again = read_jsonl(work / "webtext.jsonl")
     assert sorted(r["url"] for r in again) == sorted([r["url"] for r in final] + [base + "/dup/0"])
     assert (work / "webtext.jsonl").read_bytes() != first_bytes
@@ -98,3 +121,69 @@ def test_all_end_to_end_then_skips(tmp_path, site, capsys):
     assert main(argv[:-1] + ["4", "--threshold", "0.99"]) == 0
     assert "shuffle: running" in capsys.readouterr().err
     assert len(read_jsonl(work / "webtext.jsonl")) == len(again)
+    os.truncate(work / "webtext_text_document.bin", 0)  # so is a damaged .bin
+    assert main(argv[:-1] + ["4", "--threshold", "0.99"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("skipped") == 8 and "tokenize: running" in err
+    assert IndexedDataset(str(work / "webtext_text_document")).num_documents == len(again)
+
+
+# One input with every kind of bad line a JSONL stage can meet, and two good documents.
+BAD_LINES = [b'{"text": "a lone \\ud800 surrogate escape is valid JSON but not Unicode"}',  # line 2
+             b"\xff\xfe not utf-8", b"[1, 2]", b'"a string"', b'{"text": 5}', b"{truncated"]
+
+
+def _stage_argvs(tmp_path):
+    """(stage, argv) running every JSONL-reading stage on the bad input; outputs under tmp_path."""
+    from data_pipeline.tokenizer import save_tokenizer_dir
+    from data_pipeline.train_tokenizer import train_byte_level_bpe
+
+    good = "The river bends because the outer bank erodes faster than the inner one, year after year. " * 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\n".join([json.dumps({"text": good, "url": "u1"}).encode(), *BAD_LINES,
+                                 json.dumps({"text": good + " Again.", "url": "u2"}).encode()]) + b"\n")
+    save_tokenizer_dir(train_byte_level_bpe([good], vocab_size=300), str(tmp_path / "tok"))
+    groups = tmp_path / "groups.jsonl"
+    groups.write_text(json.dumps({"keep": {"src": 0, "source": "bad.jsonl", "line": 1, "hash": None},
+                                  "remove": [{"src": 0, "source": "bad.jsonl", "line": 8, "hash": None}]}) + "\n")
+    o = str(tmp_path / "out")
+    return [("cleanup", ["cleanup", str(bad), "--output", o, "--min-tokens", "5", "--workers", "1"]),
+            ("find-duplicates", ["find-duplicates", str(bad), "--output", o, "--workers", "1"]),
+            ("group-duplicates", ["group-duplicates", str(bad), "--output", o]),
+            ("remove-duplicates", ["remove-duplicates", str(groups), str(bad), "--output", o]),
+            ("shuffle", ["shuffle", str(bad), "--output", o]),
+            ("shuffle-external", ["shuffle", str(bad), "--output", o, "--memory-limit", "100"]),
+            ("train-tokenizer", ["train-tokenizer", str(bad), "--output", o, "--vocab-size", "300"]),
+            ("tokenize", ["tokenize", str(bad), "--tokenizer", str(tmp_path / "tok"), "--output-prefix", o,
+                          "--workers", "1"])]
+
+
+@pytest.mark.timeout(120)
+def test_every_stage_reports_bad_lines_with_file_and_line_never_a_traceback(tmp_path, capsys):
+    """Each bad line is reported as file:line, skipped and counted (group-duplicates: every line is bad
+    for it; shuffle copies any JSON object, so `{"text": 5}` passes); with --strict the first one is a
+    one-line error and no output appears."""
+    for stage, argv in _stage_argvs(tmp_path):
+        assert main(argv) == 0, stage
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        bad_lines = [2, 3, 4, 5, 7] if stage.startswith("shuffle") else [2, 3, 4, 5, 6, 7]
+        for lineno in bad_lines:
+            assert f"bad.jsonl:{lineno}: " in err, (stage, lineno, err)
+        assert "bad.jsonl:2: unpaired UTF-16 surrogate" in err or stage == "group-duplicates", (stage, err)
+        stats = json.loads((tmp_path / "out.stats.json").read_text())
+        malformed = 8 if stage == "group-duplicates" else len(bad_lines)
+        assert stats["counts"]["malformed"] == malformed, (stage, stats["counts"])
+        kept = {"cleanup": ("kept", 2), "find-duplicates": ("docs", 2), "remove-duplicates": ("kept", 1),
+                "shuffle": ("docs", 3), "shuffle-external": ("docs", 3), "train-tokenizer": ("docs", 2),
+                "tokenize": ("docs", 2)}.get(stage)
+        if kept:
+            assert stats["counts"][kept[0]] == kept[1], (stage, stats["counts"])
+        for p in tmp_path.glob("out*"):
+            p.unlink() if p.is_file() else shutil.rmtree(p)
+
+        assert main(argv + ["--strict"]) == 2, stage
+        err = capsys.readouterr().err
+        first_bad = 1 if stage == "group-duplicates" else 2
+        assert "Traceback" not in err and f"bad.jsonl:{first_bad}: " in err and "--strict" in err, (stage, err)
+        assert not list(tmp_path.glob("out*")), stage  # atomic: nothing half-written is left

@@ -67,9 +67,29 @@ class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     counters: Counter = Counter()
     delay = 0.0
+    # requests in flight now / at most, per Host header and in total ("*"); the fixture gives fresh ones
+    active: Counter = Counter()
+    peak: Counter = Counter()
+    lock = threading.Lock()
+    stamps: dict = {}  # path -> arrival times (time.monotonic) of its requests
 
     def log_message(self, *args):  # keep pytest output clean
         pass
+
+    def do_GET(self):
+        # Requests count as in flight while the handler waits `delay`, before any byte is sent: a
+        # client sends its next request only after this reply, so the count never overstates.
+        cls, host = type(self), self.headers.get("Host", "")
+        with cls.lock:
+            cls.stamps.setdefault(self.path.split("?")[0], []).append(time.monotonic())
+            for key in (host, "*"):
+                cls.active[key] += 1
+                cls.peak[key] = max(cls.peak[key], cls.active[key])
+        time.sleep(self.delay)
+        with cls.lock:
+            cls.active[host] -= 1
+            cls.active["*"] -= 1
+        self.respond()
 
     def send(self, status: int, body: bytes, ctype: str | None = "text/html; charset=utf-8", headers=()):
         self.send_response(status)
@@ -81,11 +101,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def do_GET(self):  # noqa: C901 - one branch per endpoint is the clearest layout here
+    def respond(self):  # noqa: C901 - one branch per endpoint is the clearest layout here
         path = self.path.split("?")[0]
         type(self).counters[path] += 1
-        if self.delay:
-            time.sleep(self.delay)
         try:
             if path.startswith("/article/"):
                 self.send(200, article_html(int(path.rsplit("/", 1)[1])))
@@ -146,6 +164,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send(302, b"", None, [("Location", "/loop-b")])
             elif path == "/loop-b":
                 self.send(301, b"", None, [("Location", "/loop-a")])
+            elif path == "/to-private":  # a redirect inward, to a private address and to a loopback name
+                self.send(302, b"", None, [("Location", "http://10.0.0.1/admin")])
+            elif path == "/to-localhost":
+                self.send(302, b"", None, [("Location", f"http://localhost:{self.server.server_address[1]}/")])
             elif path.startswith("/chain/"):
                 n = int(path.rsplit("/", 1)[1])
                 self.send(302, b"", None, [("Location", f"/chain/{n + 1}")])
@@ -171,7 +193,8 @@ class QuietServer(http.server.ThreadingHTTPServer):
 @pytest.fixture
 def server():
     """(base_url, handler_class) of a threaded server on 127.0.0.1; fresh counters per test."""
-    handler = type("H", (Handler,), {"counters": Counter(), "delay": 0.0})
+    handler = type("H", (Handler,), {"counters": Counter(), "delay": 0.0, "active": Counter(), "peak": Counter(),
+                                     "lock": threading.Lock(), "stamps": {}})
     httpd = QuietServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -237,6 +260,43 @@ def test_download_every_kind_of_page(tmp_path, server):
     assert json.loads((tmp_path / "raw.jsonl.stats.json").read_text())["counts"]["already_done"] == len(set(paths))
 
 
+@pytest.mark.timeout(60)
+def test_per_host_concurrency_limit(tmp_path, server):
+    """--per-host caps requests in flight to one host while other hosts proceed (up to --workers)."""
+    base, handler = server
+    handler.delay = 0.25  # every request stays in flight long enough to overlap
+    port = base.rsplit(":", 1)[1]
+    hosts = [f"127.0.0.1:{port}", f"localhost:{port}"]  # two host names, one server
+    urls = tmp_path / "urls.txt"
+    urls.write_text("".join(f"http://{h}/article/{i}\n" for i in range(8) for h in hosts))
+    out = tmp_path / "raw.jsonl"
+    assert main(["download", str(urls), "--output", str(out), "--workers", "16", "--per-host", "2", *FAST]) == 0
+    assert len(read_jsonl(out)) == 16
+    assert handler.peak[hosts[0]] == 2 and handler.peak[hosts[1]] == 2  # never more than 2 per host
+    assert handler.peak["*"] == 4  # ... but both hosts at once: the limit is per host, not global
+
+    out1 = tmp_path / "raw1.jsonl"
+    handler.peak.clear()
+    assert main(["download", str(urls), "--output", str(out1), "--workers", "1", *FAST]) == 0
+    assert handler.peak["*"] == 1 and out1.read_bytes() == out.read_bytes()  # --workers caps the total
+
+
+@pytest.mark.timeout(30)
+def test_retries_back_off_exponentially(tmp_path, server):
+    """5xx is retried --retries times, waiting --backoff, then twice as long; 404 is not retried."""
+    base, handler = server
+    urls = write_urls(tmp_path, base, ["/500", "/404"])
+    out = tmp_path / "raw.jsonl"
+    assert main(["download", str(urls), "--output", str(out), "--retries", "2", "--backoff", "0.3",
+                 "--timeout", "5", "--extract-workers", "1", "--allow-private"]) == 0
+    t = handler.stamps["/500"]
+    assert len(t) == 3 and len(handler.stamps["/404"]) == 1
+    assert t[1] - t[0] >= 0.29 and t[2] - t[1] >= 0.59, [round(b - a, 3) for a, b in zip(t, t[1:])]
+    failed = read_jsonl(str(out) + ".failed.jsonl")
+    assert [(r["reason"], r["detail"].endswith("(attempt 3)")) for r in failed] == [("http_500", True),
+                                                                                    ("http_404", False)]
+
+
 @pytest.mark.timeout(30)
 def test_private_addresses_refused_without_flag(tmp_path, server):
     base, handler = server
@@ -250,6 +310,26 @@ def test_private_addresses_refused_without_flag(tmp_path, server):
     reasons = [r["reason"] for r in read_jsonl(str(out) + ".failed.jsonl")]
     assert reasons == ["private_address"] * 5
     assert sum(handler.counters.values()) == 0  # nothing was even requested
+
+
+@pytest.mark.timeout(30)
+def test_redirect_hops_are_checked_end_to_end(tmp_path, server, monkeypatch):
+    """Every redirect hop is checked: with 127.0.0.1 treated as public (standing in for a public site),
+    redirects to 10.0.0.1 and to localhost are refused before any connection is made."""
+    from data_pipeline import download
+
+    base, handler = server
+    is_public = download.is_public_ip
+    monkeypatch.setattr(download, "is_public_ip", lambda host: host == "127.0.0.1" or is_public(host))
+    urls = write_urls(tmp_path, base, ["/to-private", "/to-localhost", "/article/0"])
+    out = tmp_path / "raw.jsonl"
+    assert main(["download", str(urls), "--output", str(out), "--timeout", "5", "--extract-workers", "1"]) == 0
+    assert [r["url"] for r in read_jsonl(out)] == [base + "/article/0"]
+    failed = read_jsonl(str(out) + ".failed.jsonl")
+    assert [(r["url"].removeprefix(base), r["reason"]) for r in failed] == [
+        ("/to-private", "private_address"), ("/to-localhost", "private_address")]
+    assert "10.0.0.1" in failed[0]["detail"] and "localhost" in failed[1]["detail"]
+    assert handler.counters["/"] == 0  # localhost (the same server) was never contacted
 
 
 @pytest.mark.timeout(60)
