@@ -149,7 +149,7 @@ _PROBE: dict = {}
 
 def _held(chunks) -> int:
     """Chunks whose full buffer exists: gathered, or in flight (an async all-gather's output buffer)."""
-    return sum(c.full is not None or c._gather_buffer is not None for c in chunks)
+    return sum(c.full_buffer is not None for c in chunks)
 
 
 def attach_probe(engine) -> None:
@@ -160,7 +160,7 @@ def attach_probe(engine) -> None:
     for chunk in chunks:
         def gather(async_op: bool = False, chunk=chunk, original=chunk.gather) -> None:
             phase = "backward" if engine.hooks.in_backward else "forward"
-            cold = chunk.full is None and chunk._gather_buffer is None
+            cold = chunk.full_buffer is None
             original(async_op)
             _PROBE["events"].append((phase, chunk.plan.index, async_op, cold))
             _PROBE["max_held"][phase] = max(_PROBE["max_held"][phase], _held(chunks))
