@@ -1,0 +1,167 @@
+"""initialize(): the optimizer API (DESIGN §3) and the engine's step protocol.
+
+A torch optimizer keeps its class, hyperparameters and param groups (two groups with different
+weight_decay train exactly like plain PyTorch at stages 1-3 on 2 ranks) while its state holds only
+this rank's shard; dict(type=AdamW | "AdamW", **kwargs) builds the same optimizer; engine.step()
+acts only at the accumulation boundary and returns dict(grad_norm, skipped, loss_scale, lr).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.zero.reference import EPS, LR, Recipe, assert_run_matches, engine_run, reference_run
+from tests.zero.test_parity import lm_loss, tiny_gpt, token_batches, zero_config
+
+WORLD = 2
+BETAS = (0.8, 0.95)
+
+
+def two_group_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """GPT-2 practice: decay matrices, not biases/LayerNorm; betas differ from the defaults too."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.5}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=LR, betas=BETAS, eps=EPS)
+
+
+TWO_GROUPS = Recipe(build=tiny_gpt, data=token_batches, loss=lm_loss, optimizer=two_group_adamw, steps=6)
+
+
+def inspect_optimizer(engine, step: int) -> dict:
+    """The optimizer as the engine left it: class, groups, and the size of every state tensor."""
+    opt = engine.optimizer
+    shard_of = {id(engine.sharded_optim.masters[c.plan.index]): c for c in engine.chunks if c.plan.trainable}
+    groups = []
+    for g, group in enumerate(opt.param_groups):
+        chunks = [shard_of[id(p)] for p in group["params"]]
+        groups.append({
+            "hyper": {k: v for k, v in group.items() if k != "params"},
+            "chunk_groups": sorted({c.plan.group_index for c in chunks}),
+            "param_names": sorted(s.name for c in chunks for s in c.plan.slots),
+            "state_numels": [sorted({t.numel() for t in opt.state[p].values() if t.dim() > 0}) for p in group["params"]],
+            "shard_numels": [c.plan.shard_numel for c in chunks],
+        })
+    return {"type": type(opt).__name__, "groups": groups,
+            "total_numel": sum(c.plan.numel for c in engine.chunks)}
+
+
+def _two_groups(rank: int, world: int) -> dict:
+    return {stage: engine_run(rank, world, TWO_GROUPS, zero_config(stage), inspect=inspect_optimizer)
+            for stage in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def two_group_runs() -> list[dict]:
+    return run_distributed(_two_groups, WORLD, timeout=200)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_param_groups_train_like_pytorch(two_group_runs, stage):
+    assert_run_matches(two_group_runs[0][stage], reference_run(TWO_GROUPS, WORLD, 1), precision="fp32",
+                       what=f"two param groups, stage {stage}")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_keeps_class_groups_and_holds_only_this_ranks_shard(two_group_runs, stage):
+    model = tiny_gpt()
+    reference = two_group_adamw(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for rank, runs in enumerate(two_group_runs):
+        seen = runs[stage]["inspect"][-1]
+        assert seen["type"] == "AdamW"
+        assert len(seen["groups"]) == 2
+        owned = 0
+        for g, (group, ref_group) in enumerate(zip(seen["groups"], reference.param_groups)):
+            ref_hyper = {k: v for k, v in ref_group.items() if k != "params"}
+            assert group["hyper"] == ref_hyper, f"rank {rank} group {g}: hyperparameters changed"
+            assert group["chunk_groups"] == [g], "a chunk mixes optimizer param groups"
+            assert group["param_names"] == sorted(names[id(p)] for p in ref_group["params"])
+            # Adam m and v exist for exactly this rank's shard of each chunk, nothing more
+            assert group["state_numels"] == [[n] for n in group["shard_numels"]], f"rank {rank} group {g}"
+            owned += sum(group["shard_numels"])
+        assert owned < seen["total_numel"] / WORLD + 64, "state is not sharded 1/N (plus padding)"
+
+
+# ----------------------------------------------------------------------------------------------
+# optimizer as a dict
+
+
+def _dict_forms(rank: int, world: int) -> dict:
+    out = {}
+    forms = {"object": adamw_object, "class": adamw_dict_class, "name": adamw_dict_name}
+    for form, make in forms.items():
+        recipe = Recipe(build=tiny_gpt, data=token_batches, loss=lm_loss, optimizer=make, steps=4)
+        out[form] = engine_run(rank, world, recipe, zero_config(2), inspect=inspect_optimizer)
+    return out
+
+
+def adamw_object(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
+
+
+def adamw_dict_class(model):
+    return dict(type=torch.optim.AdamW, lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
+
+
+def adamw_dict_name(model):
+    return dict(type="AdamW", lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
+
+
+@pytest.mark.timeout(200)
+def test_optimizer_dict_forms_build_the_same_optimizer():
+    runs = run_distributed(_dict_forms, WORLD, timeout=180)[0]
+    for form in ("class", "name"):
+        assert runs[form]["inspect"][-1]["type"] == "AdamW"
+        assert runs[form]["inspect"][-1]["groups"][0]["hyper"] == runs["object"]["inspect"][-1]["groups"][0]["hyper"]
+        assert runs[form]["losses"] == runs["object"]["losses"], form  # bit for bit: the same computation
+        for k, v in runs["object"]["params"].items():
+            assert torch.equal(runs[form]["params"][k], v), (form, k)
+
+
+# ----------------------------------------------------------------------------------------------
+# step protocol
+
+
+def _protocol(rank: int, world: int) -> dict:
+    import zerogpt
+
+    torch.set_num_threads(1)
+    accum = 3
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    loader = [1, 2, 3]
+    engine, train_dl, eval_dl, sched = zerogpt.initialize(
+        model, opt, train_dataloader=loader, lr_scheduler=scheduler,
+        config=dict(zero=dict(stage=3), GRADIENT_ACCUMULATION=accum))
+    passed_through = engine.optimizer is opt and sched is scheduler and train_dl is loader and eval_dl is None
+    data = token_batches(2, world, accum)
+    returned, shard_changed = [], []
+    for step in range(2):
+        for j in range(accum):
+            before = [c.shard.clone() for c in engine.chunks]
+            engine.backward(lm_loss(engine, data[step, j, rank], step))
+            out = engine.step()
+            engine.zero_grad()
+            returned.append(out)
+            shard_changed.append(any(not torch.equal(a, c.shard) for a, c in zip(before, engine.chunks)))
+            if out:
+                scheduler.step()
+    engine.close()
+    return {"passed_through": passed_through, "returned": returned, "changed": shard_changed}
+
+
+@pytest.mark.timeout(200)
+def test_step_acts_only_at_the_accumulation_boundary():
+    for rank, run in enumerate(run_distributed(_protocol, WORLD, timeout=180)):
+        assert run["passed_through"], "initialize must return the same optimizer, dataloader and scheduler"
+        assert [bool(r) for r in run["returned"]] == [False, False, True] * 2
+        assert run["changed"] == [False, False, True] * 2, f"rank {rank}: params moved off the boundary"
+        stats = [r for r in run["returned"] if r]
+        assert all(set(s) == {"grad_norm", "skipped", "loss_scale", "lr"} for s in stats)
+        assert [s["lr"] for s in stats] == [LR, LR / 2]  # the scheduler bound to the user's optimizer acts
+        assert all(s["skipped"] is False and s["loss_scale"] == 1.0 and s["grad_norm"] > 0 for s in stats)
