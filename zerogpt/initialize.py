@@ -12,6 +12,7 @@ Order and why:
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,28 @@ def _check_devices(params: list[tuple[str, nn.Parameter, int]]) -> None:
                          f"(the engine moves it to ctx.device)")
 
 
+def _check_same_plan(plans, ecfg: EngineConfig, ctx) -> None:
+    """Fail fast when ranks disagree on the chunk layout (different model or zero config per rank).
+
+    Every later collective assumes the same chunks and sizes on every rank; a mismatch would
+    otherwise surface mid-step as a hang or an opaque transport error. One tiny all-gather at init.
+    """
+    if not dist.is_initialized() or ctx.world_size == 1:
+        return
+    layout = "|".join(f"{s.name}{s.shape}:{p.group_index}" for p in plans for s in p.slots)
+    fields = ("zero.stage", "chunks", "padded elements", "precision + parameter layout hash")
+    mine = torch.tensor([ecfg.zero.stage, len(plans), sum(p.padded_numel for p in plans),
+                         zlib.crc32(f"{ecfg.precision}|{layout}".encode())], dtype=torch.int64, device=ctx.device)
+    every = torch.empty(ctx.world_size * len(fields), dtype=torch.int64, device=ctx.device)
+    dist.all_gather_into_tensor(every, mine, group=ctx.group)
+    rows = every.view(ctx.world_size, len(fields)).tolist()
+    for rank, row in enumerate(rows):
+        if row != rows[0]:
+            diffs = ", ".join(f"{f}: {a} vs {b}" for f, a, b in zip(fields, rows[0], row) if a != b)
+            raise ValueError(f"rank 0 and rank {rank} built different ZeRO layouts ({diffs}); every rank must "
+                             f"build the same model with the same zero/precision config before initialize()")
+
+
 def _build_chunks(params, plans, ecfg: EngineConfig, ctx, placement: Placement, init_values) -> list[Chunk]:
     dtype = compute_dtype(ecfg.precision)
     stage = ecfg.zero.stage
@@ -170,6 +193,7 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     element_size = torch.empty(0, dtype=compute_dtype(ecfg.precision)).element_size()
     plans = plan_chunks([(n, tuple(p.shape), g) for n, p, g in params], zero.shard_strategy, num_shards,
                         element_size)
+    _check_same_plan(plans, ecfg, ctx)
     optim_home = {"none": "device", "cpu": "host", "disk": "disk"}[zero.offload_optimizer.device]
     if optim_home == "disk":
         state_bytes = sum(p.shard_numel for p in plans if p.trainable) * 4 * 3
