@@ -1,8 +1,9 @@
 """amp.py and the fp16 path through the engine: the dynamic loss scaler's schedule, its config keys,
 and forced overflows on 2 gloo ranks.
 
-An inf injected into ONE rank's loss on chosen steps must skip exactly those steps on ALL ranks
-(one all-reduce carries the overflow flag), leave the parameters untouched on those steps, back the
+An inf injected on ONE rank on chosen steps - into its loss (every gradient inf/nan), or into one
+element of its gradient that after the reduce-scatter lands in another rank's shard only - must
+skip exactly those steps on ALL ranks (one all-reduce carries the overflow flag), leave the parameters untouched on those steps, back the
 scale off per hysteresis (default: start 2**16, x0.5 after 2 overflows, x2 after 1000 clean steps)
 and log each skipped step with the new scale. The other steps train like plain PyTorch that skips
 the same steps (fp16 tolerance).
@@ -112,7 +113,23 @@ def _local_state(engine) -> list[torch.Tensor]:
     return [t.clone() for t in list(engine.sharded_optim.masters.values()) + [c.shard for c in engine.chunks]]
 
 
-def _fp16_run(rank: int, world: int, stage: int, accum: int, overflow_steps: tuple[int, ...]) -> dict:
+def _poison_grad_on(steps: tuple[int, ...], state: dict):
+    """A tensor hook for rank INFECTED_RANK's wte gradient: inf in element [0, 0] on `steps`' last micro-step.
+
+    Offset 0 of chunk 0 lies in rank 0's shard, so after the reduce-scatter (stages 1-3) only rank 0's
+    local gradient shard holds the inf: the other ranks learn of the overflow only through the flag
+    all-reduce, which is what this injection tests.
+    """
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if state["step"] in steps and state["last_micro"]:
+            grad = grad.clone()
+            grad[0, 0] = float("inf")
+        return grad
+    return hook
+
+
+def _fp16_run(rank: int, world: int, stage: int, accum: int, overflow_steps: tuple[int, ...],
+              where: str = "loss") -> dict:
     import zerogpt
     from zerogpt.zero import BucketTensorShardStrategy
 
@@ -123,15 +140,19 @@ def _fp16_run(rank: int, world: int, stage: int, accum: int, overflow_steps: tup
     cfg = zerogpt.Config(dict(zero=dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02)),
                               precision="fp16", GRADIENT_ACCUMULATION=accum))
     engine, *_ = zerogpt.initialize(model, GPT_RECIPE.optimizer(model), config=cfg, ctx=ctx)
+    position = {"step": -1, "last_micro": False}
+    if where == "grad" and rank == INFECTED_RANK:
+        model.transformer.wte.weight.register_hook(_poison_grad_on(overflow_steps, position))
     data = GPT_RECIPE.data(STEPS, world, accum)
     stats, changed, losses = [], [], []
     for step in range(STEPS):
         before = _local_state(engine)
         step_loss = torch.zeros(())
         for j in range(accum):
+            position.update(step=step, last_micro=j == accum - 1)
             loss = GPT_RECIPE.loss(engine, data[step, j, rank], step)
             step_loss += loss.detach().float() / accum
-            if step in overflow_steps and rank == INFECTED_RANK and j == accum - 1:
+            if where == "loss" and step in overflow_steps and rank == INFECTED_RANK and j == accum - 1:
                 loss = loss * float("inf")  # inf/nan gradients on this rank only
             engine.backward(loss)
             out = engine.step()
@@ -167,7 +188,8 @@ def _every_stage(rank: int, world: int) -> dict:
     out = {}
     for stage, accum in [(0, 1), (1, 2), (2, 1), (3, 2)]:
         out[(stage, accum, "clean")] = _fp16_run(rank, world, stage, accum, ())
-        out[(stage, accum, "overflow")] = _fp16_run(rank, world, stage, accum, OVERFLOW_STEPS)
+        for where in INJECT:
+            out[(stage, accum, where)] = _fp16_run(rank, world, stage, accum, OVERFLOW_STEPS, where)
     return out
 
 
@@ -177,13 +199,15 @@ def fp16_runs() -> list[dict]:
 
 
 SETTINGS = [(0, 1), (1, 2), (2, 1), (3, 2)]
+INJECT = ("loss", "grad")  # inf * loss on one rank (every element inf/nan), or one inf gradient element
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage,accum", SETTINGS)
-def test_overflow_on_one_rank_skips_that_step_on_all_ranks(fp16_runs, stage, accum):
+@pytest.mark.parametrize("where", INJECT)
+def test_overflow_on_one_rank_skips_that_step_on_all_ranks(fp16_runs, stage, accum, where):
     for rank, runs in enumerate(fp16_runs):
-        clean, hit = runs[(stage, accum, "clean")], runs[(stage, accum, "overflow")]
+        clean, hit = runs[(stage, accum, "clean")], runs[(stage, accum, where)]
         assert [s["skipped"] for s in clean["stats"]] == [False] * STEPS, "no natural overflow in the control run"
         assert [s["skipped"] for s in hit["stats"]] == [s in OVERFLOW_STEPS for s in range(STEPS)], f"rank {rank}"
         assert hit["changed"] == [s not in OVERFLOW_STEPS for s in range(STEPS)], \
@@ -192,12 +216,13 @@ def test_overflow_on_one_rank_skips_that_step_on_all_ranks(fp16_runs, stage, acc
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage,accum", SETTINGS)
-def test_loss_scale_backs_off_with_hysteresis_and_is_logged(fp16_runs, stage, accum):
+@pytest.mark.parametrize("where", INJECT)
+def test_loss_scale_backs_off_with_hysteresis_and_is_logged(fp16_runs, stage, accum, where):
     hi, lo = 2.0**16, 2.0**15
     # step 2: first overflow absorbed (hysteresis 2); step 3: second overflow -> x0.5; step 6: absorbed again
     expected = [hi, hi, hi, lo, lo, lo, lo, lo]
     for rank, runs in enumerate(fp16_runs):
-        hit = runs[(stage, accum, "overflow")]
+        hit = runs[(stage, accum, where)]
         assert [s["loss_scale"] for s in hit["stats"]] == expected, f"rank {rank}"
         assert [s["loss_scale"] for s in runs[(stage, accum, "clean")]["stats"]] == [hi] * STEPS
         assert hit["warnings"] == [f"step {s + 1}: fp16 gradient overflow, step skipped; loss scale now "
@@ -210,12 +235,12 @@ def test_loss_scale_backs_off_with_hysteresis_and_is_logged(fp16_runs, stage, ac
 def test_fp16_trains_like_pytorch_that_skips_the_same_steps(fp16_runs, stage, accum):
     from tests.zero.reference import assert_params_close
 
-    for kind, skipped in (("clean", ()), ("overflow", OVERFLOW_STEPS)):
+    for kind, skipped in (("clean", ()), ("loss", OVERFLOW_STEPS), ("grad", OVERFLOW_STEPS)):
         run = fp16_runs[0][(stage, accum, kind)]
         ref_losses, ref_params = _reference_skipping(skipped, accum)
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=3e-2, atol=3e-2)
         assert_params_close(run["params"], ref_params, 3e-2, 0.1, f"fp16 stage {stage} {kind}")
     # and the skipped steps really made a difference (the check above is not vacuous)
-    clean, hit = fp16_runs[0][(stage, accum, "clean")], fp16_runs[0][(stage, accum, "overflow")]
+    clean, hit = fp16_runs[0][(stage, accum, "clean")], fp16_runs[0][(stage, accum, "grad")]
     diff = max((clean["params"][k].float() - hit["params"][k].float()).abs().max().item() for k in clean["params"])
     assert diff > 1e-3
