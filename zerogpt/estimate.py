@@ -83,7 +83,7 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
     them chunk by chunk into fp32 shards at the boundary, so their grad peak is max(c Psi, 4 Psi/N_opt)
     per home (stage 0 mixed: 18Psi; stage 1: 4Psi+12Psi/N for N >= 2). In fp32 the master *is* the
     param shard when the optimizer lives on the device (16Psi ... 16Psi/N); with optimizer offload a
-    separate fp32 master is kept where the optimizer runs.
+    separate fp32 master is kept where the optimizer runs (also with param offload alone: on the device).
 
     Args:
         num_params: Psi, trainable parameters (tied weights counted once).
@@ -132,8 +132,9 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
         out["grads"]["device"] = max(full_grads, shard_grads)
     else:
         out["grads"]["device"], out["grads"]["host"] = full_grads, shard_grads
-    # master: aliased to the param shard only in fp32 with the optimizer on the device
-    if not (precision == "fp32" and optim_home == "device"):
+    # master: aliased to the param shard only in fp32 with the optimizer and the params on the device
+    # (with param offload the fp32 master stays with the optimizer, on the device, apart from the host shard)
+    if not (precision == "fp32" and optim_home == "device" and param_home == "device"):
         out["master"][optim_home] += per_rank(4, n_opt)
     out["optimizer"][optim_home] += per_rank(optimizer_bytes_per_param, n_opt)
     return out

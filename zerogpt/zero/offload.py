@@ -1,7 +1,7 @@
 """Where a chunk's tensors live: the accelerator, (pinned) host RAM, or memory-mapped files on disk.
 
 `Placement` allocates and records. It owns the disk files of optimizer-state offload: one file per
-tensor under `<path>/zerogpt-rank<r>-<pid>/`, memory-mapped so the OS streams pages through RAM,
+tensor under `<path>/zerogpt-rank<r>-<pid>-<random>/`, memory-mapped so the OS streams pages through RAM,
 with `prefetch()` (read-ahead via madvise WILLNEED) and `evict()` (write back, drop from RAM) so a
 step touches one chunk's state at a time and optimizer state can exceed host RAM.
 """
@@ -10,7 +10,11 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import stat
+import tempfile
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,15 +27,47 @@ def check_disk_path(path: str | None, bytes_needed: int) -> None:
     if not path:
         raise ValueError("zero.offload_optimizer.device='disk' needs a path: "
                          "set zero.offload_optimizer=dict(device='disk', path='/fast/nvme/dir')")
-    if not os.path.isdir(path):
+    try:
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except FileNotFoundError:
         raise ValueError(f"disk offload directory {path!r} does not exist; create it (mkdir -p {path}) "
-                         f"or point zero.offload_optimizer.path at an existing directory")
-    if not os.access(path, os.W_OK):
-        raise ValueError(f"disk offload directory {path!r} is not writable by this user")
+                         f"or point zero.offload_optimizer.path at an existing directory") from None
+    except OSError as e:  # e.g. a parent directory this user may not enter: not "missing"
+        raise ValueError(f"disk offload directory {path!r} cannot be reached by this user ({e.strerror}); "
+                         f"fix the permissions of its parents or point zero.offload_optimizer.path "
+                         f"elsewhere") from None
+    if not is_dir:
+        raise ValueError(f"disk offload path {path!r} is not a directory; point zero.offload_optimizer.path "
+                         f"at a directory")
+    # Create a file rather than ask os.access(): access() answers from mode bits, which root always
+    # passes, and misses refusals that only show on write (sysfs-like mounts, ACLs, NFS root-squash).
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"disk offload directory {path!r} is not writable by this user ({e.strerror}); "
+                         f"fix its permissions or point zero.offload_optimizer.path at a writable "
+                         f"directory") from None
     free = shutil.disk_usage(path).free
     if free < bytes_needed:
         raise ValueError(f"disk offload directory {path!r} has {free / 2**30:.2f} GiB free but the "
-                         f"optimizer state of this rank needs {bytes_needed / 2**30:.2f} GiB")
+                         f"optimizer state of this rank needs {bytes_needed / 2**30:.2f} GiB; free space "
+                         f"there, choose a larger disk, or use zero.offload_optimizer=dict(device='cpu')")
+
+
+def start_d2h(tensor: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """Start copying a device tensor into pinned host memory; returns (host copy, event or None).
+
+    Host code must not read the copy before `event.synchronize()`: a non-blocking device->host copy
+    returns at once while the bytes are still in flight. On a CPU-only run there is nothing to copy.
+    """
+    if tensor.device.type != "cuda":
+        return tensor, None
+    staging = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)  # cached by torch's host allocator
+    staging.copy_(tensor, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return staging, event
 
 
 @dataclass
@@ -49,9 +85,15 @@ class Placement:
     pin_memory: bool = True
     disk_path: str | None = None
     rank: int = 0
-    _homes: dict[int, str] = field(default_factory=dict)
+    _homes: dict[int, tuple[weakref.ref, str]] = field(default_factory=dict)  # storage ptr -> (tensor, home)
     _disk: dict[int, _DiskTensor] = field(default_factory=dict)
     _disk_dir: str | None = None
+    _cleanup: Any = None  # weakref.finalize that removes _disk_dir
+
+    @property
+    def disk_dir(self) -> str | None:
+        """This rank's directory of memory-mapped state files (None before the first disk tensor)."""
+        return self._disk_dir
 
     def torch_device(self, home: str) -> torch.device:
         return self.device if home == "device" else torch.device("cpu")
@@ -69,12 +111,18 @@ class Placement:
         return tensor
 
     def record(self, tensor: torch.Tensor, home: str) -> None:
-        self._homes[tensor.untyped_storage().data_ptr()] = home
+        # A weak reference to the recorded tensor guards against address reuse: once it dies its
+        # storage may be freed and the allocator may hand the same address to an unrelated tensor
+        # (a grad shard freed at zero_grad, then the next step's full grad buffer).
+        self._homes[tensor.untyped_storage().data_ptr()] = (weakref.ref(tensor), home)
 
     def home_of(self, tensor: torch.Tensor) -> str:
         ptr = tensor.untyped_storage().data_ptr()
-        if ptr in self._homes:
-            return self._homes[ptr]
+        entry = self._homes.get(ptr)
+        if entry is not None:
+            if entry[0]() is not None:
+                return entry[1]
+            del self._homes[ptr]
         return "device" if tensor.device == self.device else "host"
 
     def is_disk_backed(self, tensor: torch.Tensor) -> bool:
@@ -86,8 +134,13 @@ class Placement:
 
     def _disk_tensor(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
         if self._disk_dir is None:
-            self._disk_dir = os.path.join(self.disk_path, f"zerogpt-rank{self.rank}-{os.getpid()}")
-            os.makedirs(self._disk_dir, exist_ok=True)
+            # A fresh directory per Placement: two engines of one process (a fixed rank+pid name) would
+            # truncate each other's mapped files (SIGBUS) and remove each other's directory on close.
+            self._disk_dir = tempfile.mkdtemp(prefix=f"zerogpt-rank{self.rank}-{os.getpid()}-", dir=self.disk_path)
+            # Remove the files on close(), when this Placement is collected, or at interpreter exit
+            # (finalize registers with atexit; a torchrun or spawn worker that returns normally runs
+            # it, a killed process cannot). It must not reference self, or it would keep self alive.
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._disk_dir, ignore_errors=True)
         path = os.path.join(self._disk_dir, f"{name}-{len(self._disk)}.bin")
         nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
         with open(path, "wb") as f:
@@ -115,14 +168,9 @@ class Placement:
                 entry.mm.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
-        """Remove this rank's offload files (called when the engine is closed or collected)."""
+        """Remove this rank's offload files (engine.close(); also runs on collection and at exit)."""
         self._disk.clear()
-        if self._disk_dir is not None:
-            shutil.rmtree(self._disk_dir, ignore_errors=True)
-            self._disk_dir = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        if self._cleanup is not None:
+            self._cleanup()  # runs rmtree once, then detaches from atexit
+            self._cleanup = None
+        self._disk_dir = None

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from zerogpt.amp import DynamicLossScaler
 from zerogpt.zero.chunk import Chunk
-from zerogpt.zero.offload import Placement
+from zerogpt.zero.offload import Placement, start_d2h
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -44,7 +44,13 @@ class ShardedOptimizer:
         self.clip_grad_norm = clip_grad_norm or None
         self.masters: dict[int, torch.Tensor] = {}
         self.grad_shards: dict[int, torch.Tensor] = {}
-        aliased = precision == "fp32" and optim_home == "device"
+        # Reduced grad shards still being copied device->host: (fp32 host shard, staging copy, event).
+        self._pending_d2h: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        # fp32 with the optimizer on the device: the param shard is the master. Not when param shards
+        # rest on the host (stage-3 param offload): the master must live with the optimizer and grad
+        # shards on the device (an aliased host master would get a device grad).
+        aliased = precision == "fp32" and optim_home == "device" and all(
+            placement.home_of(c.shard) == "device" for c in chunks if c.plan.trainable)
         for chunk in chunks:
             if not chunk.plan.trainable:
                 continue
@@ -57,8 +63,8 @@ class ShardedOptimizer:
             self.masters[chunk.plan.index] = master
         self.aliased = aliased
         self._rewire_param_groups()
-        if optim_home == "disk":
-            self._preallocate_disk_state()
+        if optim_home != "device":
+            self._preallocate_state()
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -71,16 +77,31 @@ class ShardedOptimizer:
             group["params"] = by_group.get(g, [])
         self.optimizer.state.clear()
 
-    def _preallocate_disk_state(self) -> None:
-        if not _is_adam_family(self.optimizer):
+    def _preallocate_state(self) -> None:
+        """Allocate Adam state where the optimizer lives (pinned host RAM or memory-mapped files).
+
+        Torch and CPUAdam use state tensors they find in place, so allocating them here puts them at
+        their home from the start (and in the accounting before the first step). Other optimizers
+        create their state lazily on the host; `_optimizer_step` records it there.
+        """
+        adam = _is_adam_family(self.optimizer)
+        if not adam and self.optim_home == "disk":
             raise ValueError(f"disk offload keeps Adam state (exp_avg, exp_avg_sq) in memory-mapped files; "
                              f"{type(self.optimizer).__name__} is not an Adam-family optimizer. Use "
                              f"zero.offload_optimizer=dict(device='cpu') or an Adam/AdamW/CPUAdam optimizer")
-        for index, master in self.masters.items():
+        if not adam:
+            return
+        for chunk in self.chunks:
+            if not chunk.plan.trainable:
+                continue
+            index, master = chunk.plan.index, self.masters[chunk.plan.index]
             state = self.optimizer.state[master]
             state["step"] = torch.tensor(0.0)
-            for key in ADAM_STATE_KEYS:
-                state[key] = self.placement.empty(master.numel(), torch.float32, "disk", f"{key}{index}")
+            keys = ADAM_STATE_KEYS
+            if self.optimizer.param_groups[chunk.plan.group_index].get("amsgrad"):
+                keys += ("max_exp_avg_sq",)  # torch reads it from pre-filled state, never creates it
+            for key in keys:
+                state[key] = self.placement.empty(master.numel(), torch.float32, self.optim_home, f"{key}{index}")
 
     # -- gradients ----------------------------------------------------------------------------
 
@@ -90,9 +111,26 @@ class ShardedOptimizer:
         if index not in self.grad_shards:
             self.grad_shards[index] = self.placement.empty(chunk.plan.shard_numel, torch.float32,
                                                            self.grad_home, f"grad{index}")
-        self.grad_shards[index].add_(reduced.to(self.grad_shards[index].device, non_blocking=True))
+        shard = self.grad_shards[index]
+        if reduced.device == shard.device:
+            shard.add_(reduced)
+            return
+        # Offload: start this chunk's device->host copy, then finish the earlier ones, so this copy
+        # overlaps the host add of the previous chunk. (A plain non-blocking .to('cpu') followed by
+        # add_ would read the host bytes before the copy lands.)
+        self._pending_d2h.append((shard, *start_d2h(reduced)))
+        self._finish_d2h(keep_last=1)
+
+    def _finish_d2h(self, keep_last: int = 0) -> None:
+        """Wait for pending grad copies (all but the newest `keep_last`) and add them into their shards."""
+        while len(self._pending_d2h) > keep_last:
+            shard, staging, event = self._pending_d2h.pop(0)
+            if event is not None:
+                event.synchronize()
+            shard.add_(staging)
 
     def zero_grad(self) -> None:
+        self._pending_d2h.clear()
         self.grad_shards.clear()
 
     # -- step ---------------------------------------------------------------------------------
@@ -109,6 +147,7 @@ class ShardedOptimizer:
     def step(self) -> dict:
         """One optimizer step on the shards. Returns dict(grad_norm, skipped, loss_scale, lr)."""
         scale = self.loss_scaler.scale
+        self._finish_d2h()
         sumsq = self._global_sumsq()
         overflow = not math.isfinite(sumsq)
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
@@ -125,7 +164,7 @@ class ShardedOptimizer:
             if factor != 1.0:
                 g.mul_(factor)
         self._optimizer_step()
-        self._write_back()
+        self._gather_updated()
         self.loss_scaler.update(False)
         self.zero_grad()
         return {"grad_norm": grad_norm, "skipped": False, "loss_scale": self.loss_scaler.scale, "lr": lr}
@@ -143,6 +182,7 @@ class ShardedOptimizer:
         if self.optim_home == "device":
             self._set_grads(self.masters)
             self.optimizer.step()
+            self._write_back(self.masters)
         else:  # chunk by chunk: bounded host RAM for disk, and read-ahead of the next chunk
             order = list(self.masters)
             for i, index in enumerate(order):
@@ -150,9 +190,19 @@ class ShardedOptimizer:
                     self._prefetch_state(order[i + 1])
                 self._set_grads([index])
                 self.optimizer.step()
+                # Copy the updated master into its param shard now, while its pages are in RAM (disk)
+                # and so the host->device copy overlaps the next chunk's CPU step.
+                self._write_back([index])
+                self._record_state(index)
                 self._evict_state(index)
         for master in self.masters.values():
             master.grad = None
+
+    def _record_state(self, index: int) -> None:
+        """Record lazily created state (non-Adam optimizers) at the optimizer's home, for the accounting."""
+        if self.optim_home == "host":
+            for t in self._state_tensors(index)[1:]:
+                self.placement.record(t, "host")
 
     def _state_tensors(self, index: int) -> list[torch.Tensor]:
         master = self.masters[index]
@@ -167,13 +217,17 @@ class ShardedOptimizer:
         for t in self._state_tensors(index):
             self.placement.evict(t)
 
-    def _write_back(self) -> None:
+    def _write_back(self, indices: Iterable[int]) -> None:
+        """Cast updated masters into their param shards (compute dtype, the shard's home)."""
+        if self.aliased:
+            return
+        for index in indices:
+            self.chunks[index].shard.copy_(self.masters[index], non_blocking=True)
+
+    def _gather_updated(self) -> None:
+        """Stages 0-2: all-gather every trainable chunk's updated shards into its full buffer."""
         for chunk in self.chunks:
-            if not chunk.plan.trainable:
-                continue
-            if not self.aliased:
-                chunk.shard.copy_(self.masters[chunk.plan.index], non_blocking=True)
-            if chunk.persistent_full:
+            if chunk.plan.trainable and chunk.persistent_full:
                 chunk.all_gather_full()
 
     # -- state ----------------------------------------------------------------------------------
