@@ -3,21 +3,19 @@ and forced overflows on 2 gloo ranks.
 
 An inf injected on ONE rank on chosen steps - into its loss (every gradient inf/nan), or into one
 element of its gradient that after the reduce-scatter lands in another rank's shard only - must
-skip exactly those steps on ALL ranks (one all-reduce carries the overflow flag), leave the parameters untouched on those steps, back the
-scale off per hysteresis (default: start 2**16, x0.5 after 2 overflows, x2 after 1000 clean steps)
-and log each skipped step with the new scale. The other steps train like plain PyTorch that skips
-the same steps (fp16 tolerance).
+skip exactly those steps on ALL ranks (one all-reduce carries the overflow flag), leave the
+parameters untouched on those steps, back the scale off per hysteresis (default: start 2**16, x0.5
+after 2 overflows, x2 after 1000 clean steps) and log each skipped step with the new scale. The
+other steps train like plain PyTorch that skips the same steps (fp16 tolerance).
 """
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.zero.reference import single_thread
+from tests.zero.reference import cpu_ctx, single_thread
 from tests.zero.test_parity import GPT_RECIPE
 from zerogpt.amp import DynamicLossScaler
 
@@ -78,7 +76,7 @@ def test_loss_scale_config_keys_reach_the_engine(zero):
 
     model = torch.nn.Linear(4, 4)
     engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()),
-                                    config=dict(zero=zero, precision="fp16"))
+                                    config=dict(zero=zero, precision="fp16"), ctx=cpu_ctx())
     scaler = engine.sharded_optim.loss_scaler
     assert (scaler.scale, scaler.hysteresis, scaler.backoff_factor, scaler.growth_interval) == (1024.0, 1, 0.25, 7)
     engine.close()
@@ -88,7 +86,8 @@ def test_loss_scale_is_one_without_fp16():
     import zerogpt
 
     model = torch.nn.Linear(4, 4)
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=dict(precision="bf16"))
+    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=dict(precision="bf16"),
+                                    ctx=cpu_ctx())
     assert engine.loss_scale == 1.0
     engine.close()
 
@@ -135,7 +134,7 @@ def _fp16_run(rank: int, world: int, stage: int, accum: int, overflow_steps: tup
 
     torch.set_num_threads(1)
     logger = _ListLogger()
-    ctx = SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu"), group=None, logger=logger)
+    ctx = cpu_ctx(rank, world, logger)
     model = GPT_RECIPE.build()
     cfg = zerogpt.Config(dict(zero=dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02)),
                               precision="fp16", GRADIENT_ACCUMULATION=accum))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.zero.reference import EPS, LR, Recipe, assert_run_matches, engine_run, reference_run
+from tests.zero.reference import EPS, LR, Recipe, assert_run_matches, cpu_ctx, engine_run, reference_run
 from tests.zero.test_parity import lm_loss, tiny_gpt, token_batches, zero_config
 
 WORLD = 2
@@ -40,7 +40,8 @@ def inspect_optimizer(engine, step: int) -> dict:
             "hyper": {k: v for k, v in group.items() if k != "params"},
             "chunk_groups": sorted({c.plan.group_index for c in chunks}),
             "param_names": sorted(s.name for c in chunks for s in c.plan.slots),
-            "state_numels": [sorted({t.numel() for t in opt.state[p].values() if t.dim() > 0}) for p in group["params"]],
+            "state_numels": [sorted({t.numel() for t in opt.state[p].values() if t.dim() > 0})
+                             for p in group["params"]],
             "shard_numels": [c.plan.shard_numel for c in chunks],
         })
     return {"type": type(opt).__name__, "groups": groups,
@@ -137,7 +138,7 @@ def _protocol(rank: int, world: int) -> dict:
     loader = [1, 2, 3]
     engine, train_dl, eval_dl, sched = zerogpt.initialize(
         model, opt, train_dataloader=loader, lr_scheduler=scheduler,
-        config=dict(zero=dict(stage=3), GRADIENT_ACCUMULATION=accum))
+        config=dict(zero=dict(stage=3), GRADIENT_ACCUMULATION=accum), ctx=cpu_ctx(rank, world))
     passed_through = engine.optimizer is opt and sched is scheduler and train_dl is loader and eval_dl is None
     data = token_batches(2, world, accum)
     returned, shard_changed = [], []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -27,6 +28,12 @@ LR = 3e-3
 # that noise up to lr-sized steps and two correct runs drift apart by ~1e-5. A larger eps keeps noise as noise.
 EPS = 1e-6
 WEIGHT_DECAY = 0.1
+
+
+def cpu_ctx(rank: int = 0, world: int = 1, logger: Any = None) -> SimpleNamespace:
+    """The engine context these tests run under: gloo ranks on the CPU, even on a machine with a GPU
+    (the default context would pick cuda:LOCAL_RANK while the tests feed CPU tensors)."""
+    return SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu"), group=None, logger=logger)
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -100,7 +107,7 @@ def engine_run(rank: int, world: int, recipe: Recipe, zero: dict, precision: str
     torch.set_num_threads(1)
     model = recipe.build()
     cfg = zerogpt.Config(dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=accum, clip_grad_norm=clip))
-    engine, *_ = zerogpt.initialize(model, recipe.optimizer(model), config=cfg)
+    engine, *_ = zerogpt.initialize(model, recipe.optimizer(model), config=cfg, ctx=cpu_ctx(rank, world))
     if setup is not None:
         setup(engine)
     data = recipe.data(recipe.steps, world, accum)

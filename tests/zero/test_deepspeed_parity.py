@@ -34,6 +34,9 @@ def _full_params(ds_engine, stage: int) -> dict[str, torch.Tensor]:
 
 
 def deepspeed_run(rank: int, world: int, stage: int, accum: int) -> dict:
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"  # gloo CPU ranks even where a GPU exists (set before the import)
     import deepspeed as ds
     import torch.distributed as dist
 

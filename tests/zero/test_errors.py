@@ -15,6 +15,7 @@ from torch import nn
 
 import zerogpt
 from tests.dist_utils import run_distributed
+from tests.zero.reference import cpu_ctx
 
 
 def _linear() -> nn.Linear:
@@ -25,7 +26,7 @@ def _linear() -> nn.Linear:
 def _init(model=None, optimizer=None, **config):
     model = model if model is not None else _linear()
     optimizer = optimizer if optimizer is not None else torch.optim.AdamW(model.parameters())
-    return zerogpt.initialize(model, optimizer, config=config)
+    return zerogpt.initialize(model, optimizer, config=config, ctx=cpu_ctx())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ def test_cpu_and_cuda_parameters_mixed():
 
 
 def _world_size_mismatch(rank: int, world: int) -> str:
-    ctx = SimpleNamespace(rank=rank, world_size=2, device=torch.device("cpu"), group=None, logger=None)
+    ctx = cpu_ctx(rank, world=2)  # but the process group has 1 rank
     model = _linear()
     try:
         zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=dict(zero=dict(stage=2)), ctx=ctx)
@@ -171,7 +172,8 @@ def _different_models(rank: int, world: int) -> str:
     torch.manual_seed(0)
     model = nn.Linear(4, 4 + rank)  # rank 1 built a different model
     try:
-        zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=dict(zero=dict(stage=3)))
+        zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=dict(zero=dict(stage=3)),
+                           ctx=cpu_ctx(rank, world))
     except ValueError as e:
         return str(e)
     return "no error"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.zero.reference import cpu_ctx
 from tests.zero.test_parity import lm_loss, tiny_gpt, token_batches, zero_config
 
 ACCUM = 3
@@ -24,7 +25,8 @@ def _count_reductions(rank: int, world: int) -> dict:
     for stage in range(4):
         model = tiny_gpt()
         cfg = zerogpt.Config(dict(zero=zero_config(stage), GRADIENT_ACCUMULATION=ACCUM))
-        engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg)
+        engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg,
+                                        ctx=cpu_ctx(rank, world))
         calls = []
         for chunk in engine.chunks:
             def launch(chunk=chunk, original=chunk.launch_reduce):

@@ -326,7 +326,8 @@ def _seed_form(rank: int, world: int) -> dict:
 
     def setup(engine):
         seen.update(stage=engine.stage, strategy=type(engine.config.zero.shard_strategy).__name__,
-                    shards=[c.shard.numel() for c in engine.chunks], padded=[c.plan.padded_numel for c in engine.chunks],
+                    shards=[c.shard.numel() for c in engine.chunks],
+                    padded=[c.plan.padded_numel for c in engine.chunks],
                     persistent=[c.persistent_full for c in engine.chunks])
 
     run = engine_run(rank, world, RECIPES["gpt"], zero, setup=setup, inspect=inspect_step_light)
