@@ -4,8 +4,8 @@ module hooks, released after use, prefetched in the recorded order, on 2 gloo ra
 Every model below trains 2 ranks x stage 3 and must reproduce plain single-process PyTorch (fp32:
 relative 1e-5): activation checkpointing (recompute re-gathers), tied weights, a layer called twice,
 a branch used on some steps only, keyword-argument forwards, a forward whose order changes by an
-argument, frozen parameters, HF transformers' GPT2LMHeadModel (tiny config, built locally) and
-model_zoo's GPT. A probe wrapped around each chunk's gather() checks the memory invariants:
+argument, frozen parameters, HF transformers' GPT2LMHeadModel (tiny config, built locally),
+model_zoo's GPT, and GPT with no_grad eval forwards between steps and two forwards per backward. A probe wrapped around each chunk's gather() checks the memory invariants:
 nothing gathered between steps, at most (own chunks + prefetch + held tied chunk) during a pass, and
 after the first pass only the first module's chunks are gathered cold (the rest were prefetched).
 """
@@ -115,6 +115,19 @@ def gpt_loss(model, batch, step):
     return GPTLMLoss(shift=False)(model(batch[:, :-1]), batch[:, 1:])
 
 
+def eval_and_double_forward_loss(model, batch, step):
+    """Odd steps: an eval-mode no_grad forward first (as an eval hook does between steps). Every third
+    step: two forwards (half batches) and one backward through both graphs."""
+    if step % 2 == 1:
+        model.eval()
+        with torch.no_grad():
+            model(batch[:, :5])
+        model.train()
+    if step % 3 == 2:
+        return (gpt_loss(model, batch[:1], step) + gpt_loss(model, batch[1:], step)) / 2
+    return gpt_loss(model, batch, step)
+
+
 def hf_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -136,6 +149,7 @@ RECIPES = {
     "toy_frozen_embedding": Recipe(build=toy_frozen, data=tokens, loss=plain_loss, optimizer=trainable_adamw),
     "gpt_activation_checkpointing": Recipe(build=gpt_ckpt, data=tokens, loss=gpt_loss),
     "gpt": Recipe(build=gpt_plain, data=tokens, loss=gpt_loss),
+    "gpt_eval_and_double_forward": Recipe(build=gpt_plain, data=tokens, loss=eval_and_double_forward_loss),
     "hf_gpt2": Recipe(build=hf_gpt2, data=tokens, loss=hf_loss, optimizer=adamw),
 }
 ACCUM = {"toy_branch_some_steps": 2, "gpt_activation_checkpointing": 2}
