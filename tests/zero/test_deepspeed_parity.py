@@ -2,11 +2,12 @@
 fp32, AdamW, with and without gradient accumulation, step by step.
 
 Both engines run in the same two processes on the same process group (DeepSpeed adopts the existing
-gloo group: `deepspeed.init_distributed(dist_backend="gloo")` sees it initialised). DeepSpeed gets
-the same torch.optim.AdamW object type as zerogpt rather than `"optimizer": {"type": "AdamW"}`:
-on a CPU-only machine the config form selects DeepSpeed's FusedAdam CPU op, which is JIT-compiled
-with torch.utils.cpp_extension on first use (minutes on a 2-core box, ranks waiting on a file lock),
-which is a build cost, not a difference in the ZeRO algorithm under test.
+gloo group: `deepspeed.init_distributed(dist_backend="gloo")` sees it initialised; DS_ACCELERATOR=cpu
+keeps DeepSpeed on the CPU even where a GPU exists). DeepSpeed's optimizer comes from its config,
+`"optimizer": {"type": "AdamW", "params": {..., "torch_adam": True}}`: without `torch_adam` a CPU-only
+DeepSpeed selects its FusedAdam op, which torch.utils.cpp_extension JIT-compiles on first use (minutes
+on a 2-core box, other ranks waiting on the build's file lock) - a build cost, not a difference in the
+ZeRO algorithm under test; with it DeepSpeed steps torch.optim.AdamW, as zerogpt's reference does.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.zero.reference import assert_params_close, engine_run, reference_run
+from tests.zero.reference import EPS, LR, WEIGHT_DECAY, assert_params_close, engine_run, reference_run
 from tests.zero.test_parity import GPT_RECIPE, MICRO_BATCH, zero_config
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -45,8 +46,11 @@ def deepspeed_run(rank: int, world: int, stage: int, accum: int) -> dict:
     recipe = GPT_RECIPE
     model = recipe.build()
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accum,
-              "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0, "steps_per_print": 10**9}
-    engine, *_ = ds.initialize(model=model, optimizer=recipe.optimizer(model), config=config)
+              "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0, "steps_per_print": 10**9,
+              # the same AdamW as reference.adamw(); torch_adam: torch.optim.AdamW, not the JIT-built FusedAdam
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "eps": EPS,
+                                                        "betas": [0.9, 0.999], "torch_adam": True}}}
+    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert engine.zero_optimization_stage() == stage, (engine.zero_optimization_stage(), stage)
     if stage == 3:  # really partitioned: the module holds no full parameter between steps
         assert all(p.numel() == 0 for p in engine.module.parameters())
