@@ -260,6 +260,46 @@ def test_non_adam_state_is_accounted_on_the_host():
     assert stats["optimizer"]["host"] > 0 and stats["optimizer"]["device"] == 0, stats
 
 
+def test_param_offload_gathers_chunk_by_chunk_with_prefetch():
+    """Stage-3 param offload: shards stay in host memory; each forward gathers onto the device only
+    the chunks in use plus the next `prefetch` in the recorded order, and releases them after use."""
+    import zerogpt
+    from zerogpt.zero import TensorShardStrategy
+
+    model = tiny_model()
+    zero = dict(stage=3, shard_strategy=TensorShardStrategy(), prefetch=2, offload_param=dict(device="cpu"),
+                offload_optimizer=dict(device="cpu"))
+    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR),
+                                    config=zerogpt.Config(dict(zero=zero)))
+    log, held = [], []
+    for chunk in engine.chunks:  # log every gather: (chunk, prefetch?, needed a copy from the host?)
+        def gather(async_op: bool = False, chunk=chunk, original=chunk.gather) -> None:
+            cold = chunk.full_buffer is None
+            original(async_op)
+            if not engine.hooks.in_backward:
+                log.append((chunk.plan.index, async_op, cold))
+                held.append(sum(c.full_buffer is not None for c in engine.chunks))
+        chunk.gather = gather
+    shard_ptrs = [c.shard.data_ptr() for c in engine.chunks]
+    for step, x in enumerate(batches(1, 1)[:, 0, 0]):
+        log.clear(), held.clear()
+        engine.backward(GPTLMLoss(shift=False)(engine(x[:, :-1]), x[:, 1:]))
+        engine.step()
+        engine.zero_grad()
+        assert all(c.full_buffer is None for c in engine.chunks), f"step {step}: chunks left gathered"
+        assert {engine.placement.home_of(c.shard) for c in engine.chunks} == {"host"}
+        assert [c.shard.data_ptr() for c in engine.chunks] == shard_ptrs  # updated in place, never moved
+        if step == 0:
+            continue  # the first pass records the order
+        order = list(dict.fromkeys(engine.hooks.recorded_order))
+        on_demand = [c for c, async_op, cold in log if cold and not async_op]
+        prefetched = [c for c, async_op, cold in log if cold and async_op]
+        assert on_demand == order[:1] and prefetched == order[1:], f"step {step}: {log}"
+        # a module's own chunks (weight + bias) + 2 prefetched + the tied embedding/head, of 28
+        assert max(held) <= 2 + 2 + 1 < len(engine.chunks) // 4, (max(held), len(engine.chunks))
+    engine.close()
+
+
 # -- disk files: removed on close, on collection, at process exit; engines don't collide ------------
 
 
