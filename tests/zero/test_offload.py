@@ -303,6 +303,45 @@ def test_param_offload_gathers_chunk_by_chunk_with_prefetch():
 # -- disk files: removed on close, on collection, at process exit; engines don't collide ------------
 
 
+def test_disk_state_streams_chunk_by_chunk_through_the_files(tmp_path):
+    """Disk offload steps one chunk at a time: read-ahead of the next chunk's files, the step, the
+    write-back into the param shard, then eviction; the state lives in the files themselves."""
+    import numpy as np
+
+    engine = build_engine(Setting(2, "disk", accum=1), str(tmp_path))
+    optim, placement = engine.sharded_optim, engine.placement
+    owner = {t.data_ptr(): index for index, entry in optim.state_tensors_by_chunk().items() for t in entry.values()}
+    events, written = [], []
+    for name in ("prefetch", "evict"):
+        def log(tensor, name=name, original=getattr(placement, name)):
+            index = owner[tensor.data_ptr()]
+            events.append((name, index))
+            if name == "evict":  # the updated master must already be in its param shard
+                written.append(torch.equal(engine.chunks[index].shard, optim.masters[index]))
+            original(tensor)
+        setattr(placement, name, log)
+    original_step = optim.optimizer.step
+    optim.optimizer.step = lambda *a, **k: (events.append(("step", [i for i, m in optim.masters.items()
+                                                                     if m.grad is not None])), original_step(*a, **k))[1]
+    x = batches(1, 1)[0, 0, 0]
+    engine.backward(GPTLMLoss(shift=False)(engine(x[:, :-1]), x[:, 1:]))
+    engine.step()
+    order = list(optim.masters)
+    expected = []
+    for i, index in enumerate(order):
+        expected += [("prefetch", order[i + 1])] * 3 if i + 1 < len(order) else []  # master, exp_avg, exp_avg_sq
+        expected += [("step", [index])] + [("evict", index)] * 3
+    assert events == expected
+    assert written and all(written), written
+    files = [np.fromfile(os.path.join(placement.disk_dir, f), dtype=np.float32)
+             for f in sorted(os.listdir(placement.disk_dir))]
+    for index, entry in optim.state_tensors_by_chunk().items():
+        for name, t in entry.items():
+            assert t.abs().sum() > 0, (index, name)  # really updated, not zero files
+            assert any(f.shape == t.shape and np.array_equal(f, t.numpy()) for f in files), (index, name)
+    engine.close()
+
+
 def test_disk_files_removed_when_engine_is_collected(tmp_path):
     engine = build_engine(Setting(2, "disk", accum=1), str(tmp_path))
     disk_dir = engine.placement.disk_dir
