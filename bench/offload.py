@@ -17,7 +17,8 @@ state lives by the engine's own accounting (`engine.memory_stats()`).
 
 On a CPU-only machine "device" and "host" are the same RAM: the numbers measure the bookkeeping of
 offload (extra fp32 master copy, chunk-by-chunk step, write-back, page-cache traffic for disk), not
-PCIe transfers. Systems run in alternating order over --rounds rounds so background load hits all.
+PCIe transfers. The systems of one stage are built side by side and stepped in turn (alternating
+order), so background load hits all of them alike; ratios are per step (paired), then the median.
 """
 from __future__ import annotations
 
@@ -120,7 +121,9 @@ def make_deepspeed(model, args, stage: int, mode: str, disk_dir: str):
 
 
 # -------------------------------------------------------------------------------------------------
-# timing
+# timing: all systems of one stage are built side by side and stepped in turn, so every step of every
+# system meets the same background load (a shared 2-core VM swings 2-3x within a minute); ratios to
+# zerogpt `none` are taken step by step (paired), then the median.
 
 def _mib_by_home(stats: dict | None) -> dict:
     if stats is None:
@@ -128,28 +131,41 @@ def _mib_by_home(stats: dict | None) -> dict:
     return {h: round(sum(stats[c][h] for c in stats) / 2**20, 1) for h in ("device", "host", "disk")}
 
 
-def time_system(rank: int, system: str, args, steps: int, disk_dir: str) -> dict:
-    """Build one system, run warm-up + `steps` timed steps, tear it down."""
-    name, stage, mode = system.split(":")
-    model = build_model(args.model, args.seq).to(args.device)
-    make = make_zerogpt if name == "zerogpt" else make_deepspeed
-    step, memory_stats, close = make(model, args, int(stage), mode, disk_dir)
-    times, losses = [], []
-    for i in range(args.warmup + steps):
+def time_stage(rank: int, stage: int, systems: list[str], args, disk_dir: str) -> dict:
+    """Build every system of one stage, step them in alternating order, tear them down."""
+    built, results = {}, {}
+    for system in systems:
+        name, _, mode = system.split(":")
+        try:
+            model = build_model(args.model, args.seq).to(args.device)
+            make = make_zerogpt if name == "zerogpt" else make_deepspeed
+            built[system] = make(model, args, stage, mode, disk_dir)
+            results[system] = {"times": [], "losses": []}
+        except Exception as e:  # report the failure in the table instead of dropping the run
+            results[system] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    names = list(built)
+    for i in range(args.warmup + args.steps):
         tokens = batch(rank, i, args)
-        sync(args.device)
-        t0 = time.perf_counter()
-        loss = step(tokens)
-        sync(args.device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-    mem = _mib_by_home(memory_stats() if memory_stats else None)
-    close()
-    return {"times": times, "losses": losses, "mem_mib": mem}
+        for system in (names if i % 2 == 0 else names[::-1]):
+            step = built[system][0]
+            sync(args.device)
+            t0 = time.perf_counter()
+            loss = step(tokens)
+            sync(args.device)
+            if i >= args.warmup:
+                results[system]["times"].append(time.perf_counter() - t0)
+            results[system]["losses"].append(loss.item())
+        if rank == 0:
+            print(f"  stage {stage} step {i}: " + ", ".join(
+                f"{s.split(':', 1)[0]}:{s.rsplit(':', 1)[1]} {results[s]['times'][-1] * 1e3:,.0f} ms"
+                for s in names if results[s]["times"]), flush=True)
+    for system, (_, memory_stats, close) in built.items():
+        results[system]["mem_mib"] = _mib_by_home(memory_stats() if memory_stats else None)
+        close()
+    return results
 
 
-def _worker(rank: int, args, init_file: str, systems: list, queue) -> None:
+def _worker(rank: int, args, init_file: str, queue) -> None:
     torch.set_num_threads(args.threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
@@ -158,34 +174,21 @@ def _worker(rank: int, args, init_file: str, systems: list, queue) -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{init_file}",
                             rank=rank, world_size=args.world)
     disk_dir = tempfile.mkdtemp(prefix="zerogpt-bench-offload-", dir=args.disk_path)
-    results: dict[str, dict] = {}
-    per_round = max(1, args.steps // args.rounds)
-    for r in range(args.rounds):  # alternate the order so slow phases of a shared machine hit every system
-        for system in (systems if r % 2 == 0 else systems[::-1]):
-            try:
-                res = time_system(rank, system, args, per_round, disk_dir)
-            except Exception as e:  # report the failure in the table instead of dropping the run
-                res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-            acc = results.setdefault(system, {"times": [], "losses": [], "mem_mib": {}})
-            if "error" in res:
-                acc["error"] = res["error"]
-                continue
-            acc["times"] += res["times"]
-            acc["losses"] = res["losses"]
-            acc["mem_mib"] = res["mem_mib"]
-            if rank == 0:
-                print(f"  round {r} {system}: {statistics.median(res['times']) * 1e3:,.0f} ms", flush=True)
+    results = {}
+    for stage in args.stages:
+        results.update(time_stage(rank, stage, systems_for(stage, args), args, disk_dir))
+    os.rmdir(disk_dir)  # empty: every engine removed its own files on close
     if rank == 0:
         queue.put(results)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_world(args, systems: list) -> dict:
+def run_world(args) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(prefix="zerogpt-bench-"), "rdzv")
-    procs = [ctx.Process(target=_worker, args=(r, args, init_file, systems, queue)) for r in range(args.world)]
+    procs = [ctx.Process(target=_worker, args=(r, args, init_file, queue)) for r in range(args.world)]
     for p in procs:
         p.start()
     results = queue.get(timeout=args.timeout)
@@ -202,9 +205,17 @@ def systems_for(stage: int, args) -> list[str]:
     return out
 
 
+def _paired(r: dict, base: dict) -> tuple[float, float]:
+    """Median over steps of (this / base) and of (this - base) in ms: both timed in the same round."""
+    ratios = [a / b for a, b in zip(r["times"], base["times"])]
+    diffs = [(a - b) * 1e3 for a, b in zip(r["times"], base["times"])]
+    return statistics.median(ratios), statistics.median(diffs)
+
+
 def report(rows: list[dict], args) -> str:
-    lines = ["| world | stage | system | offload | step ms (median) | vs zerogpt none | vs DeepSpeed same offload "
-             "| max abs loss diff vs zerogpt none | model state MiB device / host / disk (rank 0) |",
+    lines = ["| world | stage | system | offload | step ms (median) | vs zerogpt none (paired) | "
+             "vs DeepSpeed same offload (paired) | max abs loss diff vs zerogpt none | "
+             "model state MiB device / host / disk (rank 0) |",
              "|---:|---:|---|---|---:|---:|---:|---:|---|"]
     by_key = {(r["world"], r["system"]): r for r in rows}
     for r in rows:
@@ -214,13 +225,14 @@ def report(rows: list[dict], args) -> str:
             continue
         base = by_key.get((r["world"], f"zerogpt:{stage}:none"))
         ds = by_key.get((r["world"], f"deepspeed:{stage}:{mode}"))
-        vs_none, dloss = "", ""
+        vs_none, vs_ds, dloss = "", "", ""
         if base and "error" not in base:
-            extra_ms = (r["median_s"] - base["median_s"]) * 1e3
-            vs_none = f"{r['median_s'] / base['median_s']:.2f}x ({extra_ms:+,.0f} ms)"
+            ratio, extra_ms = _paired(r, base)
+            vs_none = f"{ratio:.2f}x ({extra_ms:+,.0f} ms)"
             dloss = f"{max(abs(a - b) for a, b in zip(r['losses'], base['losses'])):.1e}"
-        vs_ds = (f"{ds['median_s'] / r['median_s']:.2f}x faster" if name == "zerogpt" and ds and "error" not in ds
-                 else "")
+        if name == "zerogpt" and ds and "error" not in ds:
+            ratio, _ = _paired(ds, r)
+            vs_ds = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
         mem = " / ".join(f"{r['mem_mib'].get(h, 0):,.1f}" for h in ("device", "host", "disk")) if r["mem_mib"] else "n/a"
         lines.append(f"| {r['world']} | {stage} | {name} | {mode} | {r['median_s'] * 1e3:,.0f} | {vs_none} | "
                      f"{vs_ds} | {dloss} | {mem} |")
@@ -290,9 +302,8 @@ def main(argv=None) -> None:
     p.add_argument("--world", nargs="+", type=int, default=[1, 2], help="rank counts to run (one run each)")
     p.add_argument("--batch", type=int, default=2, help="micro-batch per rank (sequences)")
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per system (split over the rounds)")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per system and round")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per system")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per system")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
     p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false", help="skip DeepSpeed ZeRO-Offload")
     p.add_argument("--disk-path", default=None, help="directory for disk offload (default: the temp dir)")
@@ -308,9 +319,9 @@ def main(argv=None) -> None:
     worlds, threads = args.world, args.threads
     for world in worlds:
         args.world, args.threads = world, threads or max(1, (os.cpu_count() or 1) // world)
-        systems = [s for stage in args.stages for s in systems_for(stage, args)]
-        print(f"world {world} x {args.threads} thread(s): {', '.join(systems)}", flush=True)
-        for system, res in run_world(args, systems).items():
+        print(f"world {world} x {args.threads} thread(s): "
+              + ", ".join(s for st in args.stages for s in systems_for(st, args)), flush=True)
+        for system, res in run_world(args).items():
             row = {"world": world, "threads": args.threads, "system": system, **res}
             if "error" not in res:
                 row["median_s"] = statistics.median(res["times"])
