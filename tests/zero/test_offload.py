@@ -352,17 +352,21 @@ def test_disk_files_removed_when_engine_is_collected(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_disk_files_removed_when_process_ends_without_close(tmp_path):
-    """A script that never calls engine.close() and keeps the engine alive in a global until exit."""
+@pytest.mark.parametrize("ending", ["returns", "raises"])
+def test_disk_files_removed_when_process_ends_without_close(tmp_path, ending):
+    """A script that never calls engine.close() and keeps the engine alive in a global until it exits,
+    normally or by an uncaught exception."""
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {REPO!r})
         from tests.zero.test_offload import Setting, build_engine, train
         engine = build_engine(Setting(1, "disk", accum=1), {str(tmp_path)!r})
         print("DISK", engine.placement.disk_dir, len(os.listdir(engine.placement.disk_dir)), flush=True)
+        if {ending == "raises"}:
+            raise RuntimeError("training crashed")
     """)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == (1 if ending == "raises" else 0), res.stderr
     _, disk_dir, num_files = next(line for line in res.stdout.splitlines() if line.startswith("DISK")).split()
     assert int(num_files) > 0 and disk_dir.startswith(str(tmp_path))
     assert not os.path.exists(disk_dir) and os.listdir(tmp_path) == []
