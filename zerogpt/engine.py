@@ -14,6 +14,7 @@ from torch import nn
 
 from zerogpt.config import EngineConfig
 from zerogpt.zero.chunk import Chunk
+from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.offload import HOMES, Placement
 from zerogpt.zero.sharded_model import ZeroHooks
 from zerogpt.zero.sharded_optim import ShardedOptimizer
@@ -180,7 +181,7 @@ class Engine:
             full = shard
         else:
             full = torch.empty(chunk.plan.padded_numel, dtype=torch.float32, device=self.ctx.device)
-            dist.all_gather_into_tensor(full, shard.contiguous(), group=self.ctx.group)
+            all_gather_flat(full, shard.contiguous(), group=self.ctx.group)
         return full[: chunk.plan.numel].to(dtype)
 
     def state_dict_full(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

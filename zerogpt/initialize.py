@@ -24,6 +24,7 @@ from zerogpt.amp import DynamicLossScaler, compute_dtype
 from zerogpt.config import Config, EngineConfig, engine_config
 from zerogpt.engine import Engine
 from zerogpt.zero.chunk import Chunk, plan_chunks
+from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.init_ctx import give_storage, recorded_init
 from zerogpt.zero.offload import Placement, check_disk_path
 from zerogpt.zero.sharded_model import ZeroHooks
@@ -123,7 +124,7 @@ def _check_same_plan(plans, ecfg: EngineConfig, ctx) -> None:
     mine = torch.tensor([ecfg.zero.stage, len(plans), sum(p.padded_numel for p in plans),
                          zlib.crc32(f"{ecfg.precision}|{layout}".encode())], dtype=torch.int64, device=ctx.device)
     every = torch.empty(ctx.world_size * len(fields), dtype=torch.int64, device=ctx.device)
-    dist.all_gather_into_tensor(every, mine, group=ctx.group)
+    all_gather_flat(every, mine, group=ctx.group)
     rows = every.view(ctx.world_size, len(fields)).tolist()
     for rank, row in enumerate(rows):
         if row != rows[0]:

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from zerogpt.zero.comm import all_gather_flat, reduce_scatter_flat
 from zerogpt.zero.strategy import ShardStrategy
 
 
@@ -43,7 +44,7 @@ class ChunkPlan:
     """One chunk: its slots, padded size and per-rank shard size.
 
     The buffer is padded to a multiple of `num_shards` so every rank owns an equal, contiguous shard;
-    equal shards are what `all_gather_into_tensor`/`reduce_scatter_tensor` require.
+    equal shards are what the flat all-gather and reduce-scatter (zero/comm.py) require.
     """
 
     index: int
@@ -232,7 +233,7 @@ class Chunk:
             self.full = buffer
             self.bind_params()
             return
-        work = dist.all_gather_into_tensor(buffer, shard, group=self.group, async_op=True)
+        work = all_gather_flat(buffer, shard, group=self.group, async_op=True)
         self._gather_buffer, self._gather_work, self._gather_input = buffer, work, shard
         if not async_op:
             self.wait_gather()
@@ -258,7 +259,7 @@ class Chunk:
         """Refresh `full` from every rank's shard after an optimizer step (stages 1-2)."""
         if self.plan.num_shards == 1 or self.full is None:
             return
-        dist.all_gather_into_tensor(self.full, self.shard.clone(), group=self.group)
+        all_gather_flat(self.full, self.shard.clone(), group=self.group)
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -292,7 +293,7 @@ class Chunk:
             self._reduce_out = self.grad_full
         else:
             out = torch.empty(self.plan.shard_numel, dtype=self.dtype, device=self.device)
-            self._reduce_work = dist.reduce_scatter_tensor(out, self.grad_full, group=self.group, async_op=True)
+            self._reduce_work = reduce_scatter_flat(out, self.grad_full, group=self.group, async_op=True)
             self._reduce_out = out
 
     def finish_reduce(self) -> torch.Tensor:
