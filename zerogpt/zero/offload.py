@@ -103,10 +103,9 @@ class Placement:
         assert home in HOMES, home
         if home == "disk":
             tensor = self._disk_tensor(numel, dtype, name)
-        else:
-            tensor = torch.zeros(numel, dtype=dtype, device=self.torch_device(home))
-            if home == "host" and self.pin_memory and self.device.type == "cuda":
-                tensor = tensor.pin_memory()
+        else:  # pinned in place: .pin_memory() on a pageable tensor would hold two copies for a moment
+            pin = home == "host" and self.pin_memory and self.device.type == "cuda"
+            tensor = torch.zeros(numel, dtype=dtype, device=self.torch_device(home), pin_memory=pin)
         self.record(tensor, home)
         return tensor
 
