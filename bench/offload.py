@@ -255,14 +255,25 @@ def gpu_largest(args) -> list[dict]:
     """
     import zerogpt
     from model_zoo.gpt import GPTLMLoss
+    from zerogpt.estimate import model_state_bytes
     from zerogpt.optim import HybridAdam
 
+    host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     rows = []
     for name, n_layer, n_embd, n_head in GPU_LADDER:
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in build_model("", args.gpu_seq, n_layer=n_layer, n_embd=n_embd,
+                                                       n_head=n_head).parameters())
+        # host RAM: the fp32 model as built (4 B/param) + offloaded model states; the kernel's OOM killer
+        # would end the whole run instead of raising, so stop before a size that cannot fit
+        states = model_state_bytes(numel, 3, 1, "bf16", "cpu", "cpu")
+        host_need = 4 * numel + sum(states[c]["host"] for c in states)
+        if host_need > 0.9 * host_ram:
+            rows.append(dict(model=name, params=numel, error=f"needs ~{host_need / 2**30:.0f} GiB host RAM, "
+                                                             f"machine has {host_ram / 2**30:.0f} GiB"))
+            print(f"  {name}: skipped ({rows[-1]['error']})", flush=True)
+            break
         try:
-            with torch.device("meta"):
-                numel = sum(p.numel() for p in build_model("", args.gpu_seq, n_layer=n_layer, n_embd=n_embd,
-                                                           n_head=n_head).parameters())
             model = build_model("", args.gpu_seq, checkpoint=True, n_layer=n_layer, n_embd=n_embd, n_head=n_head)
             zero = dict(stage=3, offload_optimizer=dict(device="cpu"), offload_param=dict(device="cpu"))
             engine, *_ = zerogpt.initialize(model, HybridAdam(model.parameters(), lr=LR),
@@ -314,6 +325,9 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available on this machine; the GPU section did not run "
+                         "(run without --device for the CPU table)")
 
     rows = []
     worlds, threads = args.world, args.threads
@@ -333,11 +347,9 @@ def main(argv=None) -> None:
           f"torch {torch.__version__}, {os.cpu_count()} CPUs\n")
     print(report(rows, args))
     gpu_rows = []
-    if args.device == "cuda" and torch.cuda.is_available():
+    if args.device == "cuda":
         print("\nGPU: largest GPT that trains with CPU optimizer + param offload (stage 3, bf16, checkpointing)")
         gpu_rows = gpu_largest(args)
-    elif args.device == "cuda":
-        print("\nGPU section skipped: CUDA is not available on this machine")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "gpu": gpu_rows}, f,
