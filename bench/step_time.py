@@ -167,40 +167,43 @@ def time_system(rank: int, system: str, model_name: str, args) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "losses": losses}
 
 
-def _worker(rank: int, args, init_file: str, jobs: list, queue) -> None:
+def _worker(rank: int, world: int, args, init_file: str, system: str, model_name: str, queue) -> None:
     torch.set_num_threads(args.threads)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(rank),
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=args.world)
-    for system, model_name in jobs:
-        try:
-            result = time_system(rank, system, model_name, args)
-        except Exception as e:  # report the failure in the table instead of dropping the run
-            result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-        if rank == 0:
-            queue.put((system, model_name, result))
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = time_system(rank, system, model_name, args)
+    except Exception as e:  # report the failure in the table instead of dropping the run
+        result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    if rank == 0:
+        queue.put(result)
     dist.destroy_process_group()
 
 
-def run_distributed(args, jobs: list) -> list:
+def run_job(args, system: str, model_name: str) -> dict:
+    """One system on fresh processes (`world` ranks; the floor on one): nothing a previous system allocated
+    or left initialised (DeepSpeed engines, FSDP state, allocator caches) can slow it down or run it out of RAM."""
+    world = 1 if system == "floor" else args.world
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(prefix="zerogpt-bench-"), "rdzv")
-    procs = [ctx.Process(target=_worker, args=(r, args, init_file, jobs, queue)) for r in range(args.world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, args, init_file, system, model_name, queue))
+             for r in range(world)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=args.timeout) for _ in jobs]
+    try:
+        result = queue.get(timeout=args.timeout)
+    except Exception:
+        result = {"error": f"no result within {args.timeout:.0f}s (exit codes {[p.exitcode for p in procs]})"}
     for p in procs:
-        p.join()
-    return results
-
-
-def run_floor(args, model_name: str) -> dict:
-    torch.set_num_threads(args.threads)
-    return time_system(0, "floor", model_name, args)
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    return result
 
 
 def report(rows: list[dict], args) -> str:
@@ -230,7 +233,7 @@ def main(argv=None) -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--batch", type=int, default=4, help="micro-batch per rank (sequences)")
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per system")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -243,12 +246,11 @@ def main(argv=None) -> None:
 
     rows = []
     for model_name in args.models:
-        rows.append({"model": model_name, "system": "floor", **run_floor(args, model_name)})
-        print(f"{model_name} floor: {rows[-1]['median_s'] * 1e3:,.0f} ms", flush=True)
-    for system, model_name, result in run_distributed(args, [(s, m) for m in args.models for s in args.systems]):
-        rows.append({"model": model_name, "system": system, **result})
-        print(f"{model_name} {system}: {result.get('median_s', float('nan')) * 1e3:,.0f} ms "
-              f"{result.get('error', '')}", flush=True)
+        for system in ["floor"] + args.systems:
+            result = run_job(args, system, model_name)
+            rows.append({"model": model_name, "system": system, **result})
+            print(f"{model_name} {system}: {result.get('median_s', float('nan')) * 1e3:,.0f} ms "
+                  f"{result.get('error', '')}", flush=True)
     order = {s: i for i, s in enumerate(["floor"] + SYSTEMS)}
     rows.sort(key=lambda r: (args.models.index(r["model"]), order[r["system"]]))
     print(f"\n{args.world} ranks x {args.threads} thread(s), micro-batch {args.batch} x {args.seq} tokens, "
