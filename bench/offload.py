@@ -205,16 +205,18 @@ def systems_for(stage: int, args) -> list[str]:
     return out
 
 
-def _paired(r: dict, base: dict) -> tuple[float, float]:
-    """Median over steps of (this / base) and of (this - base) in ms: both timed in the same round."""
+def _paired(r: dict, base: dict) -> tuple[float, float, float, float]:
+    """Over steps, (this / base): median, 25th and 75th percentile; and the median of (this - base) in
+    ms. Each pair was timed in the same round, so the quartiles show the noise left after pairing."""
     ratios = [a / b for a, b in zip(r["times"], base["times"])]
     diffs = [(a - b) * 1e3 for a, b in zip(r["times"], base["times"])]
-    return statistics.median(ratios), statistics.median(diffs)
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return statistics.median(ratios), q1, q3, statistics.median(diffs)
 
 
 def report(rows: list[dict], args) -> str:
-    lines = ["| world | stage | system | offload | step ms (median) | vs zerogpt none (paired) | "
-             "vs DeepSpeed same offload (paired) | max abs loss diff vs zerogpt none | "
+    lines = ["| world | stage | system | offload | step ms (median) | vs zerogpt none (paired median [IQR], ms) | "
+             "vs DeepSpeed same offload (paired) | max rel loss diff vs zerogpt none | "
              "model state MiB device / host / disk (rank 0) |",
              "|---:|---:|---|---|---:|---:|---:|---:|---|"]
     by_key = {(r["world"], r["system"]): r for r in rows}
@@ -226,12 +228,12 @@ def report(rows: list[dict], args) -> str:
         base = by_key.get((r["world"], f"zerogpt:{stage}:none"))
         ds = by_key.get((r["world"], f"deepspeed:{stage}:{mode}"))
         vs_none, vs_ds, dloss = "", "", ""
-        if base and "error" not in base:
-            ratio, extra_ms = _paired(r, base)
-            vs_none = f"{ratio:.2f}x ({extra_ms:+,.0f} ms)"
-            dloss = f"{max(abs(a - b) for a, b in zip(r['losses'], base['losses'])):.1e}"
+        if base and "error" not in base and r is not base:
+            ratio, q1, q3, extra_ms = _paired(r, base)
+            vs_none = f"{ratio:.2f}x [{q1:.2f}-{q3:.2f}] ({extra_ms:+,.0f} ms)"
+            dloss = f"{max(abs(a - b) / b for a, b in zip(r['losses'], base['losses'])):.1e}"
         if name == "zerogpt" and ds and "error" not in ds:
-            ratio, _ = _paired(ds, r)
+            ratio = _paired(ds, r)[0]
             vs_ds = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
         mem = " / ".join(f"{r['mem_mib'].get(h, 0):,.1f}" for h in ("device", "host", "disk")) if r["mem_mib"] else "n/a"
         lines.append(f"| {r['world']} | {stage} | {name} | {mode} | {r['median_s'] * 1e3:,.0f} | {vs_none} | "
