@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 from data_pipeline.tokenizer import save_tokenizer_dir  # noqa: E402
 from data_pipeline.train_tokenizer import train_byte_level_bpe  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.test_generate import docstrings, hf_greedy  # noqa: E402
+from tests.corpus import stdlib_docstrings  # noqa: E402
+from tests.test_generate import hf_greedy  # noqa: E402
 from zerogpt.export import ShardWriter, export_checkpoint, main, parse_size  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -63,7 +64,7 @@ def train_and_save(rank: int, world: int, run_dir: str, tok_dir: str | None, sta
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tok"
-    save_tokenizer_dir(train_byte_level_bpe(docstrings(), vocab_size=VOCAB), str(path))
+    save_tokenizer_dir(train_byte_level_bpe(stdlib_docstrings(), vocab_size=VOCAB), str(path))
     return path
 
 
@@ -229,7 +230,7 @@ def test_errors_name_the_fix(run1, tmp_path, tok_dir):
     with pytest.raises(SystemExit, match="--tokenizer .*no such file"):
         main([str(run_dir), "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path / "nope")])
     big = tmp_path / "big"
-    save_tokenizer_dir(train_byte_level_bpe(docstrings(), vocab_size=400), str(big))
+    save_tokenizer_dir(train_byte_level_bpe(stdlib_docstrings(), vocab_size=400), str(big))
     with pytest.raises(SystemExit, match="400 tokens but the model's vocabulary is 300"):
         main([str(run_dir), "--out", str(tmp_path / "x"), "--tokenizer", str(big)])
     with pytest.raises(SystemExit, match="--max-shard-size"):

@@ -5,9 +5,6 @@ Everything is local: a byte-level BPE trained on stdlib docstrings and tiny rand
 """
 from __future__ import annotations
 
-import ast
-import inspect
-import json
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from data_pipeline.tokenizer import save_tokenizer_dir  # noqa: E402
 from data_pipeline.train_tokenizer import train_byte_level_bpe  # noqa: E402
+from tests.corpus import stdlib_docstrings  # noqa: E402
 from zerogpt.generate import SamplingConfig, generate_ids, generate_text, load_model, main, next_token  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -23,22 +21,11 @@ pytestmark = pytest.mark.timeout(180)
 PROMPTS = ["Return a new", "The JSON decoder", "x"]
 
 
-def docstrings() -> list[str]:
-    """Real English text available offline: docstrings of a few stdlib modules."""
-    import argparse, collections, textwrap  # noqa: E401
-    docs = []
-    for module in (json, argparse, collections, textwrap, inspect):
-        tree = ast.parse(inspect.getsource(module))
-        docs += [d for d in (ast.get_docstring(n) for n in ast.walk(tree)
-                             if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))) if d]
-    return docs
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A random GPT-2 (wide init, so greedy paths vary) saved with its 300-token tokenizer, EOS id 0."""
     root = tmp_path_factory.mktemp("gen")
-    save_tokenizer_dir(train_byte_level_bpe(docstrings(), vocab_size=300), str(root / "hf"))
+    save_tokenizer_dir(train_byte_level_bpe(stdlib_docstrings(), vocab_size=300), str(root / "hf"))
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=300, n_positions=48, n_embd=32, n_layer=2, n_head=2,
                                      initializer_range=0.3, bos_token_id=0, eos_token_id=0)

@@ -2,8 +2,6 @@
 empty/malformed documents counted, uint16/int32 choice, atomic output, clear errors."""
 from __future__ import annotations
 
-import ast
-import inspect
 import json
 
 import numpy as np
@@ -14,19 +12,9 @@ from data_pipeline.indexed import IndexedDataset
 from data_pipeline.tokenize_stage import tokenize_file
 from data_pipeline.tokenizer import save_tokenizer_dir
 from data_pipeline.train_tokenizer import train_byte_level_bpe
+from tests.corpus import stdlib_docstrings
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def stdlib_docstrings():
-    """Real English text available offline: docstrings of a few stdlib modules."""
-    import argparse, collections, textwrap  # noqa: E401
-    docs = []
-    for module in (json, argparse, collections, textwrap, inspect):
-        tree = ast.parse(inspect.getsource(module))
-        docs += [d for d in (ast.get_docstring(n) for n in ast.walk(tree)
-                             if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))) if d]
-    return docs
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,6 @@
 """Tests for data_pipeline/tokenizer.py and train_tokenizer.py: train, save, load (all three forms), bad dirs."""
 from __future__ import annotations
 
-import ast
-import inspect
 import json
 import shutil
 
@@ -11,19 +9,9 @@ import pytest
 from data_pipeline.__main__ import main
 from data_pipeline.tokenizer import EOD_TOKEN, eod_id, load_backend, load_tokenizer
 from data_pipeline.train_tokenizer import train_byte_level_bpe
+from tests.corpus import stdlib_docstrings
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def stdlib_docstrings():
-    """Real English text available offline: docstrings of a few stdlib modules."""
-    import argparse, collections, textwrap  # noqa: E401
-    docs = []
-    for module in (json, argparse, collections, textwrap, inspect):
-        tree = ast.parse(inspect.getsource(module))
-        docs += [d for d in (ast.get_docstring(n) for n in ast.walk(tree)
-                             if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))) if d]
-    return docs
 
 
 @pytest.fixture(scope="module")
