@@ -129,15 +129,12 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
 # save
 
 
-def _chunk_pieces(engine: Any, chunk: Any) -> tuple[dict[str, torch.Tensor], list[list]]:
-    """This rank's pieces of one chunk: ({key: tensor}, [[kind, name, start, end, key], ...])."""
+def _chunk_pieces(chunk: Any, sources: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[list]]:
+    """This rank's pieces of one chunk's shard tensors `sources` ({kind: flat shard}):
+    ({key: tensor}, [[kind, name, start, end, key], ...])."""
     plan = chunk.plan
     shard_index = chunk.shard_index
     lo, _ = plan.shard_range(shard_index)
-    if plan.trainable:
-        sources = engine.sharded_optim.state_tensors_by_chunk()[plan.index]
-    else:
-        sources = {"param": chunk.shard}
     tensors, index = {}, []
     for kind, flat in sources.items():
         flat = flat.detach()
@@ -190,10 +187,12 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
     _barrier(ctx)
 
     files: dict[str, list[list]] = {}
+    optimizer_state = engine.sharded_optim.state_tensors_by_chunk()  # {chunk index: {kind: shard}}, trainable
     for chunk in engine.chunks:
         if chunk.plan.num_shards == 1 and ctx.rank != 0:  # stage 0: every rank holds the same state
             continue
-        tensors, index = _chunk_pieces(engine, chunk)
+        sources = optimizer_state[chunk.plan.index] if chunk.plan.trainable else {"param": chunk.shard}
+        tensors, index = _chunk_pieces(chunk, sources)
         if tensors:
             fname = f"r{ctx.rank:05d}_c{chunk.plan.index:05d}.safetensors"
             _save_safetensors_atomic(tensors, os.path.join(tmp, fname))
