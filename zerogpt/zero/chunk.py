@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from zerogpt.zero.comm import all_gather_flat, reduce_scatter_flat
+from zerogpt.zero.comm import Pending, all_gather_flat, reduce_scatter_flat
 from zerogpt.zero.strategy import ShardStrategy
 
 
@@ -162,6 +162,7 @@ class Chunk:
         self.persistent_full = persistent_full
         self.full: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
+        self._written: set[int] = set()  # slots of grad_full holding a gradient (the rest is garbage)
         self.num_grads_ready = 0
         lo, hi = plan.shard_range(self.shard_index)
         if persistent_full:
@@ -171,9 +172,9 @@ class Chunk:
             self.shard = torch.zeros(plan.shard_numel, dtype=dtype, device=shard_device)
             if pin_memory and shard_device.type == "cpu" and device.type == "cuda":
                 self.shard = self.shard.pin_memory()
-        self._gather_work: dist.Work | None = None
+        self._gather_work: Pending | None = None
         self._gather_buffer: torch.Tensor | None = None
-        self._reduce_work: dist.Work | None = None
+        self._reduce_work: Pending | dist.Work | None = None
         self._reduce_out: torch.Tensor | None = None
 
     # -- loading values ---------------------------------------------------------------------
@@ -255,21 +256,44 @@ class Chunk:
         self._gather_buffer = None
         self.bind_params()
 
-    def all_gather_full(self) -> None:
-        """Refresh `full` from every rank's shard after an optimizer step (stages 1-2)."""
+    def all_gather_full(self, async_op: bool = False) -> Pending | None:
+        """Refresh `full` from every rank's shard after an optimizer step (stages 0-2).
+
+        With `async_op`, returns a handle to wait on (None when there is nothing to gather).
+        """
         if self.plan.num_shards == 1 or self.full is None:
-            return
-        all_gather_flat(self.full, self.shard.clone(), group=self.group)
+            return None
+        return all_gather_flat(self.full, self.shard, group=self.group, async_op=async_op)
 
     # -- gradients --------------------------------------------------------------------------
 
     def add_param_grad(self, slot_index: int, grad: torch.Tensor) -> None:
-        """Accumulate one parameter's gradient into `grad_full`."""
+        """Accumulate one parameter's gradient into `grad_full`.
+
+        `grad_full` starts uninitialised and each slot's first gradient is copied in: a zero-filled
+        buffer plus add_ would write the whole buffer twice. Padding and slots that never get a
+        gradient are zeroed before the reduction (`_zero_unwritten`).
+        """
+        if self.grad_full is None:
+            self.grad_full = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+            self._written = set()
+        slot = self.plan.slots[slot_index]
+        target = self.grad_full[slot.offset : slot.end]
+        if slot_index in self._written:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+            self._written.add(slot_index)
+        self.num_grads_ready += 1
+
+    def _zero_unwritten(self) -> None:
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
-        slot = self.plan.slots[slot_index]
-        self.grad_full[slot.offset : slot.end].add_(grad.reshape(-1))
-        self.num_grads_ready += 1
+            return
+        for i, slot in enumerate(self.plan.slots):
+            if i not in self._written:
+                self.grad_full[slot.offset : slot.end].zero_()
+        self.grad_full[self.plan.numel :].zero_()
 
     @property
     def grads_complete(self) -> bool:
@@ -280,8 +304,7 @@ class Chunk:
 
         One shard per rank -> reduce-scatter; one shard for all (stage 0) -> all-reduce.
         """
-        if self.grad_full is None:  # no gradient reached this chunk on this rank: contribute zeros
-            self.grad_full = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+        self._zero_unwritten()  # slots no gradient reached on this rank contribute zeros
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world == 1:
             self._reduce_out, self._reduce_work = self.grad_full, None

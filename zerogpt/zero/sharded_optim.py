@@ -4,14 +4,12 @@ The user's torch optimizer is kept (class, hyperparameters, param groups, LR sch
 it) but its param groups are rewired to this rank's fp32 master shards, one per chunk, so its state
 exists only for the shard this rank owns. A step is: one all-reduce of the local sum of squared
 gradients (it carries both the global grad norm and the fp16 overflow flag, since inf/nan survive a
-sum) -> unscale and clip in one multiply -> optimizer step (chunk by chunk when the state is off the
-device) -> cast masters into the param shards -> all-gather (stages 0-2).
+sum) -> unscale and clip in one multiply -> optimizer step chunk by chunk, each chunk cast into its
+param shard and all-gathered (stages 0-2) while the next chunk steps.
 """
 from __future__ import annotations
 
 import math
-from typing import Iterable
-
 import torch
 import torch.distributed as dist
 
@@ -138,7 +136,7 @@ class ShardedOptimizer:
     def _global_sumsq(self) -> float:
         local = torch.zeros((), dtype=torch.float32, device=self.placement.device)
         for g in self.grad_shards.values():
-            local += g.float().pow(2).sum().to(local.device)
+            local += torch.dot(g, g).to(local.device)  # fp32 shard: one pass, no squared temporary
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world > 1 and self.stage > 0:  # stage 0: every rank already holds the full, reduced grads
             dist.all_reduce(local, group=self.group)
@@ -164,39 +162,37 @@ class ShardedOptimizer:
             if factor != 1.0:
                 g.mul_(factor)
         self._optimizer_step()
-        self._gather_updated()
         self.loss_scaler.update(False)
         self.zero_grad()
         return {"grad_norm": grad_norm, "skipped": False, "loss_scale": self.loss_scaler.scale, "lr": lr}
 
-    def _set_grads(self, indices: Iterable[int]) -> None:
-        for index, master in self.masters.items():
-            master.grad = None
-        for index in indices:
-            if index in self.grad_shards:
-                self.masters[index].grad = self.grad_shards[index]
-            else:  # a chunk with no gradient this step still steps (weight decay, momentum)
-                self.masters[index].grad = torch.zeros_like(self.masters[index])
-
     def _optimizer_step(self) -> None:
-        if self.optim_home == "device":
-            self._set_grads(self.masters)
+        """Step chunk by chunk; each chunk's all-gather (stages 0-2) runs behind the next chunk's step.
+
+        Chunk by chunk also bounds the host RAM a disk-offloaded step touches and lets the next chunk's
+        state be read ahead. Torch optimizers skip parameters whose grad is None, so each call steps
+        only the chunk whose grad is set (a user's optimizer step hooks run once per chunk).
+        """
+        order = list(self.masters)
+        gathers = []
+        for i, index in enumerate(order):
+            if i + 1 < len(order):
+                self._prefetch_state(order[i + 1])
+            master = self.masters[index]
+            # A chunk with no gradient this step still steps (weight decay, momentum), as in DeepSpeed.
+            master.grad = self.grad_shards[index] if index in self.grad_shards else torch.zeros_like(master)
             self.optimizer.step()
-            self._write_back(self.masters)
-        else:  # chunk by chunk: bounded host RAM for disk, and read-ahead of the next chunk
-            order = list(self.masters)
-            for i, index in enumerate(order):
-                if i + 1 < len(order):
-                    self._prefetch_state(order[i + 1])
-                self._set_grads([index])
-                self.optimizer.step()
-                # Copy the updated master into its param shard now, while its pages are in RAM (disk)
-                # and so the host->device copy overlaps the next chunk's CPU step.
-                self._write_back([index])
-                self._record_state(index)
-                self._evict_state(index)
-        for master in self.masters.values():
             master.grad = None
+            # Copy the updated master into its param shard now, while its pages are in RAM (disk)
+            # and so the host->device copy overlaps the next chunk's CPU step.
+            self._write_back(index)
+            if self.chunks[index].persistent_full:
+                gathers.append(self.chunks[index].all_gather_full(async_op=True))
+            self._record_state(index)
+            self._evict_state(index)
+        for work in gathers:
+            if work is not None:
+                work.wait()
 
     def _record_state(self, index: int) -> None:
         """Record lazily created state (non-Adam optimizers) at the optimizer's home, for the accounting."""
@@ -217,18 +213,10 @@ class ShardedOptimizer:
         for t in self._state_tensors(index):
             self.placement.evict(t)
 
-    def _write_back(self, indices: Iterable[int]) -> None:
-        """Cast updated masters into their param shards (compute dtype, the shard's home)."""
-        if self.aliased:
-            return
-        for index in indices:
+    def _write_back(self, index: int) -> None:
+        """Cast an updated master into its param shard (compute dtype, the shard's home)."""
+        if not self.aliased:
             self.chunks[index].shard.copy_(self.masters[index], non_blocking=True)
-
-    def _gather_updated(self) -> None:
-        """Stages 0-2: all-gather every trainable chunk's updated shards into its full buffer."""
-        for chunk in self.chunks:
-            if chunk.plan.trainable and chunk.persistent_full:
-                chunk.all_gather_full()
 
     # -- state ----------------------------------------------------------------------------------
 
