@@ -178,6 +178,25 @@ def test_chunk_grad_accumulation_one_process():
     assert chunk.grad_full is None and chunk.num_grads_ready == 0  # freed after the reduction
 
 
+def test_slots_without_a_gradient_and_padding_reduce_as_zeros(monkeypatch):
+    """grad_full starts uninitialised (each slot's first gradient is copied in): the slots no gradient
+    reached and the padding must still reduce as zeros. Fresh buffers are filled with NaN here so
+    leftover memory cannot pass for zeros."""
+    import zerogpt.zero.chunk as chunk_module
+
+    real_empty = torch.empty
+    monkeypatch.setattr(chunk_module.torch, "empty",
+                        lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    params = _params([(3,), (2,), (4,)])
+    plan = ChunkPlan(0, (ParamSlot("x", (3,), 0), ParamSlot("y", (2,), 3), ParamSlot("z", (4,), 5)), 0, 2)
+    chunk = Chunk(plan, params, dtype=torch.float32, device=torch.device("cpu"), rank=0, group=None,
+                  persistent_full=True, shard_device=torch.device("cpu"), pin_memory=False)
+    chunk.add_param_grad(0, torch.ones(3))
+    chunk.add_param_grad(2, torch.full((4,), 3.0))  # y gets no gradient; 9 elements pad to 10
+    chunk.launch_reduce()  # one process: the "reduction" hands back the whole buffer
+    torch.testing.assert_close(chunk.finish_reduce(), torch.tensor([1.0, 1, 1, 0, 0, 3, 3, 3, 3, 0]), rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # runtime, 3 gloo ranks
 
