@@ -191,6 +191,7 @@ def inspect_step(engine, step: int) -> dict:
         "events": events,
         "max_held": max_held,
         "recorded_order": list(engine.hooks.recorded_order),
+        "backward_order": list(engine.hooks.backward_order),
         "num_chunks": len(engine.chunks),
         "max_chunks_per_module": max(len(c) for c in engine.hooks.module_chunks.values()),
         "shard_numels": [c.shard.numel() for c in engine.chunks],
@@ -262,12 +263,30 @@ def test_at_most_chunks_in_use_plus_prefetch_are_gathered(runs, name):
 
 @pytest.mark.timeout(300)
 def test_activation_checkpointing_regathers_in_backward(runs):
-    """Recompute runs each block's forward again inside backward: its chunks are gathered again there."""
-    for step, seen in enumerate(runs[0]["gpt_activation_checkpointing"]["inspect"]):
+    """Recompute runs each block's forward again inside backward: its chunks are gathered again there.
+    The chunks backward starts with (the head, tied to the embedding, and the final norm: not
+    recomputed) stay gathered from the end of forward, as the previous step's backward order says."""
+    steps = runs[0]["gpt_activation_checkpointing"]["inspect"]
+    for step, seen in enumerate(steps):
         backward = {c for phase, c, _, cold in seen["events"] if phase == "backward" and cold}
         forward = {c for phase, c, _, cold in seen["events"] if phase == "forward"}
-        assert forward <= backward, f"step {step}: chunks {sorted(forward - backward)} never re-gathered"
+        kept = set(steps[step - 1]["backward_order"][:PREFETCH]) if step else set()
+        assert forward - kept <= backward, f"step {step}: chunks {sorted(forward - kept - backward)} never re-gathered"
+        assert not kept & backward, f"step {step}: chunks {sorted(kept & backward)} released before backward"
         assert seen["max_held"]["backward"] < seen["num_chunks"]  # still released as grads complete
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
+def test_backward_starts_on_the_chunks_forward_kept(runs, name):
+    """Forward's last chunks are what backward needs first: from the second step on they are kept or
+    prefetched at the end of forward, so backward gathers nothing on demand before its first module."""
+    steps = runs[0][name]["inspect"]
+    for step, seen in enumerate(steps[1:], start=1):
+        first = steps[step - 1]["backward_order"][0]
+        cold_in_backward = [c for phase, c, async_op, cold in seen["events"]
+                            if phase == "backward" and cold and not async_op]
+        assert first not in cold_in_backward, f"step {step}: chunk {first} re-gathered on demand in backward"
 
 
 def _cold_forward_gathers(seen: dict) -> int:
@@ -286,7 +305,10 @@ def test_prefetch_follows_the_recorded_order(runs, name):
             f"step {step}: {_cold_forward_gathers(seen)} chunks gathered on demand; prefetch missed"
         prefetched = [c for phase, c, async_op, cold in seen["events"] if phase == "forward" and async_op and cold]
         order = list(dict.fromkeys(seen["recorded_order"]))  # first use of each chunk
-        assert prefetched == order[seen["first_module_chunks"]:], f"step {step}: prefetch out of recorded order"
+        expected = order[seen["first_module_chunks"]:]
+        assert prefetched[: len(expected)] == expected, f"step {step}: prefetch out of recorded order"
+        # then, at the end of forward, the chunks the previous backward started with
+        assert set(prefetched[len(expected):]) <= set(steps[step - 1]["backward_order"][:PREFETCH])
 
 
 @pytest.mark.timeout(300)

@@ -9,8 +9,10 @@ after it), so ranks always issue collectives in the same order even if a paramet
 Parameter path (stage 3 only): module pre-forward hooks gather the chunks a module owns, post-
 forward hooks release a chunk once every module owning it has run, and a tiny autograd function on
 module outputs re-gathers before that module's backward. The order of gathers is recorded on the
-first pass and the next `prefetch` chunks are gathered ahead, asynchronously; a pass whose order
-differs replaces the recording.
+first pass (forward and backward each) and the next `prefetch` chunks are gathered ahead,
+asynchronously; a pass whose order differs replaces the recording. The first `prefetch` chunks of
+the recorded backward are kept (or prefetched) at the end of forward rather than released: backward
+starts where forward ended, and re-gathering them there would be pure waste.
 """
 from __future__ import annotations
 
@@ -149,6 +151,7 @@ class ZeroHooks:
         self.current_order: list[int] = []
         self.backward_order: list[int] = []
         self.current_backward_order: list[int] = []
+        self._backward_seen: set[int] = set()
         root = self.module
         self.handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self.handles.append(root.register_forward_hook(self._root_post_forward))
@@ -164,8 +167,19 @@ class ZeroHooks:
             return
         if self.current_order != self.recorded_order:
             self.recorded_order = self.current_order
-        for chunk in self.chunks:
-            chunk.release()
+        # Backward starts with the chunks forward used last (GPT-2's tied LM head is the embedding's
+        # chunk): keep those the recorded backward starts with and prefetch the rest of its first
+        # `prefetch`, behind the loss computation, instead of releasing and re-gathering them.
+        ahead = self._backward_ahead()
+        for index, chunk in enumerate(self.chunks):
+            if index not in ahead:
+                chunk.release()
+        for index in ahead:
+            self.chunks[index].gather(async_op=True)
+
+    def _backward_ahead(self) -> list[int]:
+        """The chunks the recorded backward starts with (none when no backward can follow)."""
+        return self.backward_order[: self.prefetch] if torch.is_grad_enabled() else []
 
     def _gather(self, chunk_ids: list[int], order: list[int], current: list[int]) -> None:
         for c in chunk_ids:
@@ -188,9 +202,10 @@ class ZeroHooks:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         module_id = id(module)
         if not self.in_backward:
+            ahead = self._backward_ahead()
             for c in self.module_chunks[module_id]:
                 self.remaining_uses[c] -= 1
-                if self.remaining_uses[c] <= 0:
+                if self.remaining_uses[c] <= 0 and c not in ahead:
                     self.chunks[c].release()
         if not torch.is_grad_enabled():
             return output
@@ -203,9 +218,12 @@ class ZeroHooks:
         return _map_tensors(wrap, output)
 
     def gather_for_backward(self, module_id: int) -> None:
+        # Record a chunk on its first use in this backward even when forward left it gathered, so the
+        # recorded order does not depend on what was kept; re-record only chunks released since.
         chunk_ids = self.module_chunks[module_id]
-        new = [c for c in chunk_ids if not self.chunks[c].is_gathered]
+        new = [c for c in chunk_ids if c not in self._backward_seen or not self.chunks[c].is_gathered]
         if new:
+            self._backward_seen.update(new)
             self._gather(new, self.backward_order, self.current_backward_order)
 
     def end_backward_pass_order(self) -> None:
@@ -213,6 +231,7 @@ class ZeroHooks:
             if self.current_backward_order != self.backward_order:
                 self.backward_order = self.current_backward_order
             self.current_backward_order = []
+            self._backward_seen.clear()
 
     def remove(self) -> None:
         for h in self.handles:
