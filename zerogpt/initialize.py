@@ -198,7 +198,8 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     optim_home = {"none": "device", "cpu": "host", "disk": "disk"}[zero.offload_optimizer.device]
     if optim_home == "disk":
         state_bytes = sum(p.shard_numel for p in plans if p.trainable) * 4 * 3
-        check_disk_path(zero.offload_optimizer.path, state_bytes)
+        # torchrun sets LOCAL_WORLD_SIZE: the ranks of this node, whose files share the path
+        check_disk_path(zero.offload_optimizer.path, state_bytes, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     placement = Placement(ctx.device, pin_memory=zero.offload_optimizer.pin_memory,
                           disk_path=zero.offload_optimizer.path, rank=ctx.rank)
     chunks = _build_chunks(params, plans, ecfg, ctx, placement, init_values)

@@ -8,6 +8,7 @@ step touches one chunk's state at a time and optimizer state can exceed host RAM
 from __future__ import annotations
 
 import mmap
+import multiprocessing.util
 import os
 import shutil
 import stat
@@ -22,8 +23,12 @@ import torch
 HOMES = ("device", "host", "disk")
 
 
-def check_disk_path(path: str | None, bytes_needed: int) -> None:
-    """Fail early, with the fix, when the disk-offload directory can't hold the optimizer state."""
+def check_disk_path(path: str | None, bytes_needed: int, local_ranks: int = 1) -> None:
+    """Fail early, with the fix, when the disk-offload directory can't hold the optimizer state.
+
+    `bytes_needed` is one rank's state; the `local_ranks` ranks of this node write theirs to the same
+    path, so each checks for all of them (each passing alone would not stop the disk filling mid-run).
+    """
     if not path:
         raise ValueError("zero.offload_optimizer.device='disk' needs a path: "
                          "set zero.offload_optimizer=dict(device='disk', path='/fast/nvme/dir')")
@@ -49,10 +54,11 @@ def check_disk_path(path: str | None, bytes_needed: int) -> None:
                          f"fix its permissions or point zero.offload_optimizer.path at a writable "
                          f"directory") from None
     free = shutil.disk_usage(path).free
-    if free < bytes_needed:
+    if free < bytes_needed * local_ranks:
+        whose = "this rank" if local_ranks == 1 else f"the {local_ranks} ranks on this node"
         raise ValueError(f"disk offload directory {path!r} has {free / 2**30:.2f} GiB free but the "
-                         f"optimizer state of this rank needs {bytes_needed / 2**30:.2f} GiB; free space "
-                         f"there, choose a larger disk, or use zero.offload_optimizer=dict(device='cpu')")
+                         f"optimizer state of {whose} needs {bytes_needed * local_ranks / 2**30:.2f} GiB; free "
+                         f"space there, choose a larger disk, or use zero.offload_optimizer=dict(device='cpu')")
 
 
 def start_d2h(tensor: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
@@ -89,6 +95,7 @@ class Placement:
     _disk: dict[int, _DiskTensor] = field(default_factory=dict)
     _disk_dir: str | None = None
     _cleanup: Any = None  # weakref.finalize that removes _disk_dir
+    _mp_cleanup: Any = None  # the same for fork-started multiprocessing workers
 
     @property
     def disk_dir(self) -> str | None:
@@ -137,9 +144,13 @@ class Placement:
             # truncate each other's mapped files (SIGBUS) and remove each other's directory on close.
             self._disk_dir = tempfile.mkdtemp(prefix=f"zerogpt-rank{self.rank}-{os.getpid()}-", dir=self.disk_path)
             # Remove the files on close(), when this Placement is collected, or at interpreter exit
-            # (finalize registers with atexit; a torchrun or spawn worker that returns normally runs
-            # it, a killed process cannot). It must not reference self, or it would keep self alive.
+            # (finalize registers with atexit: a script, torchrun or spawn worker that returns or
+            # raises runs it). A fork-started multiprocessing worker ends in os._exit, which skips
+            # atexit, so multiprocessing's own exit finalizers remove them there. Neither may
+            # reference self (it would keep self alive); a killed process can run neither.
             self._cleanup = weakref.finalize(self, shutil.rmtree, self._disk_dir, ignore_errors=True)
+            self._mp_cleanup = multiprocessing.util.Finalize(
+                self, shutil.rmtree, args=(self._disk_dir,), kwargs={"ignore_errors": True}, exitpriority=0)
         path = os.path.join(self._disk_dir, f"{name}-{len(self._disk)}.bin")
         nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
         with open(path, "wb") as f:
@@ -177,5 +188,6 @@ class Placement:
         self._disk.clear()
         if self._cleanup is not None:
             self._cleanup()  # runs rmtree once, then detaches from atexit
-            self._cleanup = None
+            self._mp_cleanup()  # a no-op rmtree now, then detaches from multiprocessing's exit
+            self._cleanup = self._mp_cleanup = None
         self._disk_dir = None
