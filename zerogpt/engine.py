@@ -78,7 +78,7 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; "
                              f"reduce it first (e.g. loss.mean())")
         reduce = self.stage >= 2 or self.is_accumulation_boundary
-        self.hooks.begin_backward(reduce, self.sharded_optim.accumulate_grad)
+        self.hooks.begin_backward(reduce, self.sharded_optim.receive, eagerly=self.sharded_optim.receive_eagerly)
         try:
             scaled = loss.float() * (self.loss_scale / self.gradient_accumulation)
             scaled.backward()

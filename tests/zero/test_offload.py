@@ -47,6 +47,7 @@ class Setting:
     precision: str = "fp32"
     accum: int = 2
     seed_form: bool = False  # Colossal-AI form: model_config.offload_config / optimizer_config.cpu_offload
+    eager: bool = False  # hand each chunk's reduced grads over right after launch (CUDA's path), forced on CPU
 
     def baseline(self) -> "Setting":
         return Setting(self.stage, precision=self.precision, accum=self.accum)
@@ -86,6 +87,7 @@ def build_engine(s: Setting, disk_path: str | None = None):
 
     model = tiny_model()
     engine, *_ = zerogpt.initialize(model, make_optimizer(s.optimizer, model), config=make_config(s, disk_path))
+    engine.sharded_optim.receive_eagerly = s.eager
     return engine
 
 
@@ -202,6 +204,8 @@ PARITY = [
     # bf16 (fp32 masters on the host, bf16 params on the device)
     Setting(0, "disk", precision="bf16"), Setting(2, "cpu", precision="bf16"),
     Setting(3, "cpu", param=True, precision="bf16"),
+    # the hand-over CUDA uses for offloaded grads (each chunk as soon as its reduction is launched)
+    Setting(2, "cpu", eager=True), Setting(3, "cpu", param=True, precision="bf16", eager=True),
 ]
 
 
@@ -372,6 +376,34 @@ def test_disk_files_removed_when_process_ends_without_close(tmp_path, ending):
     assert not os.path.exists(disk_dir) and os.listdir(tmp_path) == []
 
 
+@pytest.mark.timeout(120)
+def test_disk_files_removed_when_a_forked_worker_ends_without_close(tmp_path):
+    """A fork-started multiprocessing worker ends in os._exit, which skips atexit handlers."""
+    script = textwrap.dedent(f"""
+        import multiprocessing as mp, os, sys
+        sys.path.insert(0, {REPO!r})
+        from tests.zero.test_offload import Setting, build_engine
+
+        def worker(queue):
+            global engine
+            engine = build_engine(Setting(1, "disk", accum=1), {str(tmp_path)!r})
+            queue.put((engine.placement.disk_dir, len(os.listdir(engine.placement.disk_dir))))
+
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=worker, args=(queue,))
+        proc.start()
+        print("DISK", *queue.get(timeout=100), flush=True)
+        proc.join(timeout=100)
+        sys.exit(proc.exitcode)
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110)
+    assert res.returncode == 0, res.stderr
+    _, disk_dir, num_files = next(line for line in res.stdout.splitlines() if line.startswith("DISK")).split()
+    assert int(num_files) > 0 and disk_dir.startswith(str(tmp_path))
+    assert not os.path.exists(disk_dir) and os.listdir(tmp_path) == []
+
+
 def test_two_disk_engines_in_one_process_do_not_collide(tmp_path):
     """Same path, same rank, same pid: each engine gets its own files, and closing one spares the other."""
     first = build_engine(Setting(2, "disk", accum=1), str(tmp_path))
@@ -483,6 +515,22 @@ def test_disk_path_too_small(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_disk_space_is_checked_for_every_rank_of_the_node(tmp_path, monkeypatch):
+    """Room for one rank's state but not for the two ranks torchrun started on this node."""
+    import zerogpt.zero.offload as offload
+    from zerogpt.zero.offload import check_disk_path
+
+    real = offload.shutil.disk_usage
+    monkeypatch.setattr(offload.shutil, "disk_usage", lambda p: real(p)._replace(free=3 * 2**20))
+    check_disk_path(str(tmp_path), 2 * 2**20, local_ranks=1)
+    with pytest.raises(ValueError, match=r"the 2 ranks on this node needs 0.00 GiB"):
+        check_disk_path(str(tmp_path), 2 * 2**20, local_ranks=2)
+    monkeypatch.setattr(offload.shutil, "disk_usage", lambda p: real(p)._replace(free=1024))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"the 2 ranks on this node"):
+        _initialize_disk(str(tmp_path))
+
+
 def test_disk_offload_needs_an_adam_optimizer(tmp_path):
     with pytest.raises(ValueError, match="SGD is not an Adam-family optimizer.*device='cpu'"):
         build_engine(Setting(2, "disk", optimizer="sgd", accum=1), str(tmp_path))
@@ -533,6 +581,7 @@ def test_offload_on_cuda_keeps_state_in_pinned_host_memory(tmp_path):
             loss = GPTLMLoss(shift=False)(engine(step[:, :-1]), step[:, 1:])
             engine.backward(loss)
             if s.offload != "none":
+                assert engine.sharded_optim.receive_eagerly  # copies start while backward runs
                 assert all(g.device.type == "cpu" for g in engine.sharded_optim.grad_shards.values())
             engine.step()
             engine.zero_grad()

@@ -70,7 +70,8 @@ class ZeroHooks:
         self.in_backward = False
         self._next_to_reduce = len(chunks) - 1  # reductions go in descending chunk order
         self._launched: list[Chunk] = []
-        self._on_reduced: Callable[[Chunk, torch.Tensor], None] | None = None
+        self._receive: Callable[[Chunk], None] | None = None
+        self._receive_eagerly = False
         self._install_grad_hooks()
         if stage == 3:
             self._install_param_hooks()
@@ -100,10 +101,13 @@ class ZeroHooks:
         if self.reduce_this_step:
             self._launch_ready_reductions()
 
-    def begin_backward(self, reduce: bool, on_reduced: Callable[[Chunk, torch.Tensor], None]) -> None:
+    def begin_backward(self, reduce: bool, receive: Callable[[Chunk], None], eagerly: bool = False) -> None:
+        """Start a backward pass. `receive(chunk)` finishes a chunk's launched reduction and takes the
+        result: right after the launch when `eagerly` (stream-ordered waits on CUDA: the host does not
+        block), else for every chunk at the end of backward (gloo's waits block the host)."""
         self.in_backward = True
         self.reduce_this_step = reduce
-        self._on_reduced = on_reduced
+        self._receive, self._receive_eagerly = receive, eagerly
         self._next_to_reduce = len(self.chunks) - 1
         for chunk in self.chunks:
             chunk.num_grads_ready = 0
@@ -115,7 +119,10 @@ class ZeroHooks:
                 if not (force or chunk.grads_complete):
                     return
                 chunk.launch_reduce()
-                self._launched.append(chunk)
+                if self._receive_eagerly:
+                    self._receive(chunk)
+                else:
+                    self._launched.append(chunk)
             self._next_to_reduce -= 1
 
     def end_backward(self) -> None:
@@ -123,7 +130,7 @@ class ZeroHooks:
         if self.reduce_this_step:
             self._launch_ready_reductions(force=True)
             for chunk in self._launched:
-                self._on_reduced(chunk, chunk.finish_reduce())
+                self._receive(chunk)
             self._launched.clear()
         self.in_backward = False
         if self.stage == 3:

@@ -44,6 +44,11 @@ class ShardedOptimizer:
         self.grad_shards: dict[int, torch.Tensor] = {}
         # Reduced grad shards still being copied device->host: (fp32 host shard, staging copy, event).
         self._pending_d2h: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        # Offloaded grads on CUDA: each chunk's reduced shard is copied to the host on a side stream as
+        # soon as its reduction is launched, so the copies run under the rest of backward.
+        offload_grads = placement.device.type == "cuda" and self.grad_home != "device"
+        self._copy_stream = torch.cuda.Stream(placement.device) if offload_grads else None
+        self.receive_eagerly = offload_grads
         # fp32 with the optimizer on the device: the param shard is the master. Not when param shards
         # rest on the host (stage-3 param offload): the master must live with the optimizer and grad
         # shards on the device (an aliased host master would get a device grad).
@@ -103,6 +108,21 @@ class ShardedOptimizer:
 
     # -- gradients ----------------------------------------------------------------------------
 
+    def receive(self, chunk: Chunk) -> None:
+        """Finish a chunk's launched reduction and accumulate the result into its fp32 grad shard.
+
+        On CUDA with offloaded grads this runs on the copy stream: waiting for the collective makes that
+        stream (not the host) wait, and the device->host copy is queued behind it.
+        """
+        if self._copy_stream is None:
+            self.accumulate_grad(chunk, chunk.finish_reduce())
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream())  # grads written by backward (world 1)
+        with torch.cuda.stream(self._copy_stream):
+            reduced = chunk.finish_reduce()
+            reduced.record_stream(self._copy_stream)  # not reused by backward until the copy has read it
+            self.accumulate_grad(chunk, reduced)
+
     def accumulate_grad(self, chunk: Chunk, reduced: torch.Tensor) -> None:
         """Add a chunk's reduced gradient shard into its fp32 grad shard (where the optimizer lives)."""
         index = chunk.plan.index
@@ -113,19 +133,23 @@ class ShardedOptimizer:
         if reduced.device == shard.device:
             shard.add_(reduced)
             return
-        # Offload: start this chunk's device->host copy, then finish the earlier ones, so this copy
-        # overlaps the host add of the previous chunk. (A plain non-blocking .to('cpu') followed by
-        # add_ would read the host bytes before the copy lands.)
+        # Offload: start this chunk's device->host copy, then add the copies that have landed into
+        # their host shards, never blocking the host on one still in flight (backward keeps queueing
+        # work meanwhile). A plain non-blocking .to('cpu') followed by add_ would read the host bytes
+        # before the copy lands.
         self._pending_d2h.append((shard, *start_d2h(reduced)))
-        self._finish_d2h(keep_last=1)
+        self._finish_d2h(landed_only=True)
 
-    def _finish_d2h(self, keep_last: int = 0) -> None:
-        """Wait for pending grad copies (all but the newest `keep_last`) and add them into their shards."""
-        while len(self._pending_d2h) > keep_last:
-            shard, staging, event = self._pending_d2h.pop(0)
+    def _finish_d2h(self, landed_only: bool = False) -> None:
+        """Add pending grad copies into their shards, in order: all of them (waiting), or those landed."""
+        while self._pending_d2h:
+            shard, staging, event = self._pending_d2h[0]
             if event is not None:
+                if landed_only and not event.query():
+                    return
                 event.synchronize()
             shard.add_(staging)
+            self._pending_d2h.pop(0)
 
     def zero_grad(self) -> None:
         self._pending_d2h.clear()
