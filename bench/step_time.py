@@ -8,8 +8,10 @@ Every system trains the same model (GPT-2, dropout 0, fp32 on CPU / bf16 on CUDA
 tokens with AdamW, one rank per process, one thread per rank (2 ranks = the 2 cores of the CI VM). Each
 system's step is forward + backward + optimizer step and includes its communication. The compute floor
 is one process doing one rank's share of the compute with plain torch and no communication: the best a
-data-parallel system can do. Reported: median step time of the timed steps (after warm-up), global
-tokens/s, and ratios to DeepSpeed at the same stage and to the floor.
+data-parallel system can do. `floor2` is that compute on every rank at once with no communication: what
+sharing the machine's cores and memory bandwidth costs before any byte is exchanged. Reported: median
+step time of the timed steps (after warm-up; with `--rounds R`, of all R runs, in alternating order),
+global tokens/s, and ratios to DeepSpeed at the same stage and to the floor.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ MODELS = {
     "gpt2_6l384": dict(n_layer=6, n_head=6, n_embd=384),
     "gpt2_small": dict(n_layer=12, n_head=12, n_embd=768),
 }
-SYSTEMS = ["ddp", "fsdp2", "deepspeed-1", "zerogpt-1", "deepspeed-2", "zerogpt-2", "deepspeed-3", "zerogpt-3"]
+SYSTEMS = ["floor2", "ddp", "fsdp2", "deepspeed-1", "zerogpt-1", "deepspeed-2", "zerogpt-2", "deepspeed-3", "zerogpt-3"]
 LR = 1e-4
 
 
@@ -138,7 +140,7 @@ def make_zerogpt(model, args, rank, stage):
 
 
 def make_system(system: str, model, args, rank):
-    if system == "floor":
+    if system in ("floor", "floor2"):
         return make_plain(model, args, rank)
     if system == "ddp":
         return make_ddp(model, args, rank)
@@ -164,7 +166,7 @@ def time_system(rank: int, system: str, model_name: str, args) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    return {"median_s": statistics.median(times), "min_s": min(times), "losses": losses}
+    return {"median_s": statistics.median(times), "min_s": min(times), "times": times, "losses": losses}
 
 
 def _worker(rank: int, world: int, args, init_file: str, system: str, model_name: str, queue) -> None:
@@ -206,6 +208,16 @@ def run_job(args, system: str, model_name: str) -> dict:
     return result
 
 
+def merge_rounds(results: list[dict]) -> dict:
+    """One system's rounds as one result: the median over every timed step of every round."""
+    failed = [r for r in results if "error" in r]
+    if failed:
+        return failed[0]
+    times = [t for r in results for t in r["times"]]
+    return {"median_s": statistics.median(times), "min_s": min(times), "times": times,
+            "losses": results[0]["losses"], "rounds": len(results)}
+
+
 def report(rows: list[dict], args) -> str:
     tokens = args.batch * args.seq * args.world
     lines = [f"| model | system | step ms (median) | tokens/s | vs DeepSpeed same stage | vs compute floor |",
@@ -235,6 +247,8 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=4, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, in alternating order, on fresh processes")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--port", type=int, default=29533)
@@ -246,11 +260,17 @@ def main(argv=None) -> None:
 
     rows = []
     for model_name in args.models:
-        for system in ["floor"] + args.systems:
-            result = run_job(args, system, model_name)
-            rows.append({"model": model_name, "system": system, **result})
-            print(f"{model_name} {system}: {result.get('median_s', float('nan')) * 1e3:,.0f} ms "
-                  f"{result.get('error', '')}", flush=True)
+        runs: dict[str, list[dict]] = {system: [] for system in ["floor"] + args.systems}
+        for round_index in range(args.rounds):
+            # Alternate the order so slow spells of a shared machine do not always hit the same systems.
+            order = list(runs) if round_index % 2 == 0 else list(runs)[::-1]
+            for system in order:
+                result = run_job(args, system, model_name)
+                runs[system].append(result)
+                print(f"round {round_index + 1}/{args.rounds} {model_name} {system}: "
+                      f"{result.get('median_s', float('nan')) * 1e3:,.0f} ms {result.get('error', '')}", flush=True)
+        for system, results in runs.items():
+            rows.append({"model": model_name, "system": system, **merge_rounds(results)})
     order = {s: i for i, s in enumerate(["floor"] + SYSTEMS)}
     rows.sort(key=lambda r: (args.models.index(r["model"]), order[r["system"]]))
     print(f"\n{args.world} ranks x {args.threads} thread(s), micro-batch {args.batch} x {args.seq} tokens, "
