@@ -44,6 +44,14 @@ def _uses_gloo(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
     return backend == "gloo" or "cpu:gloo" in backend
 
 
+def _handle(pending: Pending, async_op: bool) -> Pending | None:
+    """The caller's handle for an async call; a sync call waits here (the gloo paths always launch async)."""
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                     async_op: bool = False) -> Pending | None:
     """output = concat of every rank's `input` (equal sizes). `input` may be this rank's slice of `output`."""
@@ -58,10 +66,7 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
         slices[rank].copy_(input.view(-1))
     works = [dist.broadcast(slices[r], src=dist.get_global_rank(group, r) if group is not None else r,
                             group=group, async_op=True) for r in range(world)]
-    pending = Pending(works)
-    if not async_op:
-        pending.wait()
-    return pending if async_op else None
+    return _handle(Pending(works), async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -72,7 +77,5 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.P
         return Pending([work]) if async_op else None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = input.view(-1).chunk(world)[rank]
-    pending = Pending([dist.all_reduce(input, group=group, async_op=True)], then=lambda: output.copy_(mine))
-    if not async_op:
-        pending.wait()
-    return pending if async_op else None
+    return _handle(Pending([dist.all_reduce(input, group=group, async_op=True)], then=lambda: output.copy_(mine)),
+                   async_op)

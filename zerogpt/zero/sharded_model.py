@@ -158,7 +158,6 @@ class ZeroHooks:
         self.current_order: list[int] = []
         self.backward_order: list[int] = []
         self.current_backward_order: list[int] = []
-        self._backward_seen: set[int] = set()
         root = self.module
         self.handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self.handles.append(root.register_forward_hook(self._root_post_forward))
@@ -228,9 +227,8 @@ class ZeroHooks:
         # Record a chunk on its first use in this backward even when forward left it gathered, so the
         # recorded order does not depend on what was kept; re-record only chunks released since.
         chunk_ids = self.module_chunks[module_id]
-        new = [c for c in chunk_ids if c not in self._backward_seen or not self.chunks[c].is_gathered]
+        new = [c for c in chunk_ids if c not in self.current_backward_order or not self.chunks[c].is_gathered]
         if new:
-            self._backward_seen.update(new)
             self._gather(new, self.backward_order, self.current_backward_order)
 
     def end_backward_pass_order(self) -> None:
@@ -238,7 +236,6 @@ class ZeroHooks:
             if self.current_backward_order != self.backward_order:
                 self.backward_order = self.current_backward_order
             self.current_backward_order = []
-            self._backward_seen.clear()
 
     def remove(self) -> None:
         for h in self.handles:

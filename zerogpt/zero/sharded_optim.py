@@ -10,6 +10,7 @@ param shard and all-gathered (stages 0-2) while the next chunk steps.
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.distributed as dist
 
