@@ -37,6 +37,7 @@ MODELS = {
     "gpt2_small": dict(n_layer=12, n_head=12, n_embd=768),
 }
 SYSTEMS = ["floor2", "ddp", "fsdp2", "deepspeed-1", "zerogpt-1", "deepspeed-2", "zerogpt-2", "deepspeed-3", "zerogpt-3"]
+GLOO_SYSTEMS = ["zerogpt-1-gloo", "zerogpt-2-gloo", "zerogpt-3-gloo"]  # on request: ranks' comm over gloo, not /dev/shm
 LR = 1e-4
 
 
@@ -146,7 +147,9 @@ def make_system(system: str, model, args, rank):
         return make_ddp(model, args, rank)
     if system == "fsdp2":
         return make_fsdp2(model, args, rank)
-    name, stage = system.split("-")
+    name, stage, *transport = system.split("-")
+    if transport == ["gloo"]:
+        os.environ["ZEROGPT_SHM_COMM"] = "0"
     return (make_deepspeed if name == "deepspeed" else make_zerogpt)(model, args, rank, int(stage))
 
 
@@ -228,7 +231,7 @@ def report(rows: list[dict], args) -> str:
             lines.append(f"| {r['model']} | {r['system']} | failed: {r['error']} | | | |")
             continue
         ms = r["median_s"] * 1e3
-        ds = by_key.get((r["model"], r["system"].replace("zerogpt", "deepspeed")))
+        ds = by_key.get((r["model"], "deepspeed-" + r["system"].split("-")[1])) if "-" in r["system"] else None
         vs_ds = (f"{ds['median_s'] / r['median_s']:.2f}x faster" if r["system"].startswith("zerogpt") and ds
                  and "error" not in ds else "")
         floor = by_key[(r["model"], "floor")]["median_s"]
@@ -241,7 +244,7 @@ def report(rows: list[dict], args) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + GLOO_SYSTEMS)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--batch", type=int, default=4, help="micro-batch per rank (sequences)")
     p.add_argument("--seq", type=int, default=256)
@@ -271,7 +274,7 @@ def main(argv=None) -> None:
                       f"{result.get('median_s', float('nan')) * 1e3:,.0f} ms {result.get('error', '')}", flush=True)
         for system, results in runs.items():
             rows.append({"model": model_name, "system": system, **merge_rounds(results)})
-    order = {s: i for i, s in enumerate(["floor"] + SYSTEMS)}
+    order = {s: i for i, s in enumerate(["floor"] + SYSTEMS + GLOO_SYSTEMS)}
     rows.sort(key=lambda r: (args.models.index(r["model"]), order[r["system"]]))
     print(f"\n{args.world} ranks x {args.threads} thread(s), micro-batch {args.batch} x {args.seq} tokens, "
           f"{args.device}, torch {torch.__version__}\n")

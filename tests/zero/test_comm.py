@@ -1,9 +1,12 @@
-"""zero/comm.py: the flat all-gather and reduce-scatter, on the gloo algorithms (per-rank broadcasts,
-all-reduce + slice) and on torch's flat collectives (the path NCCL takes), on 2 and 3 gloo ranks:
-sync and async, an input that is this rank's slice of the output (the in-place all-gather stages
-0-2 use), and a subgroup whose ranks are not the world's.
+"""zero/comm.py: the flat all-gather, reduce-scatter and all-reduce, on each algorithm: shared memory
+(zero/shm.py, ranks on one host; with slots so small that every collective takes several pieces), the
+gloo algorithms (per-rank broadcasts, all-reduce + slice) and torch's flat collectives (the path NCCL
+takes), on 2 and 3 gloo ranks: sync and async, scaled, an input that is this rank's slice of the output
+(the in-place all-gather stages 0-2 use), and a subgroup whose ranks are not the world's.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -15,14 +18,18 @@ def _values(rank: int, n: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float32) * 10 + rank  # distinct per rank and position
 
 
-def _collectives(rank: int, world: int, use_gloo_algorithms: bool) -> dict:
+def _collectives(rank: int, world: int, algorithm: str, shm_dir: str) -> dict:
     import torch.distributed as dist
 
-    from zerogpt.zero import comm
+    from zerogpt.zero import comm, shm
 
-    if not use_gloo_algorithms:
+    shm.SHM_DIR = shm_dir
+    shm.STAGING_BYTES = 2 * world * 64  # 64-byte slots: 16 fp32 per piece, so 3 pieces below
+    if algorithm == "flat-collectives":
         comm._uses_gloo = lambda tensor, group: False  # this process only: take torch's flat collectives
-    shard = 5
+    elif algorithm == "gloo-algorithms":
+        comm.transport_for = lambda group: None
+    shard = 40
     out = {}
     full = torch.full((shard * world,), float("nan"))
     comm.all_gather_flat(full, _values(rank, shard))
@@ -41,6 +48,14 @@ def _collectives(rank: int, world: int, use_gloo_algorithms: bool) -> dict:
     mine = torch.empty(shard)
     comm.reduce_scatter_flat(mine, _values(rank, shard * world))
     out["reduce_scatter"] = mine.clone()
+    mine = torch.empty(shard)
+    comm.reduce_scatter_flat(mine, _values(rank, shard * world), scale=0.5)
+    out["reduce_scatter_scaled"] = mine.clone()
+    every = _values(rank, 37)  # any size: stage 0 chunks are not padded to the world size
+    comm.all_reduce_flat(every, async_op=True, scale=0.25).wait()
+    out["all_reduce_scaled"] = every
+    out["used_shared_memory"] = comm._uses_gloo(every, None) and comm.transport_for(None) is not None
+    out["files_left"] = os.listdir(shm_dir) if os.path.isdir(shm_dir) else []
 
     # a subgroup of the last two world ranks: group ranks (0, 1) are world ranks (world-2, world-1)
     members = [world - 2, world - 1]
@@ -58,10 +73,10 @@ def _collectives(rank: int, world: int, use_gloo_algorithms: bool) -> dict:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("use_gloo_algorithms", [True, False], ids=["gloo-algorithms", "flat-collectives"])
-def test_flat_collectives(world, use_gloo_algorithms):
-    results = run_distributed(_collectives, world, use_gloo_algorithms, timeout=100)
-    shard = 5
+@pytest.mark.parametrize("algorithm", ["shared-memory", "gloo-algorithms", "flat-collectives"])
+def test_flat_collectives(world, algorithm, tmp_path):
+    results = run_distributed(_collectives, world, algorithm, str(tmp_path), timeout=100)
+    shard = 40
     gathered = torch.cat([_values(r, shard) for r in range(world)])
     total = sum(_values(r, shard * world) for r in range(world))
     for rank, r in enumerate(results):
@@ -69,6 +84,10 @@ def test_flat_collectives(world, use_gloo_algorithms):
         torch.testing.assert_close(r["gather_in_place_async"], gathered, rtol=0, atol=0)
         for key in ("reduce_scatter", "reduce_scatter_async"):
             torch.testing.assert_close(r[key], total[rank * shard : (rank + 1) * shard], rtol=0, atol=0)
+        torch.testing.assert_close(r["reduce_scatter_scaled"], total[rank * shard : (rank + 1) * shard] * 0.5)
+        torch.testing.assert_close(r["all_reduce_scaled"], sum(_values(q, 37) for q in range(world)) * 0.25)
+        assert r["used_shared_memory"] == (algorithm == "shared-memory")
+        assert r["files_left"] == []  # the mapping's file is unlinked once every rank has it
     sub_total = _values(0, shard * 2) + _values(1, shard * 2)
     for g_rank, rank in enumerate([world - 2, world - 1]):
         r = results[rank]

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from zerogpt.zero.comm import Pending, all_gather_flat, reduce_scatter_flat
+from zerogpt.zero.comm import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from zerogpt.zero.strategy import ShardStrategy
 
 
@@ -309,14 +309,13 @@ class Chunk:
         if world == 1:
             self._reduce_out, self._reduce_work = self.grad_full, None
             return
-        # Pre-divide so the sum never overflows fp16 and the result is the mean.
-        self.grad_full.mul_(1.0 / world)
         if self.plan.num_shards == 1:
-            self._reduce_work = dist.all_reduce(self.grad_full, group=self.group, async_op=True)
+            self._reduce_work = all_reduce_flat(self.grad_full, group=self.group, async_op=True, scale=1.0 / world)
             self._reduce_out = self.grad_full
         else:
             out = torch.empty(self.plan.shard_numel, dtype=self.dtype, device=self.device)
-            self._reduce_work = reduce_scatter_flat(out, self.grad_full, group=self.group, async_op=True)
+            self._reduce_work = reduce_scatter_flat(out, self.grad_full, group=self.group, async_op=True,
+                                                    scale=1.0 / world)
             self._reduce_out = out
 
     def finish_reduce(self) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""zero/shm.py beyond the results test_comm checks: every rank or none on shared memory, nothing left in
+the shared-memory directory, half-precision sums that would overflow, and mismatched collectives
+reported instead of mixing two collectives' bytes.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+
+def _fallback(rank: int, world: int, dirs: list[str]) -> dict:
+    from zerogpt.zero import comm, shm
+
+    shm.SHM_DIR = dirs[rank]  # one rank cannot see the others' directory: as on another host
+    mine = torch.empty(4)
+    comm.reduce_scatter_flat(mine, torch.arange(4.0 * world) + rank)
+    return dict(transport=shm.transport_for(None) is not None, mine=mine,
+                files=sorted(f for d in set(dirs) if os.path.isdir(d) for f in os.listdir(d)))
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_cannot_share_a_mapping_all_stay_on_gloo(tmp_path):
+    shared, other = tmp_path / "shared", tmp_path / "other"
+    shared.mkdir(), other.mkdir()
+    results = run_distributed(_fallback, 3, [str(shared), str(shared), str(other)], timeout=50)
+    total = sum(torch.arange(12.0) + r for r in range(3))
+    for rank, r in enumerate(results):
+        assert r["transport"] is False
+        torch.testing.assert_close(r["mine"], total[rank * 4 : (rank + 1) * 4], rtol=0, atol=0)
+        assert r["files"] == []
+
+
+def _missing_dir(rank: int, world: int, missing: str) -> bool:
+    from zerogpt.zero import shm
+
+    shm.SHM_DIR = missing
+    return shm.transport_for(None) is not None
+
+
+@pytest.mark.timeout(60)
+def test_no_shared_memory_directory_means_gloo(tmp_path):
+    assert run_distributed(_missing_dir, 2, str(tmp_path / "absent"), timeout=50) == [False, False]
+
+
+def _half_sums(rank: int, world: int, shm_dir: str) -> dict:
+    from zerogpt.zero import shm
+
+    shm.SHM_DIR = shm_dir
+    transport = shm.transport_for(None)
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        big = torch.full((8,), 60000.0 if dtype == torch.float16 else 3.0, dtype=dtype)
+        mine = torch.empty(8 // world, dtype=dtype)
+        transport.reduce_scatter(mine, big, scale=1 / world).wait()
+        transport.all_reduce(big, scale=1 / world).wait()
+        out[str(dtype)] = (mine, big)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_half_precision_means_do_not_overflow_in_the_sum(tmp_path):
+    """fp16 60000 + 60000 overflows fp16; the mean does not. (bf16 has fp32's range: checked for values only.)"""
+    for r in run_distributed(_half_sums, 2, str(tmp_path), timeout=50):
+        for dtype, value in (("torch.float16", 60000.0), ("torch.bfloat16", 3.0)):
+            mine, every = r[dtype]
+            assert torch.isfinite(mine).all() and torch.isfinite(every).all(), dtype
+            torch.testing.assert_close(mine.float(), torch.full((4,), value, dtype=mine.dtype).float())
+            torch.testing.assert_close(every.float(), torch.full((8,), value, dtype=mine.dtype).float())
+
+
+def _mismatch(rank: int, world: int, shm_dir: str) -> str:
+    from zerogpt.zero import shm
+
+    shm.SHM_DIR = shm_dir
+    transport = shm.transport_for(None)
+    if rank == 0:
+        job = transport.reduce_scatter(torch.empty(4), torch.ones(8))
+    else:
+        job = transport.all_gather(torch.empty(8), torch.ones(4))
+    with pytest.raises(shm.CollectiveMismatch) as info:
+        job.wait()
+    return str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_collectives_fail_on_every_rank(tmp_path):
+    messages = run_distributed(_mismatch, 2, str(tmp_path), timeout=50)
+    assert "rank 0 of 2 is in reduce_scatter of 8 elements" in messages[0]
+    assert "rank 1 of 2 is in all_gather of 8 elements" in messages[1]
+    assert all("same order" in m for m in messages)
+
+
+def test_sizes_that_do_not_split_over_the_ranks_are_refused():
+    from zerogpt.zero import shm
+
+    with pytest.raises(ValueError, match="exactly 2 x the small one"):
+        shm._check_flat(torch.empty(3), torch.empty(7), 2, "reduce_scatter")
