@@ -6,12 +6,17 @@
 
 Every system trains the same model (GPT-2, dropout 0, fp32 on CPU / bf16 on CUDA) on the same random
 tokens with AdamW, one rank per process, one thread per rank (2 ranks = the 2 cores of the CI VM). Each
-system's step is forward + backward + optimizer step and includes its communication. The compute floor
-is one process doing one rank's share of the compute with plain torch and no communication: the best a
-data-parallel system can do. `floor2` is that compute on every rank at once with no communication: what
-sharing the machine's cores and memory bandwidth costs before any byte is exchanged. Reported: median
-step time of the timed steps (after warm-up; with `--rounds R`, of all R runs, in alternating order),
-global tokens/s, and ratios to DeepSpeed at the same stage and to the floor.
+system's step is forward + backward + optimizer step and includes its communication.
+
+The compute floor is one rank's share of the compute (same micro-batch, forward + backward + AdamW) in
+plain torch with no communication, on one process while the others wait: the best a data-parallel
+system can do. `floor2` is that compute on every rank at once: what sharing the machine's cores and
+memory bandwidth costs before any byte is exchanged. Both floors are measured inside every system's job,
+on the same processes, interleaved step by step with the system's own steps (the order rotating), so a
+shared machine's slow spells hit a system and its floors alike. Reported per system: median step time
+(after warm-up; with `--rounds R`, over all R runs on fresh processes, in alternating order), global
+tokens/s, and the paired ratios: the median over steps of (system step / the floor steps beside it).
+"vs DeepSpeed" divides DeepSpeed's paired ratio by zerogpt's at the same stage, so it is drift-free too.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ MODELS = {
     "gpt2_6l384": dict(n_layer=6, n_head=6, n_embd=384),
     "gpt2_small": dict(n_layer=12, n_head=12, n_embd=768),
 }
-SYSTEMS = ["floor2", "ddp", "fsdp2", "deepspeed-1", "zerogpt-1", "deepspeed-2", "zerogpt-2", "deepspeed-3", "zerogpt-3"]
+SYSTEMS = ["ddp", "fsdp2", "deepspeed-1", "zerogpt-1", "deepspeed-2", "zerogpt-2", "deepspeed-3", "zerogpt-3"]
 GLOO_SYSTEMS = ["zerogpt-1-gloo", "zerogpt-2-gloo", "zerogpt-3-gloo"]  # on request: ranks' comm over gloo, not /dev/shm
 LR = 1e-4
 
@@ -73,7 +78,7 @@ def sync(device: str) -> None:
 # one function per system: build, then return a step() that trains on one micro-batch
 
 def make_plain(model, args, rank):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=args.device == "cuda" or None)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)  # the fastest plain-torch Adam, CPU too
 
     def step(tokens):
         loss = loss_of(model, tokens, args.device, args.dtype)
@@ -141,8 +146,6 @@ def make_zerogpt(model, args, rank, stage):
 
 
 def make_system(system: str, model, args, rank):
-    if system in ("floor", "floor2"):
-        return make_plain(model, args, rank)
     if system == "ddp":
         return make_ddp(model, args, rank)
     if system == "fsdp2":
@@ -157,19 +160,26 @@ def make_system(system: str, model, args, rank):
 # timing
 
 def time_system(rank: int, system: str, model_name: str, args) -> dict:
-    model = build_model(model_name, args.seq, args.device)
-    step = make_system(system, model, args, rank)
-    times, losses = [], []
+    """The system's steps interleaved with the two floors' (on a second, plain copy of the model)."""
+    step = make_system(system, build_model(model_name, args.seq, args.device), args, rank)
+    plain = make_plain(build_model(model_name, args.seq, args.device), args, rank)
+    kinds = {"system": step, "floor": plain if rank == 0 else None, "floor2": plain}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    losses = []
     for i in range(args.warmup + args.steps):
         tokens = batch(rank, i, args)
-        sync(args.device)
-        t0 = time.perf_counter()
-        loss = step(tokens)
-        sync(args.device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    return {"median_s": statistics.median(times), "min_s": min(times), "times": times, "losses": losses}
+        names = list(kinds)[i % 3:] + list(kinds)[: i % 3]  # rotate who goes first
+        for kind in names:
+            sync(args.device)
+            t0 = time.perf_counter()
+            loss = kinds[kind](tokens) if kinds[kind] is not None else None  # floor: the other ranks wait
+            sync(args.device)
+            if i >= args.warmup:
+                times[kind].append(time.perf_counter() - t0)
+            if kind == "system":
+                losses.append(loss.detach().item())
+    return {"times": times["system"], "floor_times": times["floor"], "floor2_times": times["floor2"],
+            "losses": losses}
 
 
 def _worker(rank: int, world: int, args, init_file: str, system: str, model_name: str, queue) -> None:
@@ -190,9 +200,9 @@ def _worker(rank: int, world: int, args, init_file: str, system: str, model_name
 
 
 def run_job(args, system: str, model_name: str) -> dict:
-    """One system on fresh processes (`world` ranks; the floor on one): nothing a previous system allocated
-    or left initialised (DeepSpeed engines, FSDP state, allocator caches) can slow it down or run it out of RAM."""
-    world = 1 if system == "floor" else args.world
+    """One system (and its floors) on fresh processes: nothing a previous system allocated or left
+    initialised (DeepSpeed engines, FSDP state, allocator caches) can slow it down or run it out of RAM."""
+    world = args.world
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(prefix="zerogpt-bench-"), "rdzv")
@@ -212,32 +222,39 @@ def run_job(args, system: str, model_name: str) -> dict:
 
 
 def merge_rounds(results: list[dict]) -> dict:
-    """One system's rounds as one result: the median over every timed step of every round."""
+    """One system's rounds as one result: medians over every timed step of every round."""
     failed = [r for r in results if "error" in r]
     if failed:
         return failed[0]
-    times = [t for r in results for t in r["times"]]
-    return {"median_s": statistics.median(times), "min_s": min(times), "times": times,
-            "losses": results[0]["losses"], "rounds": len(results)}
+    merged = {key: [t for r in results for t in r[key]] for key in ("times", "floor_times", "floor2_times")}
+    merged.update({f"vs_{floor}": statistics.median(s / f for s, f in zip(merged["times"], merged[f"{floor}_times"]))
+                   for floor in ("floor", "floor2")})
+    return {"median_s": statistics.median(merged["times"]), **merged, "losses": results[0]["losses"],
+            "rounds": len(results)}
 
 
 def report(rows: list[dict], args) -> str:
     tokens = args.batch * args.seq * args.world
-    lines = [f"| model | system | step ms (median) | tokens/s | vs DeepSpeed same stage | vs compute floor |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| model | system | step ms (median) | tokens/s | vs DeepSpeed, same stage (paired) | "
+             "vs compute floor (paired) | vs floor2 (paired) |", "|---|---|---:|---:|---:|---:|---:|"]
+    ok = [r for r in rows if "error" not in r]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for floor, per_rank in (("floor", 1), ("floor2", args.world)):
+            times = [t for r in ok if r["model"] == model for t in r[f"{floor}_times"]]
+            if times:
+                ms = statistics.median(times)
+                lines.append(f"| {model} | {floor} (every job) | {ms * 1e3:,.0f} | "
+                             f"{per_rank * args.batch * args.seq / ms:,.0f} | | | |")
     by_key = {(r["model"], r["system"]): r for r in rows}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['system']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['model']} | {r['system']} | failed: {r['error']} | | | | |")
             continue
-        ms = r["median_s"] * 1e3
         ds = by_key.get((r["model"], "deepspeed-" + r["system"].split("-")[1])) if "-" in r["system"] else None
-        vs_ds = (f"{ds['median_s'] / r['median_s']:.2f}x faster" if r["system"].startswith("zerogpt") and ds
+        vs_ds = (f"{ds['vs_floor'] / r['vs_floor']:.2f}x faster" if r["system"].startswith("zerogpt") and ds
                  and "error" not in ds else "")
-        floor = by_key[(r["model"], "floor")]["median_s"]
-        tps = tokens / r["median_s"] if r["system"] != "floor" else args.batch * args.seq / r["median_s"]
-        lines.append(f"| {r['model']} | {r['system']} | {ms:,.0f} | {tps:,.0f} | {vs_ds} | "
-                     f"{r['median_s'] / floor:.2f}x |")
+        lines.append(f"| {r['model']} | {r['system']} | {r['median_s'] * 1e3:,.0f} | {tokens / r['median_s']:,.0f} | "
+                     f"{vs_ds} | {r['vs_floor']:.2f}x | {r['vs_floor2']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -263,18 +280,19 @@ def main(argv=None) -> None:
 
     rows = []
     for model_name in args.models:
-        runs: dict[str, list[dict]] = {system: [] for system in ["floor"] + args.systems}
+        runs: dict[str, list[dict]] = {system: [] for system in args.systems}
         for round_index in range(args.rounds):
             # Alternate the order so slow spells of a shared machine do not always hit the same systems.
             order = list(runs) if round_index % 2 == 0 else list(runs)[::-1]
             for system in order:
                 result = run_job(args, system, model_name)
                 runs[system].append(result)
-                print(f"round {round_index + 1}/{args.rounds} {model_name} {system}: "
-                      f"{result.get('median_s', float('nan')) * 1e3:,.0f} ms {result.get('error', '')}", flush=True)
+                ms = statistics.median(result["times"]) * 1e3 if "times" in result else float("nan")
+                print(f"round {round_index + 1}/{args.rounds} {model_name} {system}: {ms:,.0f} ms "
+                      f"{result.get('error', '')}", flush=True)
         for system, results in runs.items():
             rows.append({"model": model_name, "system": system, **merge_rounds(results)})
-    order = {s: i for i, s in enumerate(["floor"] + SYSTEMS + GLOO_SYSTEMS)}
+    order = {s: i for i, s in enumerate(SYSTEMS + GLOO_SYSTEMS)}
     rows.sort(key=lambda r: (args.models.index(r["model"]), order[r["system"]]))
     print(f"\n{args.world} ranks x {args.threads} thread(s), micro-batch {args.batch} x {args.seq} tokens, "
           f"{args.device}, torch {torch.__version__}\n")

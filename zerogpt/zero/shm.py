@@ -4,7 +4,10 @@ Why: gloo moves CPU tensors over loopback TCP, so every byte is copied through t
 times by cores that would otherwise compute (on the 2-core CI VM, 2 ranks: 65-80 ms of gloo all-reduce
 for a 120 MB gradient chunk, most of it CPU time). Through one shared mapping a reduce-scatter is one
 write of the input, one read of every rank's matching piece and one write of the summed shard; an
-all-gather is one write of the shard and one read of the whole output.
+all-gather is one write of the shard and one read of the whole output. Measured there (120 MB fp32,
+2 ranks): reduce-scatter 30-45 ms vs 80-90 ms for gloo's all-reduce + slice; all-gather on par with
+gloo's per-rank broadcasts (~35 ms). Whole training steps of a 6-layer GPT-2, paired in the same
+processes: stage 3 ~12% faster, stage 2 ~3% faster than on gloo.
 
 How: the ranks map one /dev/shm file holding two staging buffers of `world` slots each. A collective
 is cut into pieces that fit a slot; for each piece every rank writes its slot, all ranks meet at a
@@ -51,7 +54,7 @@ class _Job:
 
 
 class SharedMemoryTransport:
-    """Collectives for one process group whose ranks all map `path` (see the module docstring)."""
+    """Collectives for one process group whose ranks all map the same staging file (see the module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup | None, staging: torch.Tensor, sync: dist.ProcessGroup) -> None:
         self.group, self.sync = group, sync
@@ -81,10 +84,6 @@ class SharedMemoryTransport:
             raise ValueError("all_reduce: expected a contiguous tensor")
         return self._submit(self._all_reduce, tensor.view(-1), scale)
 
-    def close(self) -> None:
-        self._queue.put(None)
-        self._worker.join(timeout=10)
-
     # -- worker -----------------------------------------------------------------------------
 
     def _submit(self, fn, *args) -> _Job:
@@ -93,8 +92,8 @@ class SharedMemoryTransport:
         return _Job(future)
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
+        while True:
+            future, fn, args = self._queue.get()
             try:
                 with torch.no_grad():
                     fn(*args)
