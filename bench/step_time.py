@@ -168,7 +168,8 @@ def time_system(rank: int, system: str, model_name: str, args) -> dict:
     losses = []
     for i in range(args.warmup + args.steps):
         tokens = batch(rank, i, args)
-        names = list(kinds)[i % 3:] + list(kinds)[: i % 3]  # rotate who goes first
+        first = i % len(kinds)
+        names = list(kinds)[first:] + list(kinds)[:first]  # rotate who goes first
         for kind in names:
             sync(args.device)
             t0 = time.perf_counter()

@@ -54,7 +54,7 @@ def _collectives(rank: int, world: int, algorithm: str, shm_dir: str) -> dict:
     every = _values(rank, 37)  # any size: stage 0 chunks are not padded to the world size
     comm.all_reduce_flat(every, async_op=True, scale=0.25).wait()
     out["all_reduce_scaled"] = every
-    out["used_shared_memory"] = comm._uses_gloo(every, None) and comm.transport_for(None) is not None
+    out["used_shared_memory"] = comm._shared_memory(every, None) is not None
     out["files_left"] = os.listdir(shm_dir) if os.path.isdir(shm_dir) else []
 
     # a subgroup of the last two world ranks: group ranks (0, 1) are world ranks (world-2, world-1)

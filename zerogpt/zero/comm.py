@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zerogpt.zero.shm import transport_for
+from zerogpt.zero.shm import SharedMemoryTransport, transport_for
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -49,6 +49,11 @@ def _uses_gloo(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
     return backend == "gloo" or "cpu:gloo" in backend
 
 
+def _shared_memory(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> SharedMemoryTransport | None:
+    """The shared-memory transport for this tensor's collectives: only where they would run on gloo."""
+    return transport_for(group) if _uses_gloo(tensor, group) else None
+
+
 def _handle(pending: Pending, async_op: bool) -> Pending | None:
     """The caller's handle for an async call; a sync call waits here (the gloo paths always launch async)."""
     if async_op:
@@ -60,13 +65,13 @@ def _handle(pending: Pending, async_op: bool) -> Pending | None:
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                     async_op: bool = False) -> Pending | None:
     """output = concat of every rank's `input` (equal sizes). `input` may be this rank's slice of `output`."""
+    if (shm := _shared_memory(output, group)) is not None:
+        return _handle(Pending([shm.all_gather(output.view(-1), input.view(-1))]), async_op)
     if not _uses_gloo(output, group):
         if input.data_ptr() == output.data_ptr() + dist.get_rank(group) * input.numel() * input.element_size():
             input = input.clone()  # in-place all-gather is not promised by every backend
         work = _all_gather_single(output, input, group=group, async_op=async_op)
         return Pending([work]) if async_op else None
-    if (shm := transport_for(group)) is not None:
-        return _handle(Pending([shm.all_gather(output.view(-1), input.view(-1))]), async_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     slices = output.view(-1).chunk(world)
     if slices[rank].data_ptr() != input.data_ptr():
@@ -83,7 +88,7 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.P
     Where the sum is taken on the wire (NCCL, gloo) `input` is pre-scaled, so a half-precision sum of
     means cannot overflow where a sum of the raw values would; shared memory scales the shard after summing.
     """
-    if (shm := transport_for(group) if _uses_gloo(input, group) else None) is not None:
+    if (shm := _shared_memory(input, group)) is not None:
         return _handle(Pending([shm.reduce_scatter(output.view(-1), input.view(-1), scale)]), async_op)
     if scale != 1.0:
         input.mul_(scale)
@@ -99,7 +104,7 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.P
 def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False,
                     scale: float = 1.0) -> Pending | None:
     """tensor = `scale` x the sum of every rank's `tensor` (in place; pre-scaled where summed on the wire)."""
-    if (shm := transport_for(group) if _uses_gloo(tensor, group) else None) is not None:
+    if (shm := _shared_memory(tensor, group)) is not None:
         return _handle(Pending([shm.all_reduce(tensor, scale)]), async_op)
     if scale != 1.0:
         tensor.mul_(scale)

@@ -220,8 +220,8 @@ def _create(group: dist.ProcessGroup | None) -> SharedMemoryTransport | None:
         if bytes(staging[: len(token)].tolist()) != token:
             staging = None
     ok = torch.tensor([int(staging is not None)], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=sync)  # all ranks on shared memory, or none
-    dist.barrier(group=sync)  # every rank has mapped (or given up on) the file
+    # all ranks on shared memory, or none; once it returns, every rank has mapped (or given up on) the file
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=sync)
     if rank == 0 and os.path.exists(path):
         os.unlink(path)
     if not ok.item():
