@@ -17,6 +17,11 @@ shared machine's slow spells hit a system and its floors alike. Reported per sys
 (after warm-up; with `--rounds R`, over all R runs on fresh processes, in alternating order), global
 tokens/s, and the paired ratios: the median over steps of (system step / the floor steps beside it).
 "vs DeepSpeed" divides DeepSpeed's paired ratio by zerogpt's at the same stage, so it is drift-free too.
+
+Host memory: zerogpt keeps freed host memory in the process (zerogpt/host_memory.py), which makes CPU
+steps much faster. So that no system and no floor gets an allocator the others lack, every process of
+every job gets that same setting by default (`--host-memory keep`); `--host-memory default` runs all of
+them, zerogpt included, on glibc's default malloc.
 """
 from __future__ import annotations
 
@@ -185,6 +190,11 @@ def time_system(rank: int, system: str, model_name: str, args) -> dict:
 
 def _worker(rank: int, world: int, args, init_file: str, system: str, model_name: str, queue) -> None:
     torch.set_num_threads(args.threads)
+    if args.host_memory == "keep":  # every system and floor on the same allocator: zerogpt's host-memory policy
+        from zerogpt.host_memory import keep_freed_host_memory
+        keep_freed_host_memory()
+    else:  # glibc's default everywhere, zerogpt included
+        os.environ["ZEROGPT_KEEP_HOST_MEMORY"] = "0"
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     if args.device == "cuda":
@@ -271,6 +281,9 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every system this many times, in alternating order, on fresh processes")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--host-memory", default="keep", choices=["keep", "default"],
+                   help="keep: every process (peers and floors too) keeps freed host memory the way zerogpt "
+                        "does (zerogpt/host_memory.py); default: glibc malloc as is, zerogpt too")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--timeout", type=float, default=3600)
@@ -296,7 +309,7 @@ def main(argv=None) -> None:
     order = {s: i for i, s in enumerate(SYSTEMS + GLOO_SYSTEMS)}
     rows.sort(key=lambda r: (args.models.index(r["model"]), order[r["system"]]))
     print(f"\n{args.world} ranks x {args.threads} thread(s), micro-batch {args.batch} x {args.seq} tokens, "
-          f"{args.device}, torch {torch.__version__}\n")
+          f"{args.device}, host memory {args.host_memory}, torch {torch.__version__}\n")
     print(report(rows, args))
     if args.json:
         with open(args.json, "w") as f:

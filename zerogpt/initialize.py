@@ -23,6 +23,7 @@ from torch import nn
 from zerogpt.amp import DynamicLossScaler, compute_dtype
 from zerogpt.config import Config, EngineConfig, engine_config
 from zerogpt.engine import Engine
+from zerogpt.host_memory import keep_freed_host_memory
 from zerogpt.zero.chunk import Chunk, plan_chunks
 from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.init_ctx import give_storage, recorded_init
@@ -184,6 +185,9 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
                          f"{dist.get_world_size(ctx.group)} ranks; pass the context from launch_from_torch")
     zero = ecfg.zero
     logger = _logger(ctx)
+    if ctx.device.type == "cpu" and keep_freed_host_memory():  # compute on the host: see host_memory.py
+        logger.info("host malloc keeps freed memory: steps reuse pages instead of faulting them in again "
+                    "(faster, higher peak RSS; ZEROGPT_KEEP_HOST_MEMORY=0 to turn off)")
 
     optimizer = _resolve_optimizer(optimizer, model)
     params = _param_groups(model, optimizer)
