@@ -6,14 +6,19 @@ relative 1e-5): activation checkpointing (recompute re-gathers), tied weights, a
 a branch used on some steps only, keyword-argument forwards, a forward whose order changes by an
 argument, frozen parameters, HF transformers' GPT2LMHeadModel (tiny config, built locally),
 model_zoo's GPT, and GPT with no_grad eval forwards between steps and two forwards per backward. A probe wrapped around each chunk's gather() checks the memory invariants:
-nothing gathered between steps, at most (own chunks + prefetch + held tied chunk) during a pass, and
-after the first pass only the first module's chunks are gathered cold (the rest were prefetched).
+nothing gathered between steps, at most (own chunks + prefetch + held tied chunk) during a pass,
+after the first pass only the first module's chunks are gathered cold (the rest were prefetched), and
+a released chunk's memory is really freed between forward and backward (no tensor autograd saved for
+backward, such as a Linear's `weight.t()`, keeps the gathered buffer alive).
 """
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
@@ -167,9 +172,11 @@ def _held(chunks) -> int:
 
 
 def attach_probe(engine) -> None:
-    """Wrap each chunk's gather(): log (phase, chunk, prefetch?, cold?) and the most chunks held at once."""
+    """Wrap each chunk's gather(): log (phase, chunk, prefetch?, cold?) and the most chunks held at once,
+    and keep a weak reference to every gathered buffer's storage. Wrap backward(): count, as backward
+    starts, the released chunks whose buffers something still keeps alive."""
     _PROBE.clear()
-    _PROBE.update(events=[], max_held={"forward": 0, "backward": 0})
+    _PROBE.update(events=[], max_held={"forward": 0, "backward": 0}, buffers=[], pinned=[])
     chunks = engine.chunks
     for chunk in chunks:
         def gather(async_op: bool = False, chunk=chunk, original=chunk.gather) -> None:
@@ -178,15 +185,29 @@ def attach_probe(engine) -> None:
             original(async_op)
             _PROBE["events"].append((phase, chunk.plan.index, async_op, cold))
             _PROBE["max_held"][phase] = max(_PROBE["max_held"][phase], _held(chunks))
+            if cold and chunk.full_buffer is not None:
+                _PROBE["buffers"].append((chunk, StorageWeakRef(chunk.full_buffer.untyped_storage())))
         chunk.gather = gather
+
+    def backward(loss, original=engine.backward) -> None:
+        released = [(c, ref) for c, ref in _PROBE["buffers"] if c.full_buffer is None]
+        for _ in range(100):  # gloo's worker thread lets go of a finished collective's tensors just after the wait
+            if all(ref.expired() for _, ref in released):
+                break
+            time.sleep(0.01)
+        _PROBE["pinned"].append(sorted({c.plan.index for c, ref in released if not ref.expired()}))
+        _PROBE["buffers"] = []
+        original(loss)
+    engine.backward = backward
 
 
 def inspect_step(engine, step: int) -> dict:
     """After each optimizer step: what is gathered now, and this step's gather log (then reset)."""
-    events, max_held = _PROBE["events"], dict(_PROBE["max_held"])
-    _PROBE.update(events=[], max_held={"forward": 0, "backward": 0})
+    events, max_held, pinned = _PROBE["events"], dict(_PROBE["max_held"]), _PROBE["pinned"]
+    _PROBE.update(events=[], max_held={"forward": 0, "backward": 0}, buffers=[], pinned=[])
     return {
         "held_between_steps": _held(engine.chunks),
+        "released_but_alive_at_backward": pinned,
         "nonempty_params": [n for n, p in engine.module.named_parameters() if p.numel() > 0],
         "events": events,
         "max_held": max_held,
@@ -246,6 +267,18 @@ def test_nothing_gathered_between_steps(runs, name):
         for step, seen in enumerate(run[name]["inspect"]):
             assert seen["held_between_steps"] == 0, f"rank {rank} step {step}: chunks still gathered"
             assert seen["nonempty_params"] == [], f"rank {rank} step {step}: {seen['nonempty_params']}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_released_chunks_free_their_memory_before_backward(runs, name):
+    """Autograd saves weights for backward (a Linear saves weight.t(), a view of the gathered buffer); if
+    that view kept the buffer, stage 3 would hold every parameter from forward to backward."""
+    for rank, run in enumerate(runs):
+        for step, seen in enumerate(run[name]["inspect"]):
+            assert seen["released_but_alive_at_backward"], f"rank {rank} step {step}: backward never called"
+            for pinned in seen["released_but_alive_at_backward"]:
+                assert pinned == [], f"rank {rank} step {step}: released chunks {pinned} still in memory"
 
 
 @pytest.mark.timeout(300)

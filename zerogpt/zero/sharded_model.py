@@ -13,6 +13,13 @@ first pass (forward and backward each) and the next `prefetch` chunks are gather
 asynchronously; a pass whose order differs replaces the recording. The first `prefetch` chunks of
 the recorded backward are kept (or prefetched) at the end of forward rather than released: backward
 starts where forward ended, and re-gathering them there would be pure waste.
+
+Releasing a chunk must free its memory, but autograd saves weights for backward (a Linear saves
+`weight.t()`, a view of the gathered buffer), and such a view would pin the whole buffer until backward:
+stage 3 would then hold every parameter from forward to backward. So while the root module runs
+forward, a saved-tensors hook stores a saved view of a parameter as (parameter, size, stride, offset)
+and rebuilds it at backward from the parameter's re-gathered data (FSDP frees the storage in place
+instead; DeepSpeed swaps in its own Linear).
 """
 from __future__ import annotations
 
@@ -161,12 +168,39 @@ class ZeroHooks:
         root = self.module
         self.handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self.handles.append(root.register_forward_hook(self._root_post_forward))
+        self.handles.append(root.register_forward_hook(self._exit_saved_params, always_call=True))
+        self._saved_params_ctx: Any = None
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if self.in_backward:
             return
         self.remaining_uses = dict(self.uses_per_pass)
         self.current_order = []
+        if torch.is_grad_enabled() and self._saved_params_ctx is None:
+            self._saved_params_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_saved,
+                                                                              self._unpack_saved)
+            self._saved_params_ctx.__enter__()
+
+    def _exit_saved_params(self, module: nn.Module, args: Any, output: Any) -> None:
+        # always_call: runs even when forward raised, so the hooks never outlive the forward
+        if self._saved_params_ctx is not None:
+            self._saved_params_ctx.__exit__(None, None, None)
+            self._saved_params_ctx = None
+
+    def _pack_saved(self, tensor: torch.Tensor) -> Any:
+        """A parameter (or a view of one) is saved by where it lies, not by the gathered buffer."""
+        param = tensor._base if tensor._base is not None else tensor
+        if id(param) not in self.param_to_chunk:
+            return tensor
+        return param, tensor.size(), tensor.stride(), tensor.storage_offset() - param.storage_offset()
+
+    def _unpack_saved(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        param, size, stride, offset = saved
+        self.chunks[self.param_to_chunk[id(param)][0]].gather()  # a no-op when backward gathered it already
+        data = param.detach()
+        return data.as_strided(size, stride, data.storage_offset() + offset)
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.in_backward:

@@ -94,13 +94,20 @@ class SharedMemoryTransport:
     def _run(self) -> None:
         while True:
             future, fn, args = self._queue.get()
+            error = None
             try:
                 with torch.no_grad():
                     fn(*args)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the job
-                future.set_exception(e)
-            else:
+                error = e
+            # Drop the job's tensors before waking the waiter: held by this loop's locals, the last job's
+            # buffers (a stage-3 chunk the waiter releases next, say) would stay in memory until the next job.
+            del fn, args
+            if error is None:
                 future.set_result(None)
+            else:
+                future.set_exception(error)
+                del error
 
     def _slots(self, dtype: torch.dtype) -> torch.Tensor:
         """The staging buffer of the next piece, as [world, slot elements] of `dtype`."""
