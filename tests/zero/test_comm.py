@@ -56,6 +56,14 @@ def _collectives(rank: int, world: int, algorithm: str, shm_dir: str) -> dict:
     out["all_reduce_scaled"] = every
     out["used_shared_memory"] = comm._shared_memory(every, None) is not None
     out["files_left"] = os.listdir(shm_dir) if os.path.isdir(shm_dir) else []
+    # sizes that do not split over the ranks: refused locally, before any rank waits on the others
+    bad = {"all_gather": lambda: comm.all_gather_flat(torch.empty(shard * world + 1), _values(rank, shard)),
+           "reduce_scatter": lambda: comm.reduce_scatter_flat(torch.empty(shard), torch.empty(shard * 2 + 1))}
+    for kind, call in bad.items():
+        try:
+            call()
+        except ValueError as e:
+            out[f"bad_{kind}"] = str(e)
 
     # a subgroup of the last two world ranks: group ranks (0, 1) are world ranks (world-2, world-1)
     members = [world - 2, world - 1]
@@ -88,6 +96,9 @@ def test_flat_collectives(world, algorithm, tmp_path):
         torch.testing.assert_close(r["all_reduce_scaled"], sum(_values(q, 37) for q in range(world)) * 0.25)
         assert r["used_shared_memory"] == (algorithm == "shared-memory")
         assert r["files_left"] == []  # the mapping's file is unlinked once every rank has it
+        for kind in ("all_gather", "reduce_scatter"):
+            expected = f"{kind}: expected contiguous tensors with the large one exactly {world} x the small one"
+            assert r.get(f"bad_{kind}", "").startswith(f"{expected} ({world} ranks)"), r.get(f"bad_{kind}")
     sub_total = _values(0, shard * 2) + _values(1, shard * 2)
     for g_rank, rank in enumerate([world - 2, world - 1]):
         r = results[rank]

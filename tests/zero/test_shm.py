@@ -98,4 +98,4 @@ def test_sizes_that_do_not_split_over_the_ranks_are_refused():
     from zerogpt.zero import shm
 
     with pytest.raises(ValueError, match="exactly 2 x the small one"):
-        shm._check_flat(torch.empty(3), torch.empty(7), 2, "reduce_scatter")
+        shm.check_flat(torch.empty(3), torch.empty(7), 2, "reduce_scatter")

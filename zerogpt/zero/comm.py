@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zerogpt.zero.shm import SharedMemoryTransport, transport_for
+from zerogpt.zero.shm import SharedMemoryTransport, check_flat, transport_for
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -65,6 +65,7 @@ def _handle(pending: Pending, async_op: bool) -> Pending | None:
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                     async_op: bool = False) -> Pending | None:
     """output = concat of every rank's `input` (equal sizes). `input` may be this rank's slice of `output`."""
+    check_flat(input, output, dist.get_world_size(group), "all_gather")
     if (shm := _shared_memory(output, group)) is not None:
         return _handle(Pending([shm.all_gather(output.view(-1), input.view(-1))]), async_op)
     if not _uses_gloo(output, group):
@@ -88,6 +89,7 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.P
     Where the sum is taken on the wire (NCCL, gloo) `input` is pre-scaled, so a half-precision sum of
     means cannot overflow where a sum of the raw values would; shared memory scales the shard after summing.
     """
+    check_flat(output, input, dist.get_world_size(group), "reduce_scatter")
     if (shm := _shared_memory(input, group)) is not None:
         return _handle(Pending([shm.reduce_scatter(output.view(-1), input.view(-1), scale)]), async_op)
     if scale != 1.0:

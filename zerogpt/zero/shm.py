@@ -70,12 +70,12 @@ class SharedMemoryTransport:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, scale: float = 1.0) -> _Job:
         """output = scale * (this rank's slice of the sum of every rank's `input`); input is left as is."""
-        _check_flat(output, input, self.world, "reduce_scatter")
+        check_flat(output, input, self.world, "reduce_scatter")
         return self._submit(self._reduce_scatter, output, input, scale)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> _Job:
         """output = concat of every rank's `input`; `input` may be this rank's slice of `output`."""
-        _check_flat(input, output, self.world, "all_gather")
+        check_flat(input, output, self.world, "all_gather")
         return self._submit(self._all_gather, output, input)
 
     def all_reduce(self, tensor: torch.Tensor, scale: float = 1.0) -> _Job:
@@ -184,7 +184,9 @@ def _sum_rows(rows: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         out.copy_(acc)
 
 
-def _check_flat(small: torch.Tensor, large: torch.Tensor, world: int, kind: str) -> None:
+def check_flat(small: torch.Tensor, large: torch.Tensor, world: int, kind: str) -> None:
+    """A flat collective's sizes: the large tensor is exactly `world` x the small one (a chunk padded for
+    another world size fails here, on every path, instead of as a hang or a backend error)."""
     if large.numel() != small.numel() * world or not (small.is_contiguous() and large.is_contiguous()):
         raise ValueError(f"{kind}: expected contiguous tensors with the large one exactly {world} x the small one "
                          f"({world} ranks), got {large.numel()} and {small.numel()} elements")
