@@ -175,7 +175,7 @@ def test_chunk_grad_accumulation_one_process():
     chunk.launch_reduce()
     out = chunk.finish_reduce()
     torch.testing.assert_close(out, torch.tensor([4.0, 4, 4, 1, 1, 1, 1]))
-    assert chunk.grad_full is None and chunk.num_grads_ready == 0  # freed after the reduction
+    assert chunk.grad_full is None and chunk.slots_ready == set()  # freed after the reduction
 
 
 def test_slots_without_a_gradient_and_padding_reduce_as_zeros(monkeypatch):

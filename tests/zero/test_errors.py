@@ -1,7 +1,8 @@
 """Bad input to the ZeRO engine fails early with a message that names the key, the value and the fix.
 
 Covered: invalid stage / precision / shard strategy / zero keys, optimizers not built on the model,
-parameters left out of the optimizer, step() without backward(), a non-scalar loss, mixed devices
+parameters left out of the optimizer, step() without backward(), a non-scalar loss, a parameter whose
+gradient arrives after its chunk was reduced (reentrant checkpointing of a shared layer), mixed devices
 (meta vs cpu, cpu vs cuda), ctx.world_size that does not match the process group, and ranks that
 built different models (the collectives would otherwise hang or fail mid-step).
 """
@@ -124,6 +125,34 @@ def test_non_scalar_loss():
     engine, *_ = _init(zero=dict(stage=1))
     with pytest.raises(ValueError, match=r"expects a scalar loss, got shape \(2, 4\); reduce it first"):
         engine.backward(engine(torch.randn(2, 3)))
+    engine.close()
+
+
+class SharedAcrossReentrantSegments(nn.Module):
+    """One layer in two reentrant checkpoint segments: its gradient arrives in two separate backward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(3, 3)
+        self.middle = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(lambda t: self.middle(self.shared(t)), x, use_reentrant=True)
+        return checkpoint(self.shared, x, use_reentrant=True)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_second_gradient_after_the_reduction_is_refused(stage):
+    from zerogpt.zero import TensorShardStrategy
+
+    model = SharedAcrossReentrantSegments()
+    engine, *_ = _init(model, zero=dict(stage=stage, shard_strategy=TensorShardStrategy()))
+    with pytest.raises(RuntimeError, match=r"parameter 'shared\.(weight|bias)' got a second gradient in one backward"
+                                           r".*checkpoint with use_reentrant=False"):
+        engine.backward(engine(torch.randn(2, 3, requires_grad=True)).sum())
     engine.close()
 
 

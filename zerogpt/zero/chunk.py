@@ -163,7 +163,7 @@ class Chunk:
         self.full: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
         self._written: set[int] = set()  # slots of grad_full holding a gradient (the rest is garbage)
-        self.num_grads_ready = 0
+        self.slots_ready: set[int] = set()  # slots whose gradient arrived in this backward
         lo, hi = plan.shard_range(self.shard_index)
         if persistent_full:
             self.full = torch.zeros(plan.padded_numel, dtype=dtype, device=device)
@@ -284,7 +284,7 @@ class Chunk:
         else:
             target.copy_(grad.reshape(-1))
             self._written.add(slot_index)
-        self.num_grads_ready += 1
+        self.slots_ready.add(slot_index)
 
     def _zero_unwritten(self) -> None:
         if self.grad_full is None:
@@ -297,7 +297,9 @@ class Chunk:
 
     @property
     def grads_complete(self) -> bool:
-        return self.num_grads_ready >= len(self.params)
+        # distinct slots, not hook calls: a hook that fires twice for one parameter must not stand in
+        # for another parameter's gradient that has not arrived yet
+        return len(self.slots_ready) >= len(self.params)
 
     def launch_reduce(self) -> None:
         """Start the (async) reduction of `grad_full` across ranks, averaged over the ranks.
@@ -329,9 +331,9 @@ class Chunk:
             out = out[lo:hi]
         self._reduce_work, self._reduce_out = None, None
         self.grad_full = None
-        self.num_grads_ready = 0
+        self.slots_ready.clear()
         return out
 
     def reset_grads(self) -> None:
         self.grad_full = None
-        self.num_grads_ready = 0
+        self.slots_ready.clear()

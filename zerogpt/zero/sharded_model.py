@@ -101,6 +101,11 @@ class ZeroHooks:
     def _grad_ready(self, param: nn.Parameter) -> None:
         chunk_index, slot_index = self.param_to_chunk[id(param)]
         chunk = self.chunks[chunk_index]
+        if self.reduce_this_step and chunk_index > self._next_to_reduce:
+            raise RuntimeError(
+                f"parameter {chunk.plan.slots[slot_index].name!r} got a second gradient in one backward, after "
+                f"its chunk {chunk_index} was already reduced; this happens when a parameter is used in several "
+                f"reentrant activation-checkpoint segments: checkpoint with use_reentrant=False")
         chunk.add_param_grad(slot_index, param.grad)
         param.grad = None
         if self.stage == 3 and chunk.grads_complete:
@@ -117,7 +122,7 @@ class ZeroHooks:
         self._receive, self._receive_eagerly = receive, eagerly
         self._next_to_reduce = len(self.chunks) - 1
         for chunk in self.chunks:
-            chunk.num_grads_ready = 0
+            chunk.slots_ready.clear()
 
     def _launch_ready_reductions(self, force: bool = False) -> None:
         while self._next_to_reduce >= 0:
