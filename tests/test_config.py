@@ -105,6 +105,7 @@ def test_typed_sections_defaults_for_empty_config():
     cfg = Config()
     ec = engine_config(cfg)
     assert ec.zero.stage == 0 and isinstance(ec.zero.shard_strategy, BucketTensorShardStrategy)
+    assert ec.zero.shard_strategy.bucket_mb == 25.0  # DESIGN §2: few large collectives
     assert ec.zero.offload_param.device == "none" and ec.gradient_accumulation == 1 and ec.clip_grad_norm is None
     assert ec.zero.loss_scale.initial_scale == 2.0**16
     assert train_config(cfg) == TrainConfig() and lr_scheduler_config(cfg) == LRSchedulerConfig()

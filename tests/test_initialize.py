@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.zero.reference import EPS, LR, Recipe, assert_run_matches, cpu_ctx, engine_run, reference_run
+from tests.zero.reference import (EPS, LR, Recipe, assert_params_close, assert_run_matches, cpu_ctx, engine_run,
+                                  reference_run)
 from tests.zero.test_parity import lm_loss, tiny_gpt, token_batches, zero_config
 
 WORLD = 2
@@ -93,7 +94,8 @@ def test_optimizer_keeps_class_groups_and_holds_only_this_ranks_shard(two_group_
 
 def _dict_forms(rank: int, world: int) -> dict:
     out = {}
-    forms = {"object": adamw_object, "class": adamw_dict_class, "name": adamw_dict_name}
+    forms = {"object": adamw_object, "class": adamw_dict_class, "name": adamw_dict_name,
+             "hybrid_class": hybrid_adam_dict_class, "hybrid_name": hybrid_adam_dict_name}
     for form, make in forms.items():
         recipe = Recipe(build=tiny_gpt, data=token_batches, loss=lm_loss, optimizer=make, steps=4)
         out[form] = engine_run(rank, world, recipe, zero_config(2), inspect=inspect_optimizer)
@@ -112,6 +114,16 @@ def adamw_dict_name(model):
     return dict(type="AdamW", lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
 
 
+def hybrid_adam_dict_class(model):  # the seed tutorial's form: optimizer = dict(type=HybridAdam, ...)
+    from zerogpt.optim import HybridAdam
+
+    return dict(type=HybridAdam, lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
+
+
+def hybrid_adam_dict_name(model):
+    return dict(type="HybridAdam", lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
+
+
 @pytest.mark.timeout(200)
 def test_optimizer_dict_forms_build_the_same_optimizer():
     runs = run_distributed(_dict_forms, WORLD, timeout=180)[0]
@@ -121,6 +133,11 @@ def test_optimizer_dict_forms_build_the_same_optimizer():
         assert runs[form]["losses"] == runs["object"]["losses"], form  # bit for bit: the same computation
         for k, v in runs["object"]["params"].items():
             assert torch.equal(runs[form]["params"][k], v), (form, k)
+    for form in ("hybrid_class", "hybrid_name"):  # the fused CPU AdamW: the same update, other rounding
+        assert runs[form]["inspect"][-1]["type"] == "HybridAdam"
+        torch.testing.assert_close(torch.tensor(runs[form]["losses"]), torch.tensor(runs["object"]["losses"]),
+                                   rtol=1e-5, atol=1e-5, msg=lambda m: f"{form}: {m}")
+        assert_params_close(runs[form]["params"], runs["object"]["params"], 1e-5, 1e-4, form)
 
 
 # ----------------------------------------------------------------------------------------------
