@@ -43,10 +43,10 @@ def lm_loss(model, batch: torch.Tensor, step: int) -> torch.Tensor:
 
 GPT_RECIPE = Recipe(build=tiny_gpt, data=token_batches, loss=lm_loss)
 
-# stage x precision x accumulation, plus clipping (fp32, no accumulation) at every stage
+# stage x precision x accumulation, plus clipping (fp32; without and with accumulation) at every stage
 SETTINGS = [(stage, precision, accum, None) for stage, precision, accum in
             itertools.product([0, 1, 2, 3], ["fp32", "bf16"], [1, 3])]
-SETTINGS += [(stage, "fp32", 1, CLIP) for stage in [0, 1, 2, 3]]
+SETTINGS += [(stage, "fp32", accum, CLIP) for stage in [0, 1, 2, 3] for accum in [1, 3]]
 
 
 def zero_config(stage: int) -> dict:
@@ -81,3 +81,33 @@ def test_clipping_changes_the_reference():
     clipped, unclipped = reference_run(GPT_RECIPE, 1, 1, CLIP), reference_run(GPT_RECIPE, 1, 1)
     assert min(clipped[2]) > CLIP, f"grad norms {clipped[2]} never exceed CLIP={CLIP}: clipping is a no-op"
     assert abs(clipped[0][-1] - unclipped[0][-1]) > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# stages 0-2 with the models and strategy test_stage3.py runs at stage 3
+
+
+def _stage3_models_at_stages_0_1_2(rank: int, world: int) -> dict:
+    from tests.zero.test_stage3 import RECIPES
+    from zerogpt.zero import TensorShardStrategy
+
+    out = {}
+    for stage in (0, 1, 2):
+        for name in ("toy_frozen_embedding", "toy_branch_some_steps", "toy_kwargs_shared_layer"):
+            for strategy in ("bucket", "tensor"):
+                zero = zero_config(stage) if strategy == "bucket" else dict(stage=stage,
+                                                                            shard_strategy=TensorShardStrategy())
+                out[(stage, name, strategy)] = engine_run(rank, world, RECIPES[name], zero, accum=3)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_frozen_and_sometimes_unused_parameters_at_stages_0_1_2():
+    """Frozen parameters (no master, no state), a branch that gets gradients on some steps only and a
+    layer used twice per pass, with both shard strategies and accumulation, on 2 ranks."""
+    from tests.zero.test_stage3 import RECIPES
+
+    results = run_distributed(_stage3_models_at_stages_0_1_2, 2, timeout=280)[0]
+    for (stage, name, strategy), run in results.items():
+        assert_run_matches(run, reference_run(RECIPES[name], 2, 3), precision="fp32",
+                           what=f"stage={stage} {name} {strategy}")
