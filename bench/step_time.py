@@ -188,7 +188,8 @@ def time_system(rank: int, system: str, model_name: str, args) -> dict:
             "losses": losses}
 
 
-def _worker(rank: int, world: int, args, init_file: str, system: str, model_name: str, queue) -> None:
+def _worker(rank: int, world: int, args, init_file: str, system: str, model_name: str, queue,
+            measure=None) -> None:
     torch.set_num_threads(args.threads)
     if args.host_memory == "keep":  # every system and floor on the same allocator: zerogpt's host-memory policy
         from zerogpt.host_memory import keep_freed_host_memory
@@ -202,7 +203,7 @@ def _worker(rank: int, world: int, args, init_file: str, system: str, model_name
     backend = "nccl" if args.device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        result = time_system(rank, system, model_name, args)
+        result = (measure or time_system)(rank, system, model_name, args)
     except Exception as e:  # report the failure in the table instead of dropping the run
         result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     if rank == 0:
@@ -210,14 +211,15 @@ def _worker(rank: int, world: int, args, init_file: str, system: str, model_name
     dist.destroy_process_group()
 
 
-def run_job(args, system: str, model_name: str) -> dict:
+def run_job(args, system: str, model_name: str, measure=None) -> dict:
     """One system (and its floors) on fresh processes: nothing a previous system allocated or left
-    initialised (DeepSpeed engines, FSDP state, allocator caches) can slow it down or run it out of RAM."""
+    initialised (DeepSpeed engines, FSDP state, allocator caches) can slow it down or run it out of RAM.
+    `measure(rank, system, model_name, args) -> dict` replaces time_system (bench/step_memory.py)."""
     world = args.world
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(prefix="zerogpt-bench-"), "rdzv")
-    procs = [ctx.Process(target=_worker, args=(r, world, args, init_file, system, model_name, queue))
+    procs = [ctx.Process(target=_worker, args=(r, world, args, init_file, system, model_name, queue, measure))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -1,0 +1,108 @@
+"""Host memory of a training step: zerogpt ZeRO-1/2/3 beside DeepSpeed ZeRO-1/2/3, PyTorch FSDP2 and DDP.
+
+    python bench/step_memory.py                                # gpt2_small, 2 gloo ranks, CPU
+    python bench/step_memory.py --models gpt2_6l384 --systems zerogpt-3 deepspeed-3 fsdp2
+
+Every system trains the same GPT-2 as bench/step_time.py (dropout 0, fp32, AdamW, random tokens, one
+thread per rank), each on fresh processes. Per step, rank 0 resets the kernel's peak-RSS counter
+(`/proc/self/clear_refs` <- 5), runs forward + backward + optimizer step, and reads the peak back
+(`VmHWM`): the exact high-water mark of the step, no sampling. Reported: resident memory between steps
+("at rest": the model state the system keeps) and the step's peak, medians over the measured steps, both
+private to the rank: the shared-memory pages the rank has touched (`RssShmem`: zerogpt's and DeepSpeed's
+same-host collectives map one staging area that all ranks of the host share) are taken out and shown apart.
+
+glibc malloc with a fixed mmap threshold of 64 KiB, for every system: each block from 64 KiB up is
+mapped fresh and unmapped on free, so resident memory follows what is live. (glibc's default raises the
+threshold as blocks are freed, after which freed blocks stay in the heap; zerogpt's own host-memory
+setting keeps all freed memory for speed. Either would make a peak look like the process's history.)
+The numbers include the Python interpreter and torch (a few hundred MiB), the same for every system.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+from step_time import MODELS, SYSTEMS, batch, build_model, make_system, run_job  # noqa: E402  (fixes sys.path)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+MIB = 2**20
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+
+def measure_system(rank: int, system: str, model_name: str, args) -> dict:
+    step = make_system(system, build_model(model_name, args.seq, "cpu"), args, rank)
+    at_rest, peaks, shared = [], [], []
+    for i in range(args.warmup + args.steps):
+        tokens = batch(rank, i, args)
+        dist.barrier()
+        rest = _status_bytes("VmRSS") - _status_bytes("RssShmem")
+        _reset_peak()
+        step(tokens)
+        shmem = _status_bytes("RssShmem")  # touched once, then resident: the same at the peak
+        peak = _status_bytes("VmHWM") - shmem
+        if i >= args.warmup:
+            at_rest.append(rest)
+            peaks.append(peak)
+            shared.append(shmem)
+    return {"at_rest": statistics.median(at_rest), "peak": statistics.median(peaks),
+            "shared": statistics.median(shared)}
+
+
+def report(rows: list[dict]) -> str:
+    lines = ["| model | system | at rest (MiB) | step peak (MiB) | peak above rest | shared memory (MiB) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['system']} | failed: {r['error']} | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['system']} | {r['at_rest'] / MIB:,.0f} | {r['peak'] / MIB:,.0f} | "
+                     f"{(r['peak'] - r['at_rest']) / MIB:,.0f} | {r['shared'] / MIB:,.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["gpt2_small"], choices=list(MODELS))
+    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="micro-batch per rank (sequences)")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=2, help="measured steps per system")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--port", type=int, default=29534)
+    p.add_argument("--timeout", type=float, default=1800)
+    args = p.parse_args(argv)
+    # what step_time's builders and workers read: CPU, fp32, one thread, glibc's default malloc
+    args.device, args.dtype, args.threads, args.host_memory = "cpu", torch.float32, 1, "default"
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by glibc as each spawned rank starts
+    rows = []
+    for model_name in args.models:
+        for system in args.systems:
+            result = run_job(args, system, model_name, measure=measure_system)
+            rows.append({"model": model_name, "system": system, **result})
+            print(f"{model_name} {system}: {result}", flush=True)
+    print(f"\nrank 0, private memory; {args.world} ranks x 1 thread, micro-batch {args.batch} x {args.seq} tokens, cpu, "
+          f"glibc malloc, mmap threshold 64 KiB, torch {torch.__version__}\n")
+    print(report(rows))
+
+
+if __name__ == "__main__":
+    main()
