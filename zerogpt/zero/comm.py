@@ -65,9 +65,9 @@ def _handle(pending: Pending, async_op: bool) -> Pending | None:
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                     async_op: bool = False) -> Pending | None:
     """output = concat of every rank's `input` (equal sizes). `input` may be this rank's slice of `output`."""
-    check_flat(input, output, dist.get_world_size(group), "all_gather")
-    if (shm := _shared_memory(output, group)) is not None:
+    if (shm := _shared_memory(output, group)) is not None:  # the transport checks the sizes itself
         return _handle(Pending([shm.all_gather(output.view(-1), input.view(-1))]), async_op)
+    check_flat(input, output, dist.get_world_size(group), "all_gather")
     if not _uses_gloo(output, group):
         if input.data_ptr() == output.data_ptr() + dist.get_rank(group) * input.numel() * input.element_size():
             input = input.clone()  # in-place all-gather is not promised by every backend
@@ -89,9 +89,9 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.P
     Where the sum is taken on the wire (NCCL, gloo) `input` is pre-scaled, so a half-precision sum of
     means cannot overflow where a sum of the raw values would; shared memory scales the shard after summing.
     """
-    check_flat(output, input, dist.get_world_size(group), "reduce_scatter")
-    if (shm := _shared_memory(input, group)) is not None:
+    if (shm := _shared_memory(input, group)) is not None:  # the transport checks the sizes itself
         return _handle(Pending([shm.reduce_scatter(output.view(-1), input.view(-1), scale)]), async_op)
+    check_flat(output, input, dist.get_world_size(group), "reduce_scatter")
     if scale != 1.0:
         input.mul_(scale)
     if not _uses_gloo(input, group):
