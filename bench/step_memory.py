@@ -99,8 +99,8 @@ def main(argv=None) -> None:
             result = run_job(args, system, model_name, measure=measure_system)
             rows.append({"model": model_name, "system": system, **result})
             print(f"{model_name} {system}: {result}", flush=True)
-    print(f"\nrank 0, private memory; {args.world} ranks x 1 thread, micro-batch {args.batch} x {args.seq} tokens, cpu, "
-          f"glibc malloc, mmap threshold 64 KiB, torch {torch.__version__}\n")
+    print(f"\nrank 0, private memory; {args.world} ranks x 1 thread, micro-batch {args.batch} x {args.seq} "
+          f"tokens, cpu, glibc malloc, mmap threshold 64 KiB, torch {torch.__version__}\n")
     print(report(rows))
 
 

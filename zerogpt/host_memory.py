@@ -1,8 +1,9 @@
 """Keep freed host memory in the process, so a training step reuses pages instead of faulting in new ones.
 
 Torch's CPU allocator is plain `malloc`, and glibc serves large blocks (over 128 KiB at first, over 32 MiB
-once its threshold has adapted) with a fresh `mmap` and returns them with `munmap` on free. A training step frees and reallocates the same large activations and
-gradient buffers every step, so each step page-faults them in again and the kernel zeroes every page:
+once its threshold has adapted) with a fresh `mmap` and returns them with `munmap` on free. A training
+step frees and reallocates the same large activations and gradient buffers every step, so each step
+page-faults them in again and the kernel zeroes every page:
 about 2 GB per step per rank on GPT-2 small (500k minor faults), a fifth of the step on a 2-core VM,
 and zeroing is memory-bandwidth work that ranks sharing a host fight over. CUDA's caching allocator
 keeps device memory for the same reason; this does it for the host (what PyTorch CPU tuning guides do
