@@ -26,7 +26,7 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
-from step_time import MODELS, SYSTEMS, batch, build_model, make_system, run_job  # noqa: E402  (fixes sys.path)
+from step_time import MODELS, SYSTEMS, batch, build_model, make_system, run_job  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

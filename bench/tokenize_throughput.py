@@ -1,8 +1,8 @@
 """Tokenization throughput: zerogpt's `tokenize` stage vs a single-process HF tokenizer loop and
 `datasets.map(batched=True, num_proc=2)`, on the same real-text corpus; then GPTDataset read speed.
 
-    python bench/tokenize.py                                  # ~8 MB corpus, 16k-token BPE, 3 rounds
-    python bench/tokenize.py --corpus-mb 4 --rounds 2 --json /tmp/tokenize_bench.json
+    python bench/tokenize_throughput.py                       # ~8 MB corpus, 16k-token BPE, 3 rounds
+    python bench/tokenize_throughput.py --corpus-mb 4 --rounds 2 --json /tmp/tokenize_bench.json
 
 Corpus: real English text available offline, built deterministically from this Python installation
 (docstrings of every stdlib and site-packages module, one document per module, plus .rst/.md/.txt
@@ -16,11 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-# Run as `python bench/tokenize.py`, this file's directory is sys.path[0], where it would shadow the
-# stdlib `tokenize` module that inspect/linecache import. Drop it before importing anything else.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import ast  # noqa: E402

@@ -1,0 +1,56 @@
+"""Every script in bench/ still starts from a fresh clone, so each README figure has a script that runs.
+
+Each script runs as `python bench/<name>.py` in a subprocess whose working directory is an empty
+temporary one: the way a user runs it, with bench/ first on sys.path. The cheap ones run a tiny
+version of their measurement; the multi-process training benchmarks only parse `--help`
+(their imports are what broke before).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "bench")
+
+# script -> (arguments, a string its output must contain). "--help" where a real run costs minutes.
+RUNS = {
+    "cpu_adam.py": (["--help"], "usage:"),
+    "dedup.py": (["--sources", "60", "--repeats", "1"], "| method |"),
+    "offload.py": (["--help"], "usage:"),
+    "step_memory.py": (["--help"], "usage:"),
+    "step_time.py": (["--help"], "usage:"),
+    "tokenize_throughput.py": (["--corpus-mb", "0.1", "--vocab-size", "400", "--rounds", "1", "--workers", "1",
+                                "--workdir", "{tmp}"], "ours / best baseline"),
+}
+
+
+def test_every_bench_script_is_covered():
+    scripts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(BENCH, "*.py")))
+    assert scripts == sorted(RUNS), "add each new bench script to RUNS (a tiny run, or --help if it is heavy)"
+
+
+def test_no_bench_script_shadows_the_standard_library():
+    # `python bench/x.py` puts bench/ first on sys.path, where a `tokenize.py` broke every script.
+    names = [os.path.basename(p).removesuffix(".py") for p in glob.glob(os.path.join(BENCH, "*.py"))]
+    shadowing = [name for name in names if name in sys.stdlib_module_names]
+    assert not shadowing, f"rename {shadowing}: they shadow stdlib modules for every script run from bench/"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_bench_script_runs_from_a_fresh_directory(script, tmp_path):
+    args, expected = RUNS[script]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script must find the repo itself
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run([sys.executable, os.path.join(BENCH, script),
+                             *[a.format(tmp=tmp_path / "work") for a in args]],
+                            cwd=cwd, env=env, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, f"{script} {' '.join(args)} failed:\n{result.stderr[-3000:]}"
+    assert expected in result.stdout, f"{script}: {expected!r} not in its output:\n{result.stdout[-2000:]}"
