@@ -16,8 +16,8 @@ import time
 from collections import Counter
 from urllib.parse import urlsplit
 
-from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input, dumps, iter_text_lines,
-                              progress, write_stats)
+from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input, dumps,
+                              iter_text_lines, progress, write_stats)
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 DEFAULT_MIN_LENGTH = 10  # "http://a.b"; Megatron dropped len(url) <= 8
@@ -109,7 +109,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("blacklist", help="filter a URL list by domain, extension, scheme, duplicates",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="a .txt file of URLs (one per line) or a directory of them")
-    p.add_argument("--output", required=True, help="kept URLs, one per line, first occurrence order")
+    add_output_arg(p, "kept URLs, one per line, first occurrence order")
     p.add_argument("--extra-domains", help="file of extra domains to reject (one per line)")
     p.add_argument("--extra-extensions", help="file of extra path extensions to reject ('.foo' per line)")
     p.add_argument("--no-default-lists", action="store_true",

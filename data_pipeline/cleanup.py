@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input, dumps,
+from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input, dumps,
                               imap_bounded, iter_line_batches, parse_jsonl_line, progress, write_stats)
 
 BATCH_LINES = 256  # lines per worker task: large enough to amortise pickling
@@ -147,7 +147,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("cleanup", help="fix text, filter by language, length and quality",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="JSONL with a 'text' field (the download output)")
-    p.add_argument("--output", required=True, help="cleaned JSONL; rejects go to OUTPUT.rejected.jsonl")
+    add_output_arg(p, "cleaned JSONL; rejects go to OUTPUT.rejected.jsonl")
     p.add_argument("--lang", default="en", help="keep this langdetect code ('any' disables the filter)")
     p.add_argument("--min-tokens", type=int, default=128,
                    help="minimum length in tokens of --tokenizer (in whitespace words without one)")

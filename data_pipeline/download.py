@@ -6,7 +6,10 @@ body), a size cap, HTML/text content types only, per-host concurrency, retries w
 loopback/private/link-local addresses (checked on every hop and at DNS resolution) unless
 --allow-private. Records are appended in input order through a bounded reorder window, one
 write per line, so a killed run leaves a clean prefix; re-running skips URLs already in OUT or
-OUT.failed.jsonl and never duplicates or truncates a complete record.
+OUT.failed.jsonl and never duplicates or truncates a complete record. A failure that a flag decided
+(private_address, too_large, timeout, too_many_redirects) records that flag's value and is fetched
+again once the flag changes; --retry-failed fetches every failure again, --force starts over.
+Without a terminal (logs, CI), a progress line is printed every --log-interval seconds.
 
     python -m data_pipeline download urls.clean.txt --output raw.jsonl --workers 32
 """
@@ -16,6 +19,7 @@ import argparse
 import asyncio
 import codecs
 import concurrent.futures
+import contextlib
 import ipaddress
 import json
 import multiprocessing
@@ -28,8 +32,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
-from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input, dumps, iter_text_lines,
-                              progress, write_stats)
+from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input, dumps,
+                              is_complete as _is_complete, iter_text_lines, progress, write_stats)
 
 USER_AGENT = "zerogpt-webtext/0.1 (research crawler)"
 HTML_TYPES = ("text/html", "application/xhtml+xml")
@@ -37,6 +41,11 @@ TEXT_TYPES = ("text/plain",)
 REDIRECT_CODES = (301, 302, 303, 307, 308)
 RETRY_CODES = (429, 500, 502, 503, 504)
 _META_CHARSET_RE = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?\s*([a-zA-Z0-9_\-:.]+)""", re.I)
+# The flags that decide a failure: the failed record keeps their values, and a re-run with other
+# values fetches the URL again instead of skipping it as done (a run without --allow-private must
+# not poison the workdir for the run with it).
+SETTINGS_OF_REASON = {"private_address": ("allow_private",), "too_large": ("max_bytes",),
+                      "timeout": ("timeout", "retries"), "too_many_redirects": ("max_redirects",)}
 
 
 class FetchError(OSError):
@@ -296,6 +305,49 @@ def done_urls(path: str) -> set[str]:
     return urls
 
 
+def failure_reasons(path: str) -> Counter:
+    """reason -> count over a failed file."""
+    reasons: Counter = Counter()
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            for line in f:
+                with contextlib.suppress(ValueError, AttributeError):
+                    reasons[json.loads(line).get("reason")] += 1
+    return reasons
+
+
+def _settings_changed(rec: dict, args: argparse.Namespace) -> bool:
+    """Whether a flag that decided this failure has another value now."""
+    reason = rec.get("reason")
+    # records from before settings were kept: private_address can only mean allow_private=False
+    settings = rec.get("settings") or ({"allow_private": False} if reason == "private_address" else {})
+    return any(name in settings and settings[name] != getattr(args, name)
+               for name in SETTINGS_OF_REASON.get(reason, ()))
+
+
+def requeue_failures(path: str, args: argparse.Namespace) -> Counter:
+    """Remove from the failed file `path` the failures to fetch again: every one with --retry-failed,
+    else those whose deciding flag changed. Returns their reasons and counts."""
+    if not os.path.exists(path):
+        return Counter()
+    keep, retried = [], Counter()
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                again = args.retry_failed or _settings_changed(rec, args)
+            except (ValueError, AttributeError):
+                rec, again = None, False
+            if again:
+                retried[rec.get("reason")] += 1
+            else:
+                keep.append(line)
+    if retried:
+        with atomic_write(path, "wb") as f:
+            f.writelines(keep)
+    return retried
+
+
 def append_line(fd: int, record: dict) -> None:
     """One os.write per record: a kill leaves whole lines plus at most one partial tail."""
     data = dumps(record).encode("utf-8")
@@ -319,10 +371,27 @@ async def _process(fetcher: Fetcher, pool, url: str) -> tuple[dict | None, dict 
         return ({"text": body, "url": url, "title": title, "status": page.status,
                  "final_url": page.final_url, "encoding": encoding}, None, replaced)
     except FetchError as e:
-        return None, {"url": url, "reason": e.reason, "detail": e.detail, "status": e.status}, False
+        failed = {"url": url, "reason": e.reason, "detail": e.detail, "status": e.status}
+        if e.reason in SETTINGS_OF_REASON:
+            failed["settings"] = {name: getattr(fetcher.args, name) for name in SETTINGS_OF_REASON[e.reason]}
+        return None, failed, False
     except Exception as e:  # last resort: record it, never drop a URL silently
         return None, {"url": url, "reason": "error", "detail": f"{type(e).__name__}: {e}"[:300],
                       "status": None}, False
+
+
+async def _log_progress(counts: Counter, total: int, inflight: deque, interval: float) -> None:
+    """A line every `interval` seconds, for when stderr is not a terminal and tqdm's bar is off:
+    URLs that time out keep a crawl busy for minutes with nothing finished to report."""
+    started = time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        done = sum(counts.values())  # outcomes only: "ok" and one key per failure reason
+        failed = done - counts["ok"]
+        elapsed = time.monotonic() - started
+        print(f"[download] {done}/{total} URLs done (ok={counts['ok']}, failed={failed}), "
+              f"{sum(not t.done() for t in inflight)} in flight, {done / elapsed:.1f} URL/s, {elapsed:.0f}s",
+              file=sys.stderr, flush=True)
 
 
 async def _download(args, todo: list[str], counts: Counter) -> None:
@@ -336,6 +405,9 @@ async def _download(args, todo: list[str], counts: Counter) -> None:
         inflight: deque = deque()
         urls = iter(todo)
         bar = progress(total=len(todo), desc="download", unit="url")
+        run_counts: Counter = Counter()  # this loop's results only, for the progress line
+        logger = None if sys.stderr.isatty() else \
+            asyncio.create_task(_log_progress(run_counts, len(todo), inflight, args.log_interval))
         try:
             while True:
                 while len(inflight) < window and (url := next(urls, None)) is not None:
@@ -351,22 +423,31 @@ async def _download(args, todo: list[str], counts: Counter) -> None:
                 else:
                     append_line(fail_fd, failed)
                     counts[failed["reason"]] += 1
+                run_counts["ok" if ok is not None else failed["reason"]] += 1
                 bar.update(1)
         finally:
             for task in inflight:
                 task.cancel()
+            if logger is not None:
+                logger.cancel()
             bar.close()
             os.close(out_fd)
             os.close(fail_fd)
             await fetcher.close()
 
 
+def is_complete(args: argparse.Namespace) -> bool:
+    """For `all`: io.is_complete, except that --retry-failed always runs (it is not a parameter)."""
+    return not args.retry_failed and _is_complete(args.output, args)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("download", help="fetch URLs (async, resumable) and extract main text",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("urls", help="text file of URLs, one per line (the blacklist output)")
-    p.add_argument("--output", required=True, help="JSONL of {text,url,title,status}; appended, resumable")
-    p.add_argument("--workers", type=int, default=32, help="concurrent requests")
+    add_output_arg(p, "JSONL of {text,url,title,status}; appended, resumable")
+    p.add_argument("--workers", "--n_procs", type=int, default=32,
+                   help="concurrent requests (--n_procs: the tutorial's name for it)")
     p.add_argument("--per-host", type=int, default=4, help="concurrent requests per host")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per attempt, whole fetch")
     p.add_argument("--max-bytes", type=int, default=5_000_000, help="body size cap (after decompression)")
@@ -376,7 +457,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--allow-private", action="store_true",
                    help="allow loopback/private/link-local addresses (tests, intranet crawls)")
     p.add_argument("--retry-failed", action="store_true",
-                   help="fetch URLs in OUT.failed.jsonl again (they are removed from it first)")
+                   help="fetch every URL in OUT.failed.jsonl again (they are removed from it first); without "
+                        "it, only failures whose deciding flag changed (e.g. private_address, now "
+                        "--allow-private) are fetched again")
+    p.add_argument("--force", action="store_true",
+                   help="start over: discard OUT, OUT.failed.jsonl and OUT.partial, fetch every URL")
+    p.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between progress lines when stderr is not a terminal (a terminal gets a bar)")
     p.add_argument("--extract-workers", type=int, default=max(1, min(4, os.cpu_count() or 1)),
                    help="processes for trafilatura extraction")
     add_common_args(p)
@@ -389,14 +476,24 @@ def run(args: argparse.Namespace) -> int:
     for name in ("workers", "per_host", "extract_workers", "max_bytes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.log_interval <= 0:
+        raise ValueError(f"--log-interval must be > 0 seconds, got {args.log_interval}")
     failed_path = args.output + ".failed.jsonl"
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    if args.force:
+        for path in (args.output, failed_path, args.output + ".partial"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     counts: Counter = Counter()
     counts["repaired_partial_lines"] = int(repair_tail(args.output) > 0) + int(repair_tail(failed_path) > 0)
-    if args.retry_failed and os.path.exists(failed_path):
-        with atomic_write(failed_path) as f:
-            pass  # every failed URL is tried again; new failures are appended
-    done = done_urls(args.output) | done_urls(failed_path)
+    retried = requeue_failures(failed_path, args)
+    if retried:
+        why = "--retry-failed" if args.retry_failed else "the flags that decided them changed"
+        print(f"download: fetching again {sum(retried.values())} URLs that failed before "
+              f"({_summary(retried)}): {why}", file=sys.stderr)
+        counts["retried_failed"] = sum(retried.values())
+    failed_before = done_urls(failed_path)
+    done = done_urls(args.output) | failed_before
 
     todo, seen = [], set()
     report = BadLineReporter(args.urls, args.strict, action=f"recorded in {failed_path} as invalid_url")
@@ -410,11 +507,20 @@ def run(args: argparse.Namespace) -> int:
             counts["duplicate_input"] += 1
         elif url in done:
             counts["already_done"] += 1
+            counts["skipped_failed"] += url in failed_before
         else:
             todo.append(url)
         seen.add(url)
+    if counts["skipped_failed"]:
+        print(f"download: skipping {counts['skipped_failed']} URLs that failed before "
+              f"({_summary(failure_reasons(failed_path))}); --retry-failed fetches them again", file=sys.stderr)
     asyncio.run(_download(args, todo, counts))
     total_ok = len(done_urls(args.output))
     write_stats(args.output, "download", counts, args, [args.urls], started,
-                total_ok=total_ok, total_failed=len(done_urls(failed_path)))
+                total_ok=total_ok, total_failed=len(done_urls(failed_path)),
+                failed_reasons=dict(failure_reasons(failed_path).most_common()))
     return 0
+
+
+def _summary(counts: Counter) -> str:
+    return ", ".join(f"{k}={v}" for k, v in counts.most_common())

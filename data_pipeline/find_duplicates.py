@@ -275,11 +275,30 @@ def _load_fingerprints(path: str, src: int, deduper: Deduper, params: dict, bar)
     return meta["source"]
 
 
+class _TutorialInputs(argparse.Action):
+    """`--inputs FILE url`, Megatron's (file, id key) pair as the Colossal-AI tutorial passes it.
+
+    Documents are identified by file and line here, and each pair records the `url` field for
+    reading, so the only key that means what Megatron meant is `url`.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        path, key = values
+        if key != "url":
+            parser.error(f"--inputs {path} {key}: the id key must be 'url' (documents are identified by file "
+                         f"and line, and pairs record the 'url' field); pass the file alone: find-duplicates {path}")
+        setattr(namespace, self.dest, path)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("find-duplicates", help="MinHash LSH candidate pairs verified by Jaccard",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", help="JSONL with a 'text' field (the cleanup output)")
-    p.add_argument("--output", required=True, help="JSONL of verified pairs {a, b, jaccard}, a before b")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("input", nargs="?", default=argparse.SUPPRESS,
+                        help="JSONL with a 'text' field (the cleanup output)")
+    source.add_argument("--inputs", nargs=2, metavar=("FILE", "url"), dest="input", action=_TutorialInputs,
+                        help="the same as FILE (the tutorial's form; Megatron's id key must be 'url')")
+    p.add_argument("-o", "--output", required=True, help="JSONL of verified pairs {a, b, jaccard}, a before b")
     p.add_argument("--threshold", type=float, default=0.7, help="Jaccard similarity of duplicates")
     p.add_argument("--num-perm", type=int, default=128, help="MinHash permutations")
     p.add_argument("--ngram", type=int, default=5, help="shingle length in --unit")

@@ -14,7 +14,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 
-from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input, dumps,
+from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input, dumps,
                               iter_jsonl, progress, read_stats, write_stats)
 
 
@@ -52,7 +52,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("group-duplicates", help="union-find duplicate pairs into groups",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("pairs", help="JSONL of pairs from find-duplicates")
-    p.add_argument("--output", required=True, help="JSONL, one group per line: {keep, remove, size}")
+    add_output_arg(p, "JSONL, one group per line: {keep, remove, size}")
     p.add_argument("--threshold", type=float, default=0.7, help="ignore pairs with a lower Jaccard")
     add_common_args(p)
     return p

@@ -8,6 +8,7 @@ It does not know any stage's record schema beyond "one JSON object per line".
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -26,7 +27,7 @@ STATS_SUFFIX = ".stats.json"
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: mkstemp creates 0600 files, outputs should get the usual mode
 NON_SEMANTIC_ARGS = frozenset({"workers", "strict", "quiet", "stage", "func", "progress", "extract_workers",
-                               "memory_limit"})
+                               "memory_limit", "force", "retry_failed", "log_interval"})
 # A JSON escape of a UTF-16 surrogate. Paired ones decode to one character; a lone one gives a str
 # that cannot be encoded (UTF-8 output, the Rust tokenizer), so such records are rejected as bad lines.
 _SURROGATE_ESCAPE_RE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -327,6 +328,20 @@ def add_common_args(parser: Any) -> None:
     """--strict, the flag every stage that reads JSONL shares."""
     parser.add_argument("--strict", action="store_true",
                         help="fail on the first malformed input line instead of skipping and counting it")
+
+
+def add_output_arg(parser: argparse.ArgumentParser, help: str) -> None:
+    """`--output OUT` / `-o OUT`, or OUT as the last positional: the Megatron tools' form that the
+    Colossal-AI GPT tutorial runs (`cleanup raw.json clean.json`, `shuffle dedup.json -o train.json`).
+
+    Both land in `args.output`; giving neither or both is an argparse error. Add it after the
+    stage's other positionals.
+    """
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("-o", "--output", help=help)
+    # SUPPRESS: when the positional is absent it must not overwrite --output with a default
+    group.add_argument("output", nargs="?", metavar="OUTPUT", default=argparse.SUPPRESS,
+                       help="the same as --output (the tutorial's positional form)")
 
 
 def check_input(path: str, what: str = "input") -> None:

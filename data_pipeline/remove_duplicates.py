@@ -15,7 +15,7 @@ import time
 from collections import Counter
 
 from data_pipeline.find_duplicates import text_hash
-from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input, iter_jsonl,
+from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input, iter_jsonl,
                               progress, write_stats)
 
 
@@ -24,7 +24,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("groups", help="JSONL of groups from group-duplicates")
     p.add_argument("input", help="the JSONL that find-duplicates read")
-    p.add_argument("--output", required=True, help="JSONL without the removed documents")
+    add_output_arg(p, "JSONL without the removed documents")
     p.add_argument("--source", help="source name of IN in the groups (default: its file name)")
     p.add_argument("--text-key", default="text", help="JSON field holding the text")
     add_common_args(p)

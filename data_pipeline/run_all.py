@@ -7,7 +7,8 @@ urls.txt, raw.jsonl, clean.jsonl, pairs.jsonl, groups.jsonl, dedup.jsonl, webtex
 webtext_text_document.bin/.idx (the prefix the shipped configs read). A stage is skipped when its
 output and `<output>.stats.json` are complete, made with the same arguments, and its inputs are
 unchanged (io.is_complete, or the stage's own `is_complete(args)`); otherwise it runs again
-(download resumes).
+(download resumes; --force makes it start over). A stage whose output holds no documents stops
+the chain with its counts, instead of a later stage failing on an empty input.
 
     python -m data_pipeline all --urls urls/ --workdir data/webtext --lang en --threshold 0.7 --tokenize
 """
@@ -18,12 +19,14 @@ import os
 import sys
 import time
 
-from data_pipeline.io import is_complete
+from data_pipeline.io import is_complete, read_stats
 
 OUTPUTS = {"blacklist": "urls.txt", "download": "raw.jsonl", "cleanup": "clean.jsonl",
            "find-duplicates": "pairs.jsonl", "group-duplicates": "groups.jsonl",
            "remove-duplicates": "dedup.jsonl", "shuffle": "webtext.jsonl",
            "train-tokenizer": "tokenizer", "tokenize": "webtext_text_document"}
+# Stages whose output is the corpus itself: when one is empty, nothing after it can work.
+CORPUS_STAGES = ("blacklist", "download", "cleanup", "remove-duplicates", "shuffle")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -32,7 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--urls", required=True, help="a .txt of URLs or a directory of them")
     p.add_argument("--workdir", required=True, help="directory for every stage's output")
-    p.add_argument("--force", action="store_true", help="re-run every stage even if complete")
+    p.add_argument("--force", action="store_true",
+                   help="re-run every stage even if complete (download starts over instead of resuming)")
     p.add_argument("--strict", action="store_true", help="fail on malformed input lines (every stage)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="processes for cleanup, find-duplicates and tokenize")
@@ -47,6 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--retries", type=int, default=2, help="download: extra attempts on 5xx/429/timeouts")
     p.add_argument("--backoff", type=float, default=1.0, help="download: first retry delay in seconds")
     p.add_argument("--allow-private", action="store_true", help="download: allow loopback/private addresses")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="download: fetch every URL of raw.jsonl.failed.jsonl again (failures whose deciding "
+                        "flag changed, such as private_address with --allow-private, are retried anyway)")
     p.add_argument("--extract-workers", type=int, default=None, help="download: trafilatura processes")
     # cleanup
     p.add_argument("--lang", default="en", help="cleanup: language to keep ('any': no filter)")
@@ -86,7 +93,8 @@ def stage_argvs(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
                       "--per-host", str(a.per_host), "--timeout", str(a.timeout), "--max-bytes", str(a.max_bytes),
                       "--retries", str(a.retries), "--backoff", str(a.backoff),
                       *opt("--extract-workers", a.extract_workers),
-                      *(["--allow-private"] if a.allow_private else []), *strict]),
+                      *(["--allow-private"] if a.allow_private else []),
+                      *(["--retry-failed"] if a.retry_failed else []), *(["--force"] if a.force else []), *strict]),
         ("cleanup", [out["download"], "--output", out["cleanup"], "--lang", a.lang, "--min-tokens",
                      str(a.min_tokens), "--workers", str(a.workers), *opt("--tokenizer", a.tokenizer),
                      *(["--quality"] if a.quality else []), *strict]),
@@ -124,12 +132,36 @@ def run(args: argparse.Namespace) -> int:
         if not args.force and (complete(stage_args) if complete else is_complete(stage_args.output, stage_args)):
             output = getattr(stage_args, "output", None) or stage_args.output_prefix
             print(f"[all] {stage}: skipped, {output} is complete", file=sys.stderr)
-            continue
-        print(f"[all] {stage}: running", file=sys.stderr)
-        rc = module.run(stage_args)
-        if rc:
-            print(f"[all] {stage} failed with exit code {rc}; fix it and re-run `all` to resume", file=sys.stderr)
-            return rc
+        else:
+            print(f"[all] {stage}: running", file=sys.stderr)
+            rc = module.run(stage_args)
+            if rc:
+                print(f"[all] {stage} failed with exit code {rc}; fix it and re-run `all` to resume",
+                      file=sys.stderr)
+                return rc
+        if stage in CORPUS_STAGES:
+            check_produced(stage, stage_args.output, args)
     final = OUTPUTS["tokenize"] + ".bin/.idx" if args.tokenize else OUTPUTS["shuffle"]
     print(f"[all] done in {time.time() - started:.1f}s: {os.path.join(args.workdir, final)}", file=sys.stderr)
     return 0
+
+
+def check_produced(stage: str, output: str, args: argparse.Namespace) -> None:
+    """ValueError naming `stage`, its counts and the way out when its output holds no documents."""
+    if os.path.getsize(output) > 0:
+        return
+    stats = read_stats(output) or {}
+    counts = ", ".join(f"{k}={v}" for k, v in (stats.get("counts") or {}).items() if v) or "no counts"
+    if stage == "download":
+        reasons = stats.get("failed_reasons") or {}
+        why = (f"every URL failed ({', '.join(f'{k}={v}' for k, v in reasons.items())}; "
+               f"see {output}.failed.jsonl)")
+        if "private_address" in reasons and not args.allow_private:
+            why += "; loopback and private addresses need --allow-private"
+        why += ("; a failed URL is fetched again only when the flag that decided it changes: "
+                "--retry-failed fetches them all again, --force starts the download over")
+    elif stage in ("blacklist", "cleanup"):
+        why = f"every {'URL' if stage == 'blacklist' else 'document'} was rejected (see {output}.rejected.jsonl)"
+    else:
+        why = "its input held no valid documents"
+    raise ValueError(f"stage {stage} produced nothing: {output} is empty ({counts}); {why}")

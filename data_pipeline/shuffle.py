@@ -22,7 +22,7 @@ from collections import Counter
 
 import numpy as np
 
-from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input,
+from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input,
                               iter_line_batches, parse_jsonl_line, parse_size, progress, write_stats)
 
 MAX_BUCKETS = 4096
@@ -120,7 +120,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("shuffle", help="seeded shuffle, external for files larger than RAM",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="JSONL to shuffle")
-    p.add_argument("--output", required=True, help="shuffled JSONL")
+    add_output_arg(p, "shuffled JSONL")
     p.add_argument("--seed", type=int, default=1234, help="the output is a function of input and seed only")
     p.add_argument("--memory-limit", default="1G",
                    help="files larger than this are shuffled externally via temporary buckets (e.g. 512M, 4G)")
