@@ -4,7 +4,7 @@ ftfy.fix_text -> whitespace normalisation -> minimum length (tokens of --tokeniz
 the unit is written to the stats) -> langdetect (seeded: DetectorFactory.seed = 0, failures
 counted as `lang_detect_failed`) -> optional Gopher quality rules (--quality, Rae et al. 2021,
 "Scaling Language Models", appendix A.1). Rejected documents go to OUT.rejected.jsonl with
-their reason. Work is split over --workers processes; output order is input order.
+their reason, and so do malformed input lines (whole, as `raw`). Work is split over --workers processes; output order is input order.
 
     python -m data_pipeline cleanup raw.jsonl --output clean.jsonl --lang en --min-tokens 128
 """
@@ -132,7 +132,8 @@ def _process_batch(task: tuple[list[tuple[int, bytes]], str, int, bool]) -> list
     for lineno, raw in lines:
         rec, err = parse_jsonl_line(raw)
         if rec is None:
-            results.append((lineno, "blank" if not err else "malformed", err, None))
+            results.append((lineno, "blank" if not err else "malformed", err,
+                            raw.decode("utf-8", errors="replace").rstrip("\n") if err else None))
             continue
         try:
             reason, payload = clean_record(rec, lang, min_tokens, quality)
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     counts: Counter = Counter(kept=0, empty=0, too_short=0, wrong_lang=0, lang_detect_failed=0, malformed=0)
     languages: Counter = Counter()
     total_length = 0
-    report = BadLineReporter(args.input, args.strict)
+    report = BadLineReporter(args.input, args.strict, action=f"recorded in {args.output}.rejected.jsonl")
     tasks = ((batch, args.lang, args.min_tokens, args.quality) for batch in iter_line_batches(args.input, BATCH_LINES))
     results = imap_bounded(_process_batch, tasks, args.workers, _init_worker, (tokenizer_json,))
     try:
@@ -184,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
                     elif kind == "malformed":
                         counts["malformed"] += 1
                         report(lineno, reason)
+                        rej.write(dumps({"line": lineno, "url": None, "reason": "malformed", "detail": reason,
+                                         "raw": payload}))
                     elif kind == "keep":
                         record, length, detected = payload
                         out.write(dumps(record))

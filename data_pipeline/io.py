@@ -69,7 +69,8 @@ def parse_jsonl_line(raw_bytes: bytes, text_key: str | None = "text") -> tuple[d
     try:
         rec = json.loads(raw)
     except json.JSONDecodeError as e:
-        return None, f"malformed JSON ({e.msg} at column {e.colno})"
+        # json's message for an open string already ends in "at" ("Unterminated string starting at")
+        return None, f"malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
     if not isinstance(rec, dict):
         return None, f"expected a JSON object, got {type(rec).__name__}"
     if _SURROGATE_ESCAPE_RE.search(raw):  # rare: only then pay for a second pass over the record
@@ -221,6 +222,16 @@ def read_stats(output: str) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None
     return stats if isinstance(stats, dict) else None
+
+
+def written_by(path: str) -> str:
+    """'; stage S wrote it (k=v, ...)' from `path`'s stats file, or '' without one: an error about
+    an empty input then names the stage that produced nothing and why."""
+    stats = read_stats(path)
+    if not stats or not isinstance(stats.get("counts"), dict):
+        return ""
+    counts = ", ".join(f"{k}={v}" for k, v in stats["counts"].items() if v) or "all counts 0"
+    return f"; stage {stats.get('stage', '?')} wrote it ({counts})"
 
 
 def is_complete(output: str, args: Any = None, params: dict | None = None,

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from typing import Iterable, Iterator
 
-from data_pipeline.io import add_common_args, check_input, iter_jsonl, progress, write_stats
+from data_pipeline.io import add_common_args, check_input, iter_jsonl, progress, write_stats, written_by
 from data_pipeline.io import is_complete as _is_complete
 from data_pipeline.tokenizer import EOD_TOKEN, save_tokenizer_dir
 
@@ -83,6 +83,9 @@ def train_tokenizer(input_path: str, output_dir: str, vocab_size: int = 50257, m
     check_input(input_path)
     counts: Counter = Counter(docs=0, chars=0, empty=0, malformed=0)
     backend = train_byte_level_bpe(_text_batches(input_path, text_key, counts, strict), vocab_size, min_frequency)
+    if counts["docs"] == counts["empty"] == counts["malformed"] == 0:
+        raise ValueError(f"{input_path} holds no documents to train a tokenizer on{written_by(input_path)}; "
+                         f"fix the stage that produced nothing and re-run it")
     if counts["docs"] == 0:
         raise ValueError(f"{input_path} has no non-empty {text_key!r} texts to train a tokenizer on "
                          f"(empty={counts['empty']}, malformed={counts['malformed']}); check --json-key")

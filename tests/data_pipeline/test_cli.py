@@ -187,3 +187,64 @@ def test_every_stage_reports_bad_lines_with_file_and_line_never_a_traceback(tmp_
         first_bad = 1 if stage == "group-duplicates" else 2
         assert "Traceback" not in err and f"bad.jsonl:{first_bad}: " in err and "--strict" in err, (stage, err)
         assert not list(tmp_path.glob("out*")), stage  # atomic: nothing half-written is left
+
+
+def test_malformed_lines_go_to_the_cleanup_rejects_file_whole(tmp_path, capsys):
+    """A malformed input line is not only reported and counted: cleanup's rejects file keeps it, with
+    its reason, as it keeps rejected documents."""
+    from data_pipeline.io import parse_jsonl_line
+
+    assert parse_jsonl_line(b'{"text": "open')[1] == "malformed JSON (Unterminated string starting at column 10)"
+    _, argv = _stage_argvs(tmp_path)[0]
+    assert main(argv) == 0
+    assert "recorded in" in capsys.readouterr().err
+    rejected = [json.loads(line) for line in (tmp_path / "out.rejected.jsonl").read_text().splitlines()]
+    malformed = {r["line"]: r for r in rejected if r["reason"] == "malformed"}
+    assert sorted(malformed) == [2, 3, 4, 5, 6, 7]
+    assert malformed[7]["raw"] == "{truncated" and "malformed JSON" in malformed[7]["detail"]
+    assert malformed[3]["raw"].endswith(" not utf-8") and "not valid UTF-8" in malformed[3]["detail"]
+    assert "field 'text' must be a string" in malformed[6]["detail"]
+
+
+@pytest.mark.timeout(180)
+def test_all_does_not_poison_its_workdir(tmp_path, site, capsys):
+    """`all` without --allow-private on loopback URLs stops at download with its counts and the flags
+    that help; with --allow-private the refused URLs are fetched; --force redoes download; --retry-failed
+    fetches the other failures again."""
+    base, handler = site
+    urls = tmp_path / "urls.txt"
+    urls.write_text("".join(f"{base}/article/{i}\n" for i in range(3)) + f"{base}/404\n")
+    work = tmp_path / "work"
+    argv = ["all", "--urls", str(urls), "--workdir", str(work), "--min-tokens", "50", "--timeout", "5",
+            "--backoff", "0.05", "--extract-workers", "1", "--workers", "1", "--tokenize", "--vocab-size", "300"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: stage download produced nothing" in err and "private_address=4" in err
+    assert "need --allow-private" in err and "--retry-failed" in err and "--force" in err
+    assert not (work / "clean.jsonl").exists() and sum(handler.counters.values()) == 0
+    assert main(argv + ["--force"]) == 2  # --force redoes download (no `already_done` from the run before)
+    counts = json.loads((work / "raw.jsonl.stats.json").read_text())["counts"]
+    assert counts["private_address"] == 4 and counts.get("already_done", 0) == 0
+    capsys.readouterr()
+
+    assert main(argv + ["--allow-private"]) == 0
+    assert "fetching again 4 URLs that failed before (private_address=4)" in capsys.readouterr().err
+    assert len(read_jsonl(work / "webtext.jsonl")) == 3 and handler.counters["/article/0"] == 1
+    assert main(argv + ["--allow-private"]) == 0  # complete: the 404 is not fetched again
+    assert "download: skipped" in capsys.readouterr().err and handler.counters["/404"] == 1
+    assert main(argv + ["--allow-private", "--retry-failed"]) == 0
+    err = capsys.readouterr().err
+    assert "download: running" in err and "cleanup: skipped" in err  # nothing new: the rest is complete
+    assert handler.counters["/404"] == 2 and handler.counters["/article/0"] == 1
+    assert main(argv + ["--allow-private", "--force"]) == 0
+    assert handler.counters["/article/0"] == 2 and len(read_jsonl(work / "raw.jsonl")) == 3
+
+
+def test_an_empty_input_names_the_stage_that_wrote_it(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["shuffle", str(empty), "-o", str(tmp_path / "shuffled.jsonl")]) == 0
+    assert main(["train-tokenizer", str(tmp_path / "shuffled.jsonl"), "--output", str(tmp_path / "tok")]) == 2
+    err = capsys.readouterr().err
+    assert "shuffled.jsonl holds no documents to train a tokenizer on; stage shuffle wrote it" in err
+    assert "--json-key" not in err

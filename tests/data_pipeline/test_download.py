@@ -425,3 +425,57 @@ def test_partial_last_line_is_moved_aside(tmp_path, server):
     assert [r["url"] for r in records] == [base + "/article/0", base + "/article/1"]
     assert records[0]["text"] == "t"  # the complete record was not touched
     assert (tmp_path / "raw.jsonl.partial").read_text().startswith('{"text": "half a rec')
+
+
+@pytest.mark.timeout(60)
+def test_failures_decided_by_a_flag_are_fetched_again_when_it_changes(tmp_path, server, capsys):
+    """A URL refused as private_address is not 'done' for a run with --allow-private; other failures
+    are skipped with a message naming --retry-failed, which fetches them again; --force starts over."""
+    base, handler = server
+    urls = write_urls(tmp_path, base, ["/article/0", "/article/1", "/404"])
+    out = tmp_path / "raw.jsonl"
+    fast = FAST[:-1]  # without --allow-private
+    assert main(["download", str(urls), "--output", str(out), *fast]) == 0
+    failed = read_jsonl(str(out) + ".failed.jsonl")
+    assert [r["reason"] for r in failed] == ["private_address"] * 3
+    assert all(r["settings"] == {"allow_private": False} for r in failed)
+    assert sum(handler.counters.values()) == 0
+
+    capsys.readouterr()
+    assert main(["download", str(urls), "--output", str(out), *FAST]) == 0
+    err = capsys.readouterr().err
+    assert "fetching again 3 URLs that failed before (private_address=3)" in err
+    assert [r["url"] for r in read_jsonl(out)] == [base + "/article/0", base + "/article/1"]
+    assert [r["reason"] for r in read_jsonl(str(out) + ".failed.jsonl")] == ["http_404"]
+    counts = json.loads((tmp_path / "raw.jsonl.stats.json").read_text())["counts"]
+    assert counts["retried_failed"] == 3 and counts["ok"] == 2 and counts["http_404"] == 1
+
+    # the 404 is decided by no flag: skipped, and the message names the way to fetch it again
+    assert main(["download", str(urls), "--output", str(out), *FAST]) == 0
+    assert "skipping 1 URLs that failed before (http_404=1); --retry-failed fetches them again" in \
+        capsys.readouterr().err
+    assert handler.counters["/404"] == 1
+    assert main(["download", str(urls), "--output", str(out), "--retry-failed", *FAST]) == 0
+    assert handler.counters["/404"] == 2 and handler.counters["/article/0"] == 1
+    assert len(read_jsonl(out)) == 2 and len(read_jsonl(str(out) + ".failed.jsonl")) == 1
+
+    # --force: start over, every URL fetched once more, nothing duplicated
+    assert main(["download", str(urls), "--output", str(out), "--force", *FAST]) == 0
+    assert handler.counters["/article/0"] == 2 and handler.counters["/404"] == 3
+    assert [r["url"] for r in read_jsonl(out)] == [base + "/article/0", base + "/article/1"]
+    assert json.loads((tmp_path / "raw.jsonl.stats.json").read_text())["counts"].get("already_done", 0) == 0
+
+
+@pytest.mark.timeout(30)
+def test_progress_lines_without_a_terminal(tmp_path, server, capsys):
+    """stderr is not a terminal under pytest (as in a log): while a URL hangs, a line every --log-interval."""
+    base, _ = server
+    urls = write_urls(tmp_path, base, ["/hang", "/article/0"])
+    out = tmp_path / "raw.jsonl"
+    assert main(["download", str(urls), "--output", str(out), "--log-interval", "0.3", "--timeout", "2",
+                 "--retries", "0", "--extract-workers", "1", "--allow-private"]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "URLs done" in ln]
+    assert len(lines) >= 3, lines
+    assert lines[0].startswith("[download] 0/2 URLs done (ok=0, failed=0), 1 in flight"), lines[0]
+    assert [r["reason"] for r in read_jsonl(str(out) + ".failed.jsonl")] == ["timeout"]
+    assert main(["download", str(urls), "--output", str(out), "--log-interval", "0"]) == 2
