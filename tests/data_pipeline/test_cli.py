@@ -248,3 +248,62 @@ def test_an_empty_input_names_the_stage_that_wrote_it(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "shuffled.jsonl holds no documents to train a tokenizer on; stage shuffle wrote it" in err
     assert "--json-key" not in err
+
+
+@pytest.mark.timeout(180)
+def test_colossalai_tutorial_commands_as_written(tmp_path, site, monkeypatch):
+    """The seed tutorial's data preparation, command by command (Megatron's tool names become stages,
+    `shuf` becomes `shuffle`), ends in a train_data.json that WebtextDataset trains from. Only
+    --allow-private is added: the test's pages are on loopback."""
+    base, handler = site
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("urls")
+    with open("urls/RS_2011-01.txt", "w") as f:
+        f.write("".join(f"{base}/article/{i}\n" for i in range(6)) +
+                f"{base}/dup/0\n{base}/article/1?copy=1\nhttps://www.youtube.com/watch?v=x\n{base}/paper.pdf\n")
+    tutorial = [
+        "blacklist urls clean_urls.txt",
+        "download clean_urls.txt --n_procs 50 --output raw.json --allow-private",
+        "cleanup raw.json clean.json",
+        "find-duplicates --inputs clean.json url --output process_stage_one.json",
+        "group-duplicates process_stage_one.json process_stage_two.json",
+        "remove-duplicates process_stage_two.json clean.json dedup.json",
+        "shuffle dedup.json -o train_data.json",
+    ]
+    for command in tutorial:
+        assert main(command.split()) == 0, command
+    final = read_jsonl("train_data.json")
+    # youtube and .pdf never leave blacklist; article/1?copy=1 (exact) and dup/0 (near) are duplicates
+    assert sorted(r["url"].removeprefix(base) for r in final) == [f"/article/{i}" for i in range(6)]
+    assert sum(handler.counters.values()) == 8
+
+    # the training side: DATA=train_data.json with a tokenizer/ beside it
+    from data_pipeline.dataset import WebtextDataset
+    from data_pipeline.indexed import IndexedDataset
+
+    assert main("train-tokenizer train_data.json --output tokenizer --vocab-size 300".split()) == 0
+    ds = WebtextDataset("train_data.json", seq_len=32, workers=1)
+    item = ds[len(ds) - 1]
+    assert item["input_ids"].shape == (32,) and (item["labels"][:-1] == item["input_ids"][1:]).all()
+    cached = [p for p in os.listdir("index-cache") if p.endswith(".idx")]
+    assert len(cached) == 1 and IndexedDataset(os.path.join("index-cache", cached[0][:-4])).num_documents == 6
+
+
+def test_tutorial_forms_are_aliases_not_a_second_cli(capsys):
+    """Each alias fills the same argument as today's flag; giving both, or neither, is an argparse error."""
+    from data_pipeline.__main__ import build_parser
+
+    def parse(command):
+        return vars(build_parser(command.split()[0]).parse_args(command.split()))
+
+    assert parse("cleanup raw.json clean.json") == parse("cleanup raw.json --output clean.json")
+    assert parse("shuffle dedup.json -o t.json") == parse("shuffle dedup.json --output t.json")
+    assert parse("remove-duplicates g.json c.json d.json") == parse("remove-duplicates g.json c.json --output d.json")
+    assert parse("find-duplicates --inputs c.json url --output p.json") == parse("find-duplicates c.json --output p.json")
+    assert parse("download u.txt --n_procs 50 --output r.json") == parse("download u.txt --workers 50 --output r.json")
+    for command, message in [("cleanup raw.json", "one of the arguments -o/--output OUTPUT is required"),
+                             ("cleanup raw.json a.json --output b.json", "not allowed with argument"),
+                             ("find-duplicates --inputs c.json id --output p.json", "the id key must be 'url'")]:
+        with pytest.raises(SystemExit) as e:
+            parse(command)
+        assert e.value.code == 2 and message in capsys.readouterr().err, command
