@@ -4,7 +4,8 @@ ftfy.fix_text -> whitespace normalisation -> minimum length (tokens of --tokeniz
 the unit is written to the stats) -> langdetect (seeded: DetectorFactory.seed = 0, failures
 counted as `lang_detect_failed`) -> optional Gopher quality rules (--quality, Rae et al. 2021,
 "Scaling Language Models", appendix A.1). Rejected documents go to OUT.rejected.jsonl with
-their reason, and so do malformed input lines (whole, as `raw`). Work is split over --workers processes; output order is input order.
+their reason, and so do malformed input lines (whole, as `raw`). Work is split over --workers
+processes; output order is input order.
 
     python -m data_pipeline cleanup raw.jsonl --output clean.jsonl --lang en --min-tokens 128
 """

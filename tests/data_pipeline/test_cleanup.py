@@ -62,7 +62,9 @@ def test_cleanup_reasons_and_text(tmp_path, capsys):
                                     "that the land changes, and they plant their fields with that in mind. "
                                     "Engineers later tried to straighten the channels with walls and dredging, "
                                     "but the river usually found its old path again after a flood.\n\nEnd of story.")
-    rejected = {r["url"]: r["reason"] for r in read_jsonl(str(out) + ".rejected.jsonl")}
+    rejects = read_jsonl(str(out) + ".rejected.jsonl")
+    rejected = {r["url"]: r["reason"] for r in rejects if r["reason"] != "malformed"}
+    assert [r["line"] for r in rejects if r["reason"] == "malformed"] == [7, 8, 9, 10]  # kept whole, as `raw`
     assert rejected == {"http://a/3": "wrong_lang", "http://a/4": "too_short", "http://a/5": "lang_detect_failed",
                         "http://a/6": "empty"}
     stats = json.loads((tmp_path / "clean.jsonl.stats.json").read_text())

@@ -299,7 +299,8 @@ def test_tutorial_forms_are_aliases_not_a_second_cli(capsys):
     assert parse("cleanup raw.json clean.json") == parse("cleanup raw.json --output clean.json")
     assert parse("shuffle dedup.json -o t.json") == parse("shuffle dedup.json --output t.json")
     assert parse("remove-duplicates g.json c.json d.json") == parse("remove-duplicates g.json c.json --output d.json")
-    assert parse("find-duplicates --inputs c.json url --output p.json") == parse("find-duplicates c.json --output p.json")
+    assert parse("find-duplicates --inputs c.json url --output p.json") == \
+        parse("find-duplicates c.json --output p.json")
     assert parse("download u.txt --n_procs 50 --output r.json") == parse("download u.txt --workers 50 --output r.json")
     for command, message in [("cleanup raw.json", "one of the arguments -o/--output OUTPUT is required"),
                              ("cleanup raw.json a.json --output b.json", "not allowed with argument"),
