@@ -356,6 +356,9 @@ def add_output_arg(parser: argparse.ArgumentParser, help: str) -> None:
 
 
 def check_input(path: str, what: str = "input") -> None:
-    """ValueError (not a traceback) when an input file is missing."""
+    """ValueError (not a traceback) when an input file is missing; a warning naming the stage that
+    wrote it, and its counts, when it is an empty stage output (the chain is broken upstream)."""
     if not os.path.exists(path):
         raise ValueError(f"{what} {path!r} does not exist; check the path (or run the previous stage)")
+    if os.path.isfile(path) and os.path.getsize(path) == 0 and written_by(path):
+        print(f"warning: {what} {path} is empty{written_by(path)}", file=sys.stderr)

@@ -241,6 +241,15 @@ def test_all_does_not_poison_its_workdir(tmp_path, site, capsys):
 
 
 def test_an_empty_input_names_the_stage_that_wrote_it(tmp_path, capsys):
+    """Run stage by stage (the tutorial's way), the first stage after the one that produced nothing
+    says so, with that stage's counts; train-tokenizer's error does too (not a --json-key hint)."""
+    urls = tmp_path / "urls.txt"
+    urls.write_text("http://127.0.0.1:9/a\nhttp://10.0.0.1/b\n")
+    assert main(["download", str(urls), "--output", str(tmp_path / "raw.json"), "--extract-workers", "1"]) == 0
+    assert main(["cleanup", str(tmp_path / "raw.json"), str(tmp_path / "clean.json"), "--workers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: input {tmp_path / 'raw.json'} is empty; stage download wrote it (input=2, private_address=2" \
+        in err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert main(["shuffle", str(empty), "-o", str(tmp_path / "shuffled.jsonl")]) == 0
