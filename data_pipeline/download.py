@@ -305,6 +305,10 @@ def done_urls(path: str) -> set[str]:
     return urls
 
 
+def _summary(counts: Counter) -> str:
+    return ", ".join(f"{k}={v}" for k, v in counts.most_common())
+
+
 def failure_reasons(path: str) -> Counter:
     """reason -> count over a failed file."""
     reasons: Counter = Counter()
@@ -335,11 +339,11 @@ def requeue_failures(path: str, args: argparse.Namespace) -> Counter:
         for line in f:
             try:
                 rec = json.loads(line)
-                again = args.retry_failed or _settings_changed(rec, args)
-            except (ValueError, AttributeError):
-                rec, again = None, False
+                reason, again = rec.get("reason"), args.retry_failed or _settings_changed(rec, args)
+            except (ValueError, AttributeError):  # not a record: done_urls ignores it too
+                reason, again = None, False
             if again:
-                retried[rec.get("reason")] += 1
+                retried[reason] += 1
             else:
                 keep.append(line)
     if retried:
@@ -521,6 +525,3 @@ def run(args: argparse.Namespace) -> int:
                 failed_reasons=dict(failure_reasons(failed_path).most_common()))
     return 0
 
-
-def _summary(counts: Counter) -> str:
-    return ", ".join(f"{k}={v}" for k, v in counts.most_common())

@@ -132,23 +132,24 @@ def run(args: argparse.Namespace) -> int:
         if not args.force and (complete(stage_args) if complete else is_complete(stage_args.output, stage_args)):
             output = getattr(stage_args, "output", None) or stage_args.output_prefix
             print(f"[all] {stage}: skipped, {output} is complete", file=sys.stderr)
-        else:
-            print(f"[all] {stage}: running", file=sys.stderr)
-            rc = module.run(stage_args)
-            if rc:
-                print(f"[all] {stage} failed with exit code {rc}; fix it and re-run `all` to resume",
-                      file=sys.stderr)
-                return rc
-        if stage in CORPUS_STAGES:
-            check_produced(stage, stage_args.output, args)
+            check_produced(stage, stage_args, args)
+            continue
+        print(f"[all] {stage}: running", file=sys.stderr)
+        rc = module.run(stage_args)
+        if rc:
+            print(f"[all] {stage} failed with exit code {rc}; fix it and re-run `all` to resume", file=sys.stderr)
+            return rc
+        check_produced(stage, stage_args, args)
     final = OUTPUTS["tokenize"] + ".bin/.idx" if args.tokenize else OUTPUTS["shuffle"]
     print(f"[all] done in {time.time() - started:.1f}s: {os.path.join(args.workdir, final)}", file=sys.stderr)
     return 0
 
 
-def check_produced(stage: str, output: str, args: argparse.Namespace) -> None:
-    """ValueError naming `stage`, its counts and the way out when its output holds no documents."""
-    if os.path.getsize(output) > 0:
+def check_produced(stage: str, stage_args: argparse.Namespace, args: argparse.Namespace) -> None:
+    """ValueError naming `stage`, its counts and the way out when its output is a corpus with no
+    documents: the next stage would fail on it with a message about its own input."""
+    output = stage_args.output if stage in CORPUS_STAGES else None
+    if output is None or os.path.getsize(output) > 0:
         return
     stats = read_stats(output) or {}
     counts = ", ".join(f"{k}={v}" for k, v in (stats.get("counts") or {}).items() if v) or "no counts"
