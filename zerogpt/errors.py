@@ -51,13 +51,14 @@ def _sibling_timestamps(error_file: str) -> list[int]:
     return stamps
 
 
-def write_error_file(message: str, callstack: str, not_before: int = 0) -> None:
-    """This rank's failure in torchelastic's error-file format; dated after any sibling's that came first."""
+def write_error_file(message: str, callstack: str, not_before: int = 0, root_cause: bool = False) -> None:
+    """This rank's failure in torchelastic's error-file format; dated after any sibling's that came first
+    (unless this rank is known to be the `root_cause`)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     stamp = max(int(time.time()), not_before)
-    earlier = _sibling_timestamps(path)
+    earlier = [] if root_cause else _sibling_timestamps(path)
     if earlier:
         stamp = max(stamp, max(earlier) + 1)
     data = {"message": {"message": message, "extraInfo": {"py_callstack": callstack, "timestamp": str(stamp)}}}
@@ -78,7 +79,7 @@ def report_user_error(e: BaseException, rank: int, wait_s: float = 30.0) -> int:
     message = _message(e)
     if rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
-        write_error_file(message, message)
+        write_error_file(message, message, root_cause=True)
     else:
         stopped = "stopped: rank 0 reports the error"
         write_error_file(stopped, stopped, not_before=int(time.time()) + 2)  # rank 0 is the root cause

@@ -128,8 +128,9 @@ class ShardWriter:
         return names
 
 
-def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of an HF model directory's safetensors weights, one tensor in memory at a time."""
+def hf_weight_files(model_dir: str) -> list[str]:
+    """The safetensors files of an HF model directory, each checked to open, so a corrupt or truncated file is
+    named here instead of deep inside transformers' loader."""
     from safetensors import safe_open
 
     index = os.path.join(model_dir, INDEX_FILE)
@@ -141,8 +142,23 @@ def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         raise ValueError(f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; point at a directory written by "
                          f"`python -m zerogpt.export` or save_pretrained(..., safe_serialization=True)")
-    for fname in files:
-        with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+    paths = [os.path.join(model_dir, fname) for fname in files]
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError, or OSError for a missing file
+            raise ValueError(f"{path} is corrupt, truncated or missing ({type(e).__name__}: {e}); export the "
+                             f"checkpoint again: python -m zerogpt.export RUN_DIR --out {model_dir}") from None
+    return paths
+
+
+def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of an HF model directory's safetensors weights, one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    for path in hf_weight_files(model_dir):
+        with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -314,6 +330,7 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
         ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', ...]
     """
     from zerogpt.checkpoint import CheckpointReader, resolve_checkpoint
+    from zerogpt.preflight import check_vocab, run_data_vocab
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -327,9 +344,8 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
             raise ValueError(f"no tokenizer found for {path}: the checkpoint's run config sets no data.tokenizer; "
                              f"{_TOKENIZER_HINT}, or --no-tokenizer to export the weights alone")
         tok = load_tokenizer(tok_path)
-        if len(tok) > hf_config.vocab_size:
-            raise ValueError(f"tokenizer {tok_path} has {len(tok)} tokens but the model's vocabulary is "
-                             f"{hf_config.vocab_size}; pass the tokenizer the model was trained with (--tokenizer)")
+        check_vocab(tokenizer=(len(tok), f"tokenizer {tok_path}"), dataset=run_data_vocab(reader.config_path),
+                    model=(hf_config.vocab_size, f"vocab_size of {reader.directory}"))
         _set_special_ids(hf_config, tok)
 
     with atomic_output_dir(out_dir) as tmp:

@@ -53,6 +53,9 @@ def check_data(data: Any, skip: bool = False) -> None:
                              f"the dataset was made with")
     if is_jsonl(data.path):
         return
+    if data.path.endswith((".json", ".jsonl")):
+        raise PreflightError(f"data.path={data.path!r}: no such file (a JSONL corpus, one {{\"text\": ...}} per "
+                             f"line, or the prefix of a tokenized .bin/.idx dataset)")
     missing = [f"{data.path}{ext}" for ext in (".bin", ".idx") if not os.path.exists(data.path + ext)]
     if missing:
         raise PreflightError(
@@ -166,13 +169,14 @@ def check_vocab(*, tokenizer: tuple[int, str] | None = None, dataset: tuple[int,
                 raise PreflightError(f"vocabulary mismatch: the data holds token id {max_id[0]:,} ({max_id[1]}) "
                                      f"but the vocabulary has {name(entry)} tokens; use the tokenizer the data "
                                      f"was made with, or re-tokenize the data")
-    needed = [e for e in (dataset, tokenizer) if e] + ([(max_id[0] + 1, max_id[1])] if max_id else [])
+    needed = [e for e in (dataset, tokenizer) if e] + ([(max_id[0] + 1, f"ids 0..{max_id[0]:,}, {max_id[1]}")]
+                                                      if max_id else [])
     for holder in (model, data_key):
         for entry in needed:
             if holder and holder[0] < entry[0]:
-                raise PreflightError(f"vocabulary mismatch: {name(holder)} is smaller than the {name(entry)} "
-                                     f"the data needs; raise it to at least {entry[0]:,} or leave it unset "
-                                     f"(it then follows the data)")
+                raise PreflightError(f"vocabulary mismatch: {name(holder)} is smaller than the {name(entry)} it "
+                                     f"must hold; raise it to at least {entry[0]:,}, or pass the tokenizer the model "
+                                     f"was trained with")
 
 
 def check_run_vocab(dataset: Any, data: Any, model: Any) -> None:
@@ -200,3 +204,20 @@ def finished_message(ckpt: str, step: int, max_steps: int, lr_scheduler: Any = N
         msg += (f" The LR schedule comes back from the checkpoint and is not stretched: its {schedule.kind} decay "
                 f"ends at step {schedule.total_steps}, and the extra steps run at its floor, lr_scheduler.min_lr.")
     return msg
+
+
+def run_data_vocab(config_path: str | None) -> tuple[int, str] | None:
+    """(vocab_size, file) recorded for the dataset a run trained on (its config's data.path), or None if unknown."""
+    if not config_path:
+        return None
+    import json
+
+    from zerogpt.config import Config, data_config
+
+    try:
+        prefix = data_config(Config.from_file(config_path)).path
+        with open(f"{prefix}.stats.json") as f:
+            size = json.load(f).get("vocab_size")
+    except Exception:  # no data.path, Megatron data without stats, or a config that no longer loads: unknown
+        return None
+    return (int(size), f"{prefix}.stats.json") if size else None
