@@ -47,21 +47,19 @@ def check_data(data: Any, skip: bool = False) -> None:
         raise PreflightError("data.path is not set: pass --set data.path=PREFIX (a tokenized .bin/.idx dataset, made "
                              "by `python -m data_pipeline tokenize`) or a JSONL file, export DATA=PATH, or pass "
                              "--set data.mock=True for random tokens")
-    if data.tokenizer is not None and not os.path.exists(data.tokenizer):
-        raise PreflightError(f"data.tokenizer={data.tokenizer!r} not found; train one with `python -m data_pipeline "
-                             f"train-tokenizer CORPUS.jsonl --output {data.tokenizer}` or point it at the tokenizer "
-                             f"the dataset was made with")
-    if is_jsonl(data.path):
-        return
-    if data.path.endswith((".json", ".jsonl")):
+    if data.path.endswith((".json", ".jsonl")) and not is_jsonl(data.path):
         raise PreflightError(f"data.path={data.path!r}: no such file (a JSONL corpus, one {{\"text\": ...}} per "
                              f"line, or the prefix of a tokenized .bin/.idx dataset)")
     missing = [f"{data.path}{ext}" for ext in (".bin", ".idx") if not os.path.exists(data.path + ext)]
-    if missing:
+    if missing and not is_jsonl(data.path):
         raise PreflightError(
             f"data.path={data.path!r}: {' and '.join(missing)} not found. Create it with\n"
             f"    python -m data_pipeline tokenize CORPUS.jsonl --tokenizer TOKENIZER_DIR --output-prefix {data.path}\n"
             f"(the whole chain from URLs: README 'Data pipeline'), or give a JSONL file as data.path.")
+    if data.tokenizer is not None and not os.path.exists(data.tokenizer):
+        raise PreflightError(f"data.tokenizer={data.tokenizer!r} not found; train one with `python -m data_pipeline "
+                             f"train-tokenizer CORPUS.jsonl --output {data.tokenizer}` or point it at the tokenizer "
+                             f"the dataset was made with")
 
 
 def check_schedule(train: Any, lr: Any | None) -> None:
