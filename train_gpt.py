@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         train, data = train_config(cfg), data_config(cfg)
         if data.seed is None:
             data.seed = train.seed
-        preflight.data_from_env(data)
+        from_env = preflight.data_from_env(data)
         preflight.check_data(data, skip=is_sample(data))
         preflight.check_schedule(train, lr_scheduler_config(cfg) if "lr_scheduler" in cfg else None)
         preflight.check_resume(args.resume)
@@ -132,6 +132,8 @@ def main(argv=None) -> int:
 
     # 2. launch: process group, device, CPU threads, seeds, rank-aware logger
     ctx = zerogpt.launch_from_torch(cfg)
+    if from_env:
+        ctx.logger.info(f"data.path is not set: using DATA={data.path} from the environment")
     if args.from_torch:
         ctx.logger.info("--from_torch: launching from torchrun's environment, the only launch mode (flag not needed)")
     if args.overwrite and ctx.rank == 0:

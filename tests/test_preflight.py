@@ -96,15 +96,13 @@ def test_run_data_vocab_reads_the_runs_recorded_vocabulary(tmp_path):
 def test_data_from_the_environment_and_missing_data(tmp_path, monkeypatch):
     monkeypatch.setenv("DATA", str(tmp_path / "train_data.json"))
     data = DataConfig()
-    data_from_env(data)
-    assert data.path == str(tmp_path / "train_data.json")
+    assert data_from_env(data) and data.path == str(tmp_path / "train_data.json")
     with pytest.raises(PreflightError, match=r"train_data.json': no such file"):
         check_data(data)
     (tmp_path / "train_data.json").write_text('{"text": "hello"}\n')
     check_data(data)                                   # a JSONL file: tokenized on first use
     configured = DataConfig(path=str(tmp_path / "prefix"))
-    data_from_env(configured)
-    assert configured.path == str(tmp_path / "prefix")   # the config's own data.path wins
+    assert not data_from_env(configured) and configured.path == str(tmp_path / "prefix")   # the config's own data.path wins
     with pytest.raises(PreflightError, match=r"(?s)prefix.bin and .*prefix.idx not found.*data_pipeline tokenize"):
         check_data(configured)
     monkeypatch.delenv("DATA")

@@ -90,17 +90,17 @@ def report_user_error(e: BaseException, rank: int, wait_s: float = 30.0) -> int:
 def report_crash(e: BaseException, rank: int) -> int:
     """A failure during training: this rank prints its traceback, tagged with its rank. Returns the exit code.
 
-    A rank whose sibling already failed (its error file is there) most likely failed because of it: it prints
-    one line, and its traceback goes to its error file only.
+    A rank whose sibling already failed (its error file is there) most likely failed because of it (a peer's
+    closed connection): it reports one line, and the sibling's traceback is the one shown.
     """
     callstack = traceback.format_exc()
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    after_sibling = bool(path and _sibling_timestamps(path))
-    write_error_file(f"{type(e).__name__}: {e}", callstack)
-    if after_sibling:
-        print(f"[rank {rank}] ERROR stopped after another rank failed: {type(e).__name__}: {e}", file=sys.stderr,
-              flush=True)
+    if path and _sibling_timestamps(path):
+        line = f"stopped after another rank failed: {type(e).__name__}: {e}"
+        write_error_file(line, line)
+        print(f"[rank {rank}] ERROR {line}", file=sys.stderr, flush=True)
         return 1
+    write_error_file(f"{type(e).__name__}: {e}", callstack)
     sys.stderr.write(callstack)
     print(f"[rank {rank}] ERROR training failed on rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     return 1

@@ -30,13 +30,13 @@ def is_jsonl(path: str | None) -> bool:
     return path is not None and path.endswith((".json", ".jsonl")) and os.path.isfile(path)
 
 
-def data_from_env(data: Any, logger: Any = None) -> None:
-    """No data.path in the config: take the Colossal-AI tutorial's `export DATA=...` (JSONL file or .bin/.idx prefix)."""
+def data_from_env(data: Any) -> bool:
+    """No data.path in the config: take the Colossal-AI tutorial's `export DATA=...` (JSONL file or .bin/.idx prefix).
+    Returns whether it did."""
     if data.path is not None or data.mock or not os.environ.get("DATA"):
-        return
+        return False
     data.path = os.environ["DATA"]
-    if logger is not None:
-        logger.info(f"data.path is not set: using DATA={data.path} from the environment")
+    return True
 
 
 def check_data(data: Any, skip: bool = False) -> None:
