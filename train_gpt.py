@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import zerogpt
 from zerogpt import preflight
+from zerogpt.cli import HelpFormatter
 from zerogpt.config import data_config, lr_scheduler_config, train_config
 from zerogpt.errors import USER_ERRORS, env_rank, report_crash, report_user_error
 from zerogpt.optim.lr_scheduler import build_lr_scheduler
@@ -38,9 +39,8 @@ SAMPLE_CORPUS = os.path.join(os.path.dirname(data_pipeline.__file__), "assets", 
 SAMPLE_VOCAB = 2048
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Pretrain a GPT from a zerogpt config file (see the module docstring).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--config", required=True, help="Python config file, e.g. configs/demo_cpu.py")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, repeatable: --set zero.stage=2 --set train.max_steps=100")
@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--from_torch", action="store_true",
                    help="accepted for the Colossal-AI tutorial's command line; torchrun's environment is the only "
                         "launch mode, so it changes nothing")
-    return p.parse_args(argv)
+    return p
 
 
 def is_sample(data) -> bool:
@@ -114,7 +114,7 @@ def build_data(cfg, data, ctx):
 
 @record
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     # 1. config and preflight: a typo, a bad value or a missing file fails here, before any process group exists
     try:
         cfg = zerogpt.Config.from_file(args.config).apply_overrides(args.set)

@@ -29,6 +29,7 @@ import sys
 from typing import Any, Callable, Iterator
 
 import torch
+from zerogpt.cli import HelpFormatter
 
 __all__ = ["export_checkpoint", "ShardWriter", "iter_hf_weights", "ModelPlugin", "find_tokenizer",
            "load_tokenizer", "save_tokenizer", "atomic_output_dir", "main"]
@@ -370,7 +371,7 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerogpt-export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("checkpoint", help="run directory (uses checkpoints/latest) or checkpoint directory")
     p.add_argument("--out", required=True, help="output directory (Hugging Face layout); replaced atomically")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="dtype of the saved weights")
