@@ -140,6 +140,9 @@ def test_corrupt_weights_and_a_larger_tokenizer_are_named(hf_dir, tmp_path):
     with pytest.raises(SystemExit) as err:
         main(["--model", str(bad), "--prompt", "hi"])
     assert str(weights) in str(err.value) and "corrupt" in str(err.value) and "\n" not in str(err.value)
+    from model_zoo import build_model
+    with pytest.raises(ValueError, match="model.safetensors is corrupt"):      # training from an export
+        build_model(dict(type="hf", path=str(bad)))
     big = tmp_path / "big"
     save_tokenizer_dir(train_byte_level_bpe(stdlib_docstrings(), vocab_size=400), str(big))
     with pytest.raises(SystemExit, match=r"vocabulary mismatch: 300 \(vocab_size of .*\) is smaller than the 400"):

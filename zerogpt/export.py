@@ -129,11 +129,29 @@ class ShardWriter:
         return names
 
 
-def hf_weight_files(model_dir: str) -> list[str]:
-    """The safetensors files of an HF model directory, each checked to open, so a corrupt or truncated file is
-    named here instead of deep inside transformers' loader."""
+def check_safetensors(paths: list[str], model_dir: str) -> None:
+    """Each file opens as safetensors: a corrupt or truncated one is named here, not deep in transformers' loader."""
     from safetensors import safe_open
 
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError, or OSError for a missing file
+            raise ValueError(f"{path} is corrupt, truncated or missing ({type(e).__name__}: {e}); export the "
+                             f"checkpoint again: python -m zerogpt.export RUN_DIR --out {model_dir}") from None
+
+
+def check_hf_dir(model_dir: str) -> None:
+    """Before transformers loads `model_dir`: its safetensors weights (if it has any) open."""
+    if not os.path.isdir(model_dir):
+        return  # the loader's own error names the missing directory
+    names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    check_safetensors([os.path.join(model_dir, n) for n in names], model_dir)
+
+
+def hf_weight_files(model_dir: str) -> list[str]:
+    """The safetensors files of an HF model directory (single file or index), each checked to open."""
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index):
         with open(index) as f:
@@ -144,13 +162,7 @@ def hf_weight_files(model_dir: str) -> list[str]:
         raise ValueError(f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; point at a directory written by "
                          f"`python -m zerogpt.export` or save_pretrained(..., safe_serialization=True)")
     paths = [os.path.join(model_dir, fname) for fname in files]
-    for path in paths:
-        try:
-            with safe_open(path, framework="pt") as f:
-                f.keys()
-        except Exception as e:  # safetensors raises its own SafetensorError, or OSError for a missing file
-            raise ValueError(f"{path} is corrupt, truncated or missing ({type(e).__name__}: {e}); export the "
-                             f"checkpoint again: python -m zerogpt.export RUN_DIR --out {model_dir}") from None
+    check_safetensors(paths, model_dir)
     return paths
 
 

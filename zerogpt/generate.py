@@ -133,7 +133,7 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
     The tokenizer is `tokenizer` if given, else an HF dir's own tokenizer files, else the run config's
     data.tokenizer; ValueError naming the fix when there is none.
     """
-    from zerogpt.export import find_tokenizer, hf_weight_files, load_tokenizer
+    from zerogpt.export import check_hf_dir, find_tokenizer, load_tokenizer
     from zerogpt.preflight import check_vocab, run_data_vocab
 
     if not os.path.isdir(path):
@@ -142,7 +142,7 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
     if os.path.isfile(os.path.join(path, "config.json")):
         from transformers import AutoModelForCausalLM
 
-        hf_weight_files(path)  # a corrupt model.safetensors is named here, not in a transformers traceback
+        check_hf_dir(path)  # a corrupt model.safetensors is named here, not in a transformers traceback
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         tok_path = find_tokenizer(tokenizer, model_dir=path)
     else:
