@@ -11,7 +11,8 @@ PY     := $(VENV)/bin/python
 # with one (nvidia-smi on PATH), PyPI's default Linux wheel, which bundles its CUDA runtime.
 # Override with e.g. make test TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
-ARGS ?=
+ARGS  ?=
+TESTS ?= tests
 
 .PHONY: install demo test clean-venv
 
@@ -29,7 +30,7 @@ demo: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/demo_cpu.py $(ARGS)
 
 test: install
-	$(PY) -m pytest tests -q $(ARGS)
+	$(PY) -m pytest $(TESTS) -q
 
 clean-venv:
 	rm -rf $(VENV)
