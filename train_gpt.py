@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         preflight.check_output_dir(train.output_dir)
         preflight.check_fresh_run(train.output_dir, args.resume, args.overwrite)
     except USER_ERRORS as e:
-        return report_user_error(e, env_rank())
+        return report_user_error(e, env_rank(), from_config=True)
 
     # 2. launch: process group, device, CPU threads, seeds, rank-aware logger
     ctx = zerogpt.launch_from_torch(cfg)

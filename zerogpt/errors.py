@@ -70,20 +70,24 @@ def write_error_file(message: str, callstack: str, not_before: int = 0, root_cau
         pass
 
 
-def report_user_error(e: BaseException, rank: int, wait_s: float = 30.0) -> int:
+def report_user_error(e: BaseException, rank: int, from_config: bool = False, wait_s: float = 10.0) -> int:
     """A mistake found before training: rank 0 prints `error: <message>` once, no traceback. Returns the exit code.
 
-    Every rank found the same mistake; the others stay quiet and wait (up to `wait_s`) for torchrun to stop them
-    once rank 0 has exited, so torchrun can never stop rank 0 before it has printed.
+    Every rank reads the same config and data, so the other ranks found the same mistake: they stay quiet and
+    wait (up to `wait_s`) for torchrun to stop them once rank 0 has exited, so that torchrun never stops rank 0
+    before it has printed. A rank still running after the wait found a mistake of its own, and prints it.
+    `from_config`: found in the config alone, so certainly the same on every rank (torchrun's summary then
+    shows it once, as rank 0's).
     """
     message = _message(e)
     if rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
         write_error_file(message, message, root_cause=True)
-    else:
-        stopped = "stopped: rank 0 reports the error"
-        write_error_file(stopped, stopped, not_before=int(time.time()) + 2)  # rank 0 is the root cause
-        time.sleep(wait_s)
+        return 1
+    recorded = "stopped: rank 0 reports the error" if from_config else message
+    write_error_file(recorded, recorded, not_before=int(time.time()) + 2)  # rank 0, if it failed too, comes first
+    time.sleep(wait_s)
+    print(f"[rank {rank}] error: {message}", file=sys.stderr, flush=True)
     return 1
 
 
