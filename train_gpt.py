@@ -9,8 +9,9 @@ One process, CPU or one GPU:
         --set zero.stage=3 --set BATCH_SIZE=8 --resume auto
 
 A run writes <train.output_dir>/: config.py (resolved), metrics.jsonl, tensorboard/, checkpoints/step_<N>/,
-checkpoints/latest, loss.png (DESIGN §5). Under torchrun, an error on any rank is logged with its rank and
-ends every rank (torchrun stops the others and prints the failing rank's traceback), never a hang.
+checkpoints/latest, loss.png (DESIGN §5). A directory holding another run needs --resume auto or --overwrite.
+A mistake found before training (config, data, paths, vocabulary: zerogpt/preflight.py) is one line from
+rank 0; a crash on any rank keeps its traceback and ends every rank, never a hang (zerogpt/errors.py).
 """
 import argparse
 import os
