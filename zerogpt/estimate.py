@@ -21,6 +21,7 @@ import math
 import re
 import sys
 from dataclasses import asdict, dataclass
+
 from zerogpt.cli import HelpFormatter
 
 __all__ = ["MODELS", "ModelShape", "model_state_bytes", "activation_bytes", "estimate", "main"]

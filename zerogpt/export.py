@@ -29,6 +29,7 @@ import sys
 from typing import Any, Callable, Iterator
 
 import torch
+
 from zerogpt.cli import HelpFormatter
 
 __all__ = ["export_checkpoint", "ShardWriter", "iter_hf_weights", "ModelPlugin", "find_tokenizer",

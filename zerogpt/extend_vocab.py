@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 import torch
+
 from zerogpt.cli import HelpFormatter
 
 __all__ = ["grow_rows", "check_ids_kept", "extend_vocab", "main"]

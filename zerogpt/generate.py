@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from zerogpt.cli import HelpFormatter
 
 __all__ = ["SamplingConfig", "load_model", "next_token", "generate_ids", "generate_text", "main"]
