@@ -66,6 +66,10 @@ def test_resume_from_a_missing_directory_says_it_does_not_exist(tmp_path):
     check_resume("auto")
     check_resume(None)
     check_resume(str(tmp_path / "checkpoints" / "step_3"))
+    with pytest.raises(PreflightError, match=r"holds checkpoints but is not one.*checkpoints/step_3"):
+        check_resume(str(tmp_path / "checkpoints"))
+    with pytest.raises(PreflightError, match=r"holds checkpoints but is not one.*--resume auto"):
+        check_resume(str(tmp_path))
 
 
 def test_vocab_mismatch_names_every_size_and_its_source():

@@ -141,6 +141,12 @@ def check_resume(resume: str | None) -> None:
                              + (f" ({parent} holds: {', '.join(near[-5:])})" if near else "")
                              + "; pass a checkpoint directory such as runs/x/checkpoints/step_1000, or "
                                "--resume auto for the newest checkpoint of train.output_dir")
+    steps = sorted(n for n in os.listdir(resume) if n.startswith("step_"))
+    holds_checkpoints = steps or os.path.isdir(os.path.join(resume, "checkpoints"))
+    if holds_checkpoints and not os.path.exists(os.path.join(resume, "meta.json")):
+        raise PreflightError(f"--resume {resume} holds checkpoints but is not one: pass a checkpoint directory "
+                             f"such as {os.path.join(resume, steps[-1]) if steps else resume + '/checkpoints/step_N'}"
+                             f", or --resume auto with train.output_dir set to the run directory")
 
 
 def check_vocab(*, tokenizer: tuple[int, str] | None = None, dataset: tuple[int, str] | None = None,
