@@ -86,6 +86,7 @@ def test_two_rank_run_writes_the_run_directory(run_dir, data_dir):
     assert os.path.exists(f"{data_dir}/stdlib_docs.idx") and os.path.exists(f"{data_dir}/tokenizer")
     for where in ("metrics.jsonl", "loss.png", "checkpoints/step_6"):
         assert where in log
+    assert log.count("cpu threads: 1 per rank (OMP_NUM_THREADS;") == 1      # printed once, by rank 0
 
 
 @pytest.mark.timeout(200)
