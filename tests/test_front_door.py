@@ -32,8 +32,9 @@ def test_ci_runs_the_readmes_test_command():
 
 
 def test_make_targets_install_into_a_venv_first():
-    plan = subprocess.run(["make", "-n", "-B", "test", "demo", "VENV=/tmp/zerogpt-venv-plan"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under make test
+    plan = subprocess.run(["make", "--no-print-directory", "-n", "-B", "test", "demo", "VENV=/tmp/zerogpt-venv-plan"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     if plan.returncode != 0 and "make: not found" in plan.stderr:
         pytest.skip("make is not installed")
     lines = plan.stdout.splitlines()
