@@ -9,8 +9,9 @@ One process, CPU or one GPU:
         --set zero.stage=3 --set BATCH_SIZE=8 --resume auto
 
 A run writes <train.output_dir>/: config.py (resolved), metrics.jsonl, tensorboard/, checkpoints/step_<N>/,
-checkpoints/latest, loss.png (DESIGN §5). Under torchrun, an error on any rank is logged with its rank and
-ends every rank (torchrun stops the others and prints the failing rank's traceback), never a hang.
+checkpoints/latest, loss.png (DESIGN §5). A directory holding another run needs --resume auto or --overwrite.
+A mistake found before training (config, data, paths, vocabulary: zerogpt/preflight.py) is one line from
+rank 0; a crash on any rank keeps its traceback and ends every rank, never a hang (zerogpt/errors.py).
 """
 import argparse
 import os
@@ -20,8 +21,12 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import zerogpt
+from zerogpt import preflight
+from zerogpt.cli import HelpFormatter
 from zerogpt.config import data_config, lr_scheduler_config, train_config
+from zerogpt.errors import USER_ERRORS, env_rank, report_crash, report_user_error
 from zerogpt.optim.lr_scheduler import build_lr_scheduler
+from zerogpt.preflight import is_jsonl
 from zerogpt.trainer import (EvalHook, LogMetricByStepHook, LossHook, LRSchedulerHook, MemoryHook, NaNGuardHook,
                              PlotHook, ProgressBarHook, SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer,
                              latest_checkpoint)
@@ -35,38 +40,25 @@ SAMPLE_CORPUS = os.path.join(os.path.dirname(data_pipeline.__file__), "assets", 
 SAMPLE_VOCAB = 2048
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Pretrain a GPT from a zerogpt config file (see the module docstring).")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--config", required=True, help="Python config file, e.g. configs/demo_cpu.py")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, repeatable: --set zero.stage=2 --set train.max_steps=100")
     p.add_argument("--resume", default=None, metavar="auto|CKPT_DIR",
                    help="'auto': continue from <output_dir>/checkpoints/latest if it exists (else start fresh); "
                         "or a checkpoint directory such as runs/x/checkpoints/step_1000")
-    return p.parse_args(argv)
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a train.output_dir that holds another run: delete its metrics, plot, "
+                        "checkpoints, tensorboard events and config.py first")
+    p.add_argument("--from_torch", action="store_true",
+                   help="accepted for the Colossal-AI tutorial's command line; torchrun's environment is the only "
+                        "launch mode, so it changes nothing")
+    return p
 
 
 def is_sample(data) -> bool:
     return data.path is not None and os.path.basename(data.path) == SAMPLE and data.tokenizer is not None
-
-
-def check_data(data) -> None:
-    """Fail before any process starts talking when the dataset is not there, naming the command that makes it."""
-    if data.mock or is_sample(data):
-        return
-    if data.path is None:
-        raise ValueError("data.path is not set: pass --set data.path=PREFIX (a tokenized .bin/.idx dataset, "
-                         "made by `python -m data_pipeline tokenize`), or --set data.mock=True for random tokens")
-    missing = [f"{data.path}{ext}" for ext in (".bin", ".idx") if not os.path.exists(data.path + ext)]
-    if missing:
-        raise FileNotFoundError(
-            f"data.path={data.path!r}: {' and '.join(missing)} not found. Create it with\n"
-            f"    python -m data_pipeline tokenize CORPUS.jsonl --tokenizer TOKENIZER_DIR --output-prefix {data.path}\n"
-            f"(the whole chain from URLs: README 'Data pipeline').")
-    if data.tokenizer is not None and not os.path.exists(data.tokenizer):
-        raise FileNotFoundError(f"data.tokenizer={data.tokenizer!r} not found; train one with "
-                                f"`python -m data_pipeline train-tokenizer CORPUS.jsonl --output "
-                                f"{data.tokenizer}` or point it at the tokenizer the dataset was made with")
 
 
 def prepare_sample(data, ctx) -> None:
@@ -103,8 +95,12 @@ def build_data(cfg, data, ctx):
         vocab_size = data.vocab_size or 50257
         datasets = [RandomTokens(n, cfg.SEQ_LEN, vocab_size, data.seed + i) for i, n in enumerate((1 << 24, 4096))]
     else:
-        datasets = [data_pipeline.GPTDataset(data.path, cfg.SEQ_LEN, split=split, splits=data.split, seed=data.seed,
-                                             vocab_size=data.vocab_size, group=ctx.group) for split in ("train", "valid")]
+        # a JSONL file is tokenized once into a cached .bin/.idx (the tutorial's WebtextDataset), a prefix is read as is
+        kind, source = ((data_pipeline.WebtextDataset, dict(tokenizer=data.tokenizer)) if is_jsonl(data.path)
+                        else (data_pipeline.GPTDataset, {}))
+        datasets = [kind(data.path, cfg.SEQ_LEN, split=split, splits=data.split, seed=data.seed,
+                         vocab_size=data.vocab_size, group=ctx.group, **source) for split in ("train", "valid")]
+        data.tokenizer = getattr(datasets[0], "tokenizer_dir", data.tokenizer)
         # The vocabulary the data was tokenized with (tokenize records it), so the model's embedding fits it.
         vocab_size = data.vocab_size or datasets[0].meta_file.get("vocab_size") or \
             len(data_pipeline.load_tokenizer(data.tokenizer))
@@ -119,31 +115,48 @@ def build_data(cfg, data, ctx):
 
 @record
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    # 1. config: a typo or a bad value fails here, before any process group exists
-    cfg = zerogpt.Config.from_file(args.config).apply_overrides(args.set)
-    train, data = train_config(cfg), data_config(cfg)
-    if data.seed is None:
-        data.seed = train.seed
-    check_data(data)
-
-    # 2. launch: process group, device, seeds, rank-aware logger
-    ctx = zerogpt.launch_from_torch(cfg)
+    args = build_parser().parse_args(argv)
+    # 1. config and preflight: a typo, a bad value or a missing file fails here, before any process group exists
     try:
-        run(cfg, train, data, ctx, args.resume)
-    except Exception as e:
-        # torchrun reports only the first failing rank; say here which rank failed and why, then end this rank.
-        ctx.logger.error(f"training failed on rank {ctx.rank}: {type(e).__name__}: {e}")
-        raise
+        cfg = zerogpt.Config.from_file(args.config).apply_overrides(args.set)
+        train, data = train_config(cfg), data_config(cfg)
+        if data.seed is None:
+            data.seed = train.seed
+        from_env = preflight.data_from_env(data)
+        preflight.check_data(data, skip=is_sample(data))
+        preflight.check_schedule(train, lr_scheduler_config(cfg) if "lr_scheduler" in cfg else None)
+        preflight.check_resume(args.resume)
+        preflight.check_output_dir(train.output_dir)
+        preflight.check_fresh_run(train.output_dir, args.resume, args.overwrite)
+    except USER_ERRORS as e:
+        return report_user_error(e, env_rank(), from_config=True)
+
+    # 2. launch: process group, device, CPU threads, seeds, rank-aware logger
+    ctx = zerogpt.launch_from_torch(cfg)
+    if from_env:
+        ctx.logger.info(f"data.path is not set: using DATA={data.path} from the environment")
+    if args.from_torch:
+        ctx.logger.info("--from_torch: launching from torchrun's environment, the only launch mode (flag not needed)")
+    if args.overwrite and ctx.rank == 0:
+        removed = preflight.clear_run(train.output_dir)
+        ctx.logger.info(f"--overwrite: deleted {', '.join(removed) or 'nothing'} in {train.output_dir}")
+    trainer = None
+    try:
+        trainer, train_dl, valid_dl = setup(cfg, train, data, ctx, args.resume)
+        if trainer is not None:
+            fit(trainer, cfg, train, train_dl, valid_dl, ctx)
+    except Exception as e:  # before training, a mistake (data, vocabulary, checkpoint) is one line; then, a crash
+        user_error = trainer is None and isinstance(e, USER_ERRORS)
+        return report_user_error(e, ctx.rank) if user_error else report_crash(e, ctx.rank)
     finally:
         ctx.destroy()
     return 0
 
 
-def run(cfg, train, data, ctx, resume) -> None:
+def setup(cfg, train, data, ctx, resume):
+    """Data, model, engine, hooks and the resumed state: (trainer, train_dl, valid_dl), or Nones when done."""
     out = train.output_dir
     if ctx.rank == 0:
-        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.py"), "w") as f:
             f.write(cfg.to_python())
 
@@ -154,6 +167,7 @@ def run(cfg, train, data, ctx, resume) -> None:
 
     # 4. model (GPT-2 family or a local HF model); the criterion compares position t with token t+1
     model = build_model(dict(cfg.model), vocab_size=vocab_size)
+    preflight.check_run_vocab(train_dl.dataset, data, model)
     flops = model.flops_per_token(cfg.SEQ_LEN) if hasattr(model, "flops_per_token") else None
 
     # 5. initialize: ZeRO sharding, offload, precision, optimizer, LR schedule
@@ -185,12 +199,22 @@ def run(cfg, train, data, ctx, resume) -> None:
         else:
             trainer.load_state_dict(engine.load_checkpoint(ckpt))
             ctx.logger.info(f"resumed from {ckpt} at step {trainer.state.step}")
+            if train.max_steps is not None and trainer.state.step >= train.max_steps:
+                ctx.logger.info(preflight.finished_message(ckpt, trainer.state.step, train.max_steps, lr_scheduler))
+                return None, None, None
+    return trainer, train_dl, valid_dl
+
+
+def fit(trainer, cfg, train, train_dl, valid_dl, ctx) -> None:
+    out = train.output_dir
     state = trainer.fit(train_dl, epochs=cfg.NUM_EPOCHS, max_steps=train.max_steps, eval_dataloader=valid_dl)
 
     ctx.logger.info(f"done: {state.step} steps, {state.tokens_seen:,} tokens"
                     + (f", valid loss {state.eval_results['loss']:.4f}" if state.eval_results else "")
                     + f"\n  metrics:     {out}/metrics.jsonl\n  plot:        {out}/loss.png"
-                    + f"\n  checkpoint:  {latest_checkpoint(out)}\n  tensorboard: tensorboard --logdir {out}/tensorboard")
+                    + f"\n  checkpoint:  {latest_checkpoint(out)}\n  tensorboard: tensorboard --logdir {out}/tensorboard"
+                    + f"\n  continue:    add --resume auto --set train.max_steps={2 * state.step}"
+                    + "\n  start over:  add --overwrite, or --set train.output_dir=NEW_DIR")
 
 
 if __name__ == "__main__":

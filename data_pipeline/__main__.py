@@ -41,6 +41,16 @@ def load_stage(name: str):
         raise ValueError(f"stage {name!r} is unavailable: cannot import {module_name} ({e})") from e
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """A stage's --help: its docstring as written, and every option's default (as zerogpt/cli.py's)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        # a help text that already states its default keeps it; flags and unset options (None) need none
+        if "default" in (action.help or "") or action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     """The CLI parser; only `stage`'s module is imported (all stages get a stub for --help)."""
     parser = argparse.ArgumentParser(
@@ -50,7 +60,7 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     sub.required = True
     for name, (_, help_text) in STAGES.items():
         if name == stage:
-            load_stage(name).add_parser(sub)
+            load_stage(name).add_parser(sub).formatter_class = HelpFormatter
         else:
             sub.add_parser(name, help=help_text, add_help=False)
     return parser

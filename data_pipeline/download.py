@@ -457,7 +457,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=int, default=5_000_000, help="body size cap (after decompression)")
     p.add_argument("--retries", type=int, default=2, help="extra attempts on 5xx/429/timeouts")
     p.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds (doubles)")
-    p.add_argument("--max-redirects", type=int, default=5)
+    p.add_argument("--max-redirects", type=int, default=5, help="HTTP redirects followed per URL")
     p.add_argument("--allow-private", action="store_true",
                    help="allow loopback/private/link-local addresses (tests, intranet crawls)")
     p.add_argument("--retry-failed", action="store_true",

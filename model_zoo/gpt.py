@@ -310,7 +310,9 @@ def _build(size: str, pretrained: str | None, overrides: dict[str, Any]) -> GPT:
     if pretrained is None:
         return GPT(config)
     from transformers import GPT2LMHeadModel  # optional dependency, only for pretrained=DIR
+    from zerogpt.export import check_hf_dir  # names a corrupt model.safetensors instead of a traceback
 
+    check_hf_dir(pretrained)
     model = from_hf(GPT2LMHeadModel.from_pretrained(pretrained, local_files_only=True),
                     dropout=config.dropout, checkpoint=config.checkpoint)
     arch = ("n_layer", "n_head", "n_embd")

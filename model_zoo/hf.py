@@ -25,7 +25,9 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
         raise ValueError(f"model = dict(type='hf', path={path!r}): no config.json there; point path at a "
                          f"directory written by save_pretrained (nothing is downloaded)")
     from transformers import AutoModelForCausalLM  # optional dependency
+    from zerogpt.export import check_hf_dir  # names a corrupt model.safetensors instead of a traceback
 
+    check_hf_dir(path)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
     if checkpoint:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it

@@ -231,7 +231,7 @@ def test_errors_name_the_fix(run1, tmp_path, tok_dir):
         main([str(run_dir), "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path / "nope")])
     big = tmp_path / "big"
     save_tokenizer_dir(train_byte_level_bpe(stdlib_docstrings(), vocab_size=400), str(big))
-    with pytest.raises(SystemExit, match="400 tokens but the model's vocabulary is 300"):
+    with pytest.raises(SystemExit, match=r"vocabulary mismatch: .*\b400\b"):
         main([str(run_dir), "--out", str(tmp_path / "x"), "--tokenizer", str(big)])
     with pytest.raises(SystemExit, match="--max-shard-size"):
         main([str(run_dir), "--out", str(tmp_path / "x"), "--max-shard-size", "lots"])
@@ -275,3 +275,21 @@ def test_parse_size_and_shard_writer(tmp_path):
                      "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
     assert writer.shards == [["a", "b"], ["c"], ["d"]] and writer.peak_bytes == 400
     assert sorted(os.listdir(tmp_path)) == sorted(names)
+
+
+def test_export_refuses_a_tokenizer_other_than_the_datas(run1, tmp_path, tok_dir):
+    """Issue 18.1: the run's data was tokenized with another vocabulary than data.tokenizer (its stats say 320 ids,
+    the tokenizer has 300): export refuses instead of pairing the model with the wrong tokenizer."""
+    import shutil
+    from zerogpt.export import main
+
+    run_dir, _, _ = run1
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (tmp_path / "d.stats.json").write_text(json.dumps({"vocab_size": 320}))
+    ckpt = copy / "checkpoints" / f"step_{STEPS}"
+    (ckpt / "config.py").write_text(f"data = dict(path={str(tmp_path / 'd')!r}, tokenizer={str(tok_dir)!r})\n")
+    with pytest.raises(SystemExit, match=r"vocabulary mismatch: the data was tokenized with 320 \(.*d.stats.json\) "
+                                         r"tokens but the tokenizer has 300 \(tokenizer .*tok\)"):
+        main([str(copy), "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()

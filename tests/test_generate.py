@@ -128,3 +128,22 @@ def test_empty_prompt_starts_from_eos(hf_dir):
     model, tok = load_model(str(hf_dir))
     ids, new = generate_text(model, tok, "", 5, SamplingConfig(greedy=True), stop_at_eos=False)
     assert ids == [0] and len(new) == 5
+
+
+def test_corrupt_weights_and_a_larger_tokenizer_are_named(hf_dir, tmp_path):
+    """A truncated model.safetensors is one line naming the file; a tokenizer the model cannot hold is refused."""
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(SystemExit) as err:
+        main(["--model", str(bad), "--prompt", "hi"])
+    assert str(weights) in str(err.value) and "corrupt" in str(err.value) and "\n" not in str(err.value)
+    from model_zoo import build_model
+    with pytest.raises(ValueError, match="model.safetensors is corrupt"):      # training from an export
+        build_model(dict(type="hf", path=str(bad)))
+    big = tmp_path / "big"
+    save_tokenizer_dir(train_byte_level_bpe(stdlib_docstrings(), vocab_size=400), str(big))
+    with pytest.raises(SystemExit, match=r"vocabulary mismatch: 300 \(vocab_size of .*\) is smaller than the 400"):
+        main(["--model", str(hf_dir), "--prompt", "hi", "--tokenizer", str(big)])

@@ -130,3 +130,20 @@ def test_logger_all_ranks_and_no_duplicate_handlers(capsys):
     log.info("from three")
     out, _ = capsys.readouterr()
     assert out == "[rank 3] INFO from three\n"
+
+
+@pytest.mark.timeout(60)
+def test_cpu_threads_are_set_per_rank_and_printed_once(plain_process, monkeypatch, capsys):
+    """Issue 18.10: train.cpu_threads wins; otherwise the cores available / ranks on the host (OMP_NUM_THREADS unset)."""
+    before = torch.get_num_threads()
+    try:
+        with launch_from_torch(Config(train=dict(cpu_threads=1)), device="cpu"):
+            assert torch.get_num_threads() == 1
+        assert capsys.readouterr().out.count("cpu threads: 1 per rank (train.cpu_threads;") == 1
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        with launch_from_torch(Config(), device="cpu"):
+            assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+        assert "cores available / 1 rank on this host" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)

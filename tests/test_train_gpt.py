@@ -2,6 +2,7 @@
 and fails fast and clearly (config typo, missing data, a crash on one rank)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,11 +16,27 @@ SHORT = ["train.max_steps=6", "train.log_interval=2", "train.eval_interval=3", "
          "train.save_interval=3", "lr_scheduler.warmup_steps=2", "SEQ_LEN=64", "BATCH_SIZE=4"]
 
 
-def torchrun(args, timeout=150, nproc=2):
+def torchrun(args, timeout=150, nproc=2, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(ROOT, "train_gpt.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_process(args, timeout=150):
+    cmd = [sys.executable, os.path.join(ROOT, "train_gpt.py"), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def data_args(data_dir):
+    return [f"data.path={data_dir}/stdlib_docs", f"data.tokenizer={data_dir}/tokenizer"]
+
+
+def root_cause(log):
+    """The rank torchrun's summary names under "Root Cause"."""
+    section = log.split("Root Cause (first observed failure):", 1)[1]
+    return int(section.split("rank      : ", 1)[1].split()[0])
 
 
 def overrides(items):
@@ -69,6 +86,7 @@ def test_two_rank_run_writes_the_run_directory(run_dir, data_dir):
     assert os.path.exists(f"{data_dir}/stdlib_docs.idx") and os.path.exists(f"{data_dir}/tokenizer")
     for where in ("metrics.jsonl", "loss.png", "checkpoints/step_6"):
         assert where in log
+    assert log.count("cpu threads: 1 per rank (OMP_NUM_THREADS;") == 1      # printed once, by rank 0
 
 
 @pytest.mark.timeout(200)
@@ -105,24 +123,126 @@ def test_crash_on_one_rank_stops_all_ranks_with_its_error(data_dir, tmp_path):
     assert proc.returncode != 0
     assert "injected failure on purpose" in log
     assert "training failed on rank 1" in log
+    assert root_cause(log) == 1              # not rank 0's "Connection closed by peer" that followed it
+    assert log.count("injected failure on purpose\n") >= 1 and log.count("Traceback") <= 3
+
+
+def user_error(capsys, *args):
+    """train_gpt.main in this process: (exit code, stderr) for a mistake found before launch."""
+    import torch.distributed as dist
+    import train_gpt
+    code = train_gpt.main.__wrapped__(["--config", DEMO, *args])
+    err = capsys.readouterr().err
+    assert not dist.is_initialized()
+    return code, err
 
 
 def test_config_typo_fails_before_any_process_group(capsys):
-    import torch.distributed as dist
-    import train_gpt
-    with pytest.raises(ValueError, match=r"unknown key 'train.max_stepz'.*did you mean 'train.max_steps'"):
-        train_gpt.main.__wrapped__(["--config", DEMO, "--set", "train.max_stepz=3"])
-    assert not dist.is_initialized()
+    code, err = user_error(capsys, "--set", "train.max_stepz=3")
+    assert code == 1
+    assert re.fullmatch(r"error: unknown key 'train.max_stepz'.*did you mean 'train.max_steps'.*\n", err, re.S)
+    assert "Traceback" not in err
 
 
-def test_missing_data_names_the_pipeline_command(tmp_path):
-    import torch.distributed as dist
-    import train_gpt
-    with pytest.raises(FileNotFoundError, match=r"python -m data_pipeline tokenize"):
-        train_gpt.main.__wrapped__(["--config", DEMO, "--set", f"data.path={tmp_path}/nothing_here"])
-    with pytest.raises(ValueError, match=r"data.path is not set"):
-        train_gpt.main.__wrapped__(["--config", DEMO, "--set", "data.path=None"])
-    assert not dist.is_initialized()
+def test_missing_data_names_the_pipeline_command(tmp_path, capsys):
+    code, err = user_error(capsys, "--set", f"data.path={tmp_path}/nothing_here")
+    assert code == 1 and "python -m data_pipeline tokenize" in err and "Traceback" not in err
+    code, err = user_error(capsys, "--set", "data.path=None")
+    assert code == 1 and "data.path is not set" in err
+
+
+def test_late_failures_are_found_with_the_config(tmp_path, capsys):
+    """Issue 18.5 and 18.8: a schedule longer than the run, an output_dir that cannot be, a missing --resume dir."""
+    code, err = user_error(capsys, "--set", "train.max_steps=20", "--set", f"train.output_dir={tmp_path}")
+    assert code == 1 and "train.max_steps=20 is shorter than lr_scheduler.warmup_steps=30" in err
+    assert "total_steps" not in err
+    code, err = user_error(capsys, "--set", "train.output_dir=/proc/nope")
+    assert code == 1 and err.startswith("error: train.output_dir='/proc/nope' cannot be written")
+    code, err = user_error(capsys, "--set", f"train.output_dir={tmp_path}", "--resume", f"{tmp_path}/step_9")
+    assert code == 1 and "step_9: no such directory" in err and "meta.json" not in err
+
+
+@pytest.mark.timeout(200)
+def test_user_error_under_torchrun_prints_once_from_rank_0(tmp_path):
+    """Issue 18.4: one short message, no traceback from our ranks, non-zero exit, rank 0 as torchrun's root cause."""
+    proc = torchrun(["--config", DEMO, "--set", "train.max_steps=20", "--set", f"train.output_dir={tmp_path}"],
+                    timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    message = "train.max_steps=20 is shorter than lr_scheduler.warmup_steps=30"
+    ours = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and message in ours[0]
+    assert log.count("Traceback") == 1       # torchrun's own ChildFailedError; none from train_gpt.py
+    assert root_cause(log) == 0 and "stopped: rank 0 reports the error" in log
+    assert log.count(message) == 2           # our line, and torchrun's root cause (rank 0's error file)
+    assert len(log.splitlines()) < 60, log   # was 91-123 lines
+
+
+@pytest.mark.timeout(300)
+def test_a_second_run_refuses_the_first_runs_directory_then_overwrite_clears_it(run_dir, data_dir, tmp_path):
+    """Issue 18.2: same output_dir without --resume stops and names the ways out; --overwrite starts clean."""
+    import shutil
+    out, _ = run_dir
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    args = ["--config", DEMO, *overrides(SHORT + data_args(data_dir) + [f"train.output_dir={copy}"])]
+    proc = one_process(args + ["--set", "train.max_steps=4"])
+    assert proc.returncode == 1 and "already holds a run (checkpoints up to step_6)" in proc.stderr
+    assert "--resume auto" in proc.stderr and "--overwrite" in proc.stderr and "Traceback" not in proc.stderr
+    assert (copy / "metrics.jsonl").read_text() == (out / "metrics.jsonl").read_text()   # untouched
+
+    # --resume auto on the finished run: says so and how to extend it, changes nothing
+    proc = one_process(args + ["--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to do" in proc.stdout and "train.max_steps=12" in proc.stdout and "not stretched" in proc.stdout
+    assert (copy / "metrics.jsonl").read_text() == (out / "metrics.jsonl").read_text()
+
+    proc = one_process(args + ["--overwrite", "--set", "train.max_steps=4", "--set", "train.save_interval=4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(copy / "checkpoints")) == ["latest", "step_4"]
+    assert max(r["step"] for r in read_jsonl(copy / "metrics.jsonl")) == 4
+    assert len(os.listdir(copy / "tensorboard")) == 1
+    assert "--resume auto --set train.max_steps=8" in proc.stdout and "--overwrite" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_vocab_mismatch_is_refused_before_the_engine(data_dir, tmp_path):
+    """Issue 18.1: data tokenized with a 2,048-token tokenizer, data.tokenizer a 1,024-token one."""
+    from data_pipeline.__main__ import main as pipeline
+    from train_gpt import SAMPLE_CORPUS
+    one_process(["--config", DEMO, *overrides(SHORT + data_args(data_dir) + [f"train.output_dir={tmp_path}/a",
+                                                                            "train.max_steps=2"])])
+    small = tmp_path / "tok1024"
+    assert pipeline(["train-tokenizer", SAMPLE_CORPUS, "--output", str(small), "--vocab-size", "1024"]) == 0
+    proc = torchrun(["--config", DEMO, *overrides(SHORT + [f"data.path={data_dir}/stdlib_docs",
+                                                           f"data.tokenizer={small}", f"train.output_dir={tmp_path}/b"])])
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    ours = [line for line in log.splitlines() if "error: vocabulary mismatch" in line]
+    assert len(ours) == 1 and ours[0].startswith("error: "), log      # once, from rank 0, after launch too
+    assert re.search(r"the data was tokenized with 2,048 \(.*stdlib_docs.stats.json\) tokens but the tokenizer "
+                     r"has 1,024 \(data.tokenizer=.*tok1024\)", ours[0]), ours[0]
+    assert "zerogpt engine" not in log and log.count("Traceback") == 1 and root_cause(log) == 0
+
+
+@pytest.mark.timeout(300)
+def test_tutorial_command_line_from_torch_and_DATA(data_dir, tmp_path):
+    """Issue 18.11: `--from_torch` is accepted, and `export DATA=train_data.json` (a JSONL file with tokenizer/
+    beside it) is read when the config sets no data.path; the JSONL is tokenized once into a cache."""
+    import shutil
+    from train_gpt import SAMPLE_CORPUS
+    shutil.copy(SAMPLE_CORPUS, tmp_path / "train_data.json")
+    one_process(["--config", DEMO, *overrides(SHORT + data_args(data_dir) + [f"train.output_dir={tmp_path}/a",
+                                                                            "train.max_steps=2"])])
+    shutil.copytree(f"{data_dir}/tokenizer", tmp_path / "tokenizer")
+    args = ["--config", DEMO, "--from_torch", *overrides(SHORT + [
+        "data.path=None", "data.tokenizer=None", f"train.output_dir={tmp_path}/run", "train.max_steps=2"])]
+    proc = torchrun(args, nproc=1, env={"DATA": str(tmp_path / "train_data.json")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("--from_torch") == 1
+    assert f"using DATA={tmp_path}/train_data.json" in proc.stdout
+    assert [f for f in os.listdir(tmp_path / "index-cache") if f.endswith(".idx")]
+    assert max(r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
 
 
 @pytest.mark.timeout(200)

@@ -157,10 +157,13 @@ class TrainConfig:
     """Run directory: config.py, metrics.jsonl, tensorboard/, checkpoints/."""
     seed: int = 42
     """Seed for python/numpy/torch RNGs (launch_from_torch)."""
+    cpu_threads: int | None = None
+    """Torch threads per rank on CPU; None = OMP_NUM_THREADS if set, else the cores available / ranks on this host."""
 
     def __post_init__(self) -> None:
         _check_types(self, "train")
-        for name in ("max_steps", "log_interval", "eval_interval", "eval_iters", "save_interval", "keep_last"):
+        for name in ("max_steps", "log_interval", "eval_interval", "eval_iters", "save_interval", "keep_last",
+                     "cpu_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {value}")

@@ -22,6 +22,8 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 
+from zerogpt.cli import HelpFormatter
+
 __all__ = ["MODELS", "ModelShape", "model_state_bytes", "activation_bytes", "estimate", "main"]
 
 HOMES = ("device", "host", "disk")
@@ -274,7 +276,7 @@ def format_report(est: dict, shape: ModelShape, args: argparse.Namespace) -> str
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m zerogpt.estimate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     # model
     p.add_argument("--model", default="gpt2_small", choices=sorted(MODELS), help="size from the table")
     p.add_argument("--layers", type=int, help="custom: number of blocks (overrides --model)")
@@ -282,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, help="custom: attention heads")
     p.add_argument("--vocab", type=int, help="custom: vocabulary size")
     # ZeRO
-    p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
+    p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage")
     p.add_argument("--world", type=int, default=1, help="data-parallel ranks (GPUs)")
     p.add_argument("--nodes", type=int, default=1, help="hosts sharing the ranks (host RAM is per node)")
     p.add_argument("--offload", default="none", choices=("none", "cpu", "disk"), help="optimizer offload")
@@ -290,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", type=int, default=2, help="stage-3 chunks gathered ahead")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="chunk size; 0 = one param per chunk")
     # workload
-    p.add_argument("--precision", default="bf16", choices=tuple(PRECISIONS))
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--precision", default="bf16", choices=tuple(PRECISIONS), help="training precision")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="micro-batch per rank")
     p.add_argument("--grad-accum", type=int, default=1, help="accumulation steps (no extra memory)")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")

@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from zerogpt.cli import HelpFormatter
+
 __all__ = ["export_checkpoint", "ShardWriter", "iter_hf_weights", "ModelPlugin", "find_tokenizer",
            "load_tokenizer", "save_tokenizer", "atomic_output_dir", "main"]
 
@@ -128,10 +130,29 @@ class ShardWriter:
         return names
 
 
-def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of an HF model directory's safetensors weights, one tensor in memory at a time."""
+def check_safetensors(paths: list[str], model_dir: str) -> None:
+    """Each file opens as safetensors: a corrupt or truncated one is named here, not deep in transformers' loader."""
     from safetensors import safe_open
 
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError, or OSError for a missing file
+            raise ValueError(f"{path} is corrupt, truncated or missing ({type(e).__name__}: {e}); export the "
+                             f"checkpoint again: python -m zerogpt.export RUN_DIR --out {model_dir}") from None
+
+
+def check_hf_dir(model_dir: str) -> None:
+    """Before transformers loads `model_dir`: its safetensors weights (if it has any) open."""
+    if not os.path.isdir(model_dir):
+        return  # the loader's own error names the missing directory
+    names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    check_safetensors([os.path.join(model_dir, n) for n in names], model_dir)
+
+
+def hf_weight_files(model_dir: str) -> list[str]:
+    """The safetensors files of an HF model directory (single file or index), each checked to open."""
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index):
         with open(index) as f:
@@ -141,8 +162,17 @@ def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         raise ValueError(f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; point at a directory written by "
                          f"`python -m zerogpt.export` or save_pretrained(..., safe_serialization=True)")
-    for fname in files:
-        with safe_open(os.path.join(model_dir, fname), framework="pt") as f:
+    paths = [os.path.join(model_dir, fname) for fname in files]
+    check_safetensors(paths, model_dir)
+    return paths
+
+
+def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of an HF model directory's safetensors weights, one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    for path in hf_weight_files(model_dir):
+        with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -314,6 +344,7 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
         ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', ...]
     """
     from zerogpt.checkpoint import CheckpointReader, resolve_checkpoint
+    from zerogpt.preflight import check_vocab, run_data_vocab
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -327,9 +358,8 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
             raise ValueError(f"no tokenizer found for {path}: the checkpoint's run config sets no data.tokenizer; "
                              f"{_TOKENIZER_HINT}, or --no-tokenizer to export the weights alone")
         tok = load_tokenizer(tok_path)
-        if len(tok) > hf_config.vocab_size:
-            raise ValueError(f"tokenizer {tok_path} has {len(tok)} tokens but the model's vocabulary is "
-                             f"{hf_config.vocab_size}; pass the tokenizer the model was trained with (--tokenizer)")
+        check_vocab(tokenizer=(len(tok), f"tokenizer {tok_path}"), dataset=run_data_vocab(reader.config_path),
+                    model=(hf_config.vocab_size, f"vocab_size of {reader.directory}"))
         _set_special_ids(hf_config, tok)
 
     with atomic_output_dir(out_dir) as tmp:
@@ -354,7 +384,7 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerogpt-export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("checkpoint", help="run directory (uses checkpoints/latest) or checkpoint directory")
     p.add_argument("--out", required=True, help="output directory (Hugging Face layout); replaced atomically")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="dtype of the saved weights")

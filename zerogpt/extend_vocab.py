@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from zerogpt.cli import HelpFormatter
+
 __all__ = ["grow_rows", "check_ids_kept", "extend_vocab", "main"]
 
 VOCAB_TENSORS = ("transformer.wte.weight", "lm_head.weight")  # GPT-2's (vocab, n_embd) tensors
@@ -132,7 +134,7 @@ def extend_vocab(model_dir: str, tokenizer: str, out_dir: str, divisible_by: int
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerogpt-extend-vocab", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face GPT-2 directory (e.g. a zerogpt.export output)")
     p.add_argument("--tokenizer", required=True, help="the bigger tokenizer (keeps the model's ids: merge-tokenizers)")
     p.add_argument("--out", required=True, help="output directory; replaced atomically")

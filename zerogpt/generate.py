@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from zerogpt.cli import HelpFormatter
+
 __all__ = ["SamplingConfig", "load_model", "next_token", "generate_ids", "generate_text", "main"]
 
 
@@ -132,13 +134,16 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
     The tokenizer is `tokenizer` if given, else an HF dir's own tokenizer files, else the run config's
     data.tokenizer; ValueError naming the fix when there is none.
     """
-    from zerogpt.export import find_tokenizer, load_tokenizer
+    from zerogpt.export import check_hf_dir, find_tokenizer, load_tokenizer
+    from zerogpt.preflight import check_vocab, run_data_vocab
 
     if not os.path.isdir(path):
         raise ValueError(f"--model {path}: no such directory (an exported HF dir, a run dir or a checkpoint dir)")
+    dataset = None
     if os.path.isfile(os.path.join(path, "config.json")):
         from transformers import AutoModelForCausalLM
 
+        check_hf_dir(path)  # a corrupt model.safetensors is named here, not in a transformers traceback
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         tok_path = find_tokenizer(tokenizer, model_dir=path)
     else:
@@ -147,10 +152,14 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
         reader = CheckpointReader(resolve_checkpoint(path))
         model = _load_checkpoint_model(reader).to(dtype)
         tok_path = find_tokenizer(tokenizer, reader)
+        dataset = run_data_vocab(reader.config_path)
     if tok_path is None:
         raise ValueError(f"no tokenizer found for {path} (no tokenizer files there and no data.tokenizer in its run "
                          f"config); pass --tokenizer DIR, the tokenizer the model was trained with")
-    return model.to(device).eval(), load_tokenizer(tok_path)
+    tok = load_tokenizer(tok_path)
+    check_vocab(tokenizer=(len(tok), f"tokenizer {tok_path}"), dataset=dataset,
+                model=(model.config.vocab_size, f"vocab_size of {path}"))
+    return model.to(device).eval(), tok
 
 
 def generate_text(model: torch.nn.Module, tok: Any, prompt: str, max_new_tokens: int = 50,
@@ -169,7 +178,7 @@ def generate_text(model: torch.nn.Module, tok: Any, prompt: str, max_new_tokens:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerogpt-generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="exported HF dir, run dir (checkpoints/latest) or checkpoint dir")
     p.add_argument("--prompt", required=True, help="text to continue ('' starts from the tokenizer's BOS/EOS)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir/file (default: the model dir's or the run's)")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from zerogpt.logging import get_logger
 
-__all__ = ["DistContext", "launch_from_torch", "seed_everything"]
+__all__ = ["DistContext", "launch_from_torch", "seed_everything", "cpu_threads"]
 
 
 @dataclass
@@ -75,6 +75,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def cpu_threads(requested: int | None = None) -> tuple[int, str]:
+    """Torch threads for one CPU rank, and where the number came from.
+
+    torch's default is every core for every process: ranks that share a host then oversubscribe it, and on a
+    busy machine each step waits on threads that are not running. Order: `requested` (train.cpu_threads), then
+    OMP_NUM_THREADS (yours, or torchrun's 1 for several ranks when you set none), then the cores this process
+    may run on (os.sched_getaffinity) divided by the ranks on this host (LOCAL_WORLD_SIZE), at least 1.
+    """
+    if requested is not None:
+        return requested, "train.cpu_threads"
+    omp = _env_int("OMP_NUM_THREADS")
+    if omp is not None and omp >= 1:
+        return omp, "OMP_NUM_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = max(_env_int("LOCAL_WORLD_SIZE") or 1, 1)
+    return max(1, cores // local), f"{cores} cores available / {local} rank{'s' if local > 1 else ''} on this host"
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     if value is None or value == "":
@@ -105,13 +123,13 @@ def launch_from_torch(cfg: Any = None, seed: int | None = None, device: str | No
         (1, device(type='cpu'))
         >>> ctx.destroy()
     """
-    if seed is None:
-        if cfg is not None:
-            from zerogpt.config import train_config
+    threads = None
+    if cfg is not None:
+        from zerogpt.config import train_config
 
-            seed = train_config(cfg).seed
-        else:
-            seed = 42
+        train = train_config(cfg)
+        seed, threads = train.seed if seed is None else seed, train.cpu_threads
+    seed = 42 if seed is None else seed
     if device not in (None, "cuda", "cpu"):
         raise ValueError(f"device must be 'cuda', 'cpu' or None (auto), got {device!r}")
 
@@ -159,4 +177,8 @@ def launch_from_torch(cfg: Any = None, seed: int | None = None, device: str | No
     ctx = DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, group=dist.group.WORLD,
                       logger=logger, backend=backend, owns_group=owns_group, _tmpdir=tmpdir)
     logger.info(f"launch: world_size={world_size} backend={backend} device={dev} seed={seed}")
+    if dev.type == "cpu" and owns_group:  # a wrapped group keeps its process's threads as they are
+        n, why = cpu_threads(threads)
+        torch.set_num_threads(n)
+        logger.info(f"cpu threads: {n} per rank ({why}; set train.cpu_threads or OMP_NUM_THREADS to change)")
     return ctx

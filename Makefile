@@ -1,0 +1,36 @@
+# The front door, from a fresh clone:
+#   make demo    install into .venv/, then train the 2-rank CPU demo (configs/demo_cpu.py)
+#   make test    install into .venv/, then run the test suite (the command .ci/run runs)
+# Both use a virtual environment: Debian's and Ubuntu's system pip refuse to install (PEP 668).
+# Needs python3 >= 3.10 with venv (Debian: apt install python3-venv) and make.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch 2.13.0: without an NVIDIA driver, the CPU wheel from PyTorch's CPU index (no multi-GB CUDA libraries);
+# with one (nvidia-smi on PATH), PyPI's default Linux wheel, which bundles its CUDA runtime.
+# Override with e.g. make test TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+ARGS  ?=
+TESTS ?= tests
+
+.PHONY: install demo test clean-venv
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.13.0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install --no-build-isolation deepspeed  # its setup.py imports torch: build against ours
+	touch $@
+
+demo: install
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/demo_cpu.py $(ARGS)
+
+test: install
+	$(PY) -m pytest $(TESTS) -q
+
+clean-venv:
+	rm -rf $(VENV)

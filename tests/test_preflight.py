@@ -1,0 +1,138 @@
+"""zerogpt/preflight.py and the CPU thread choice: every mistake a run can see in its config is found before
+launch and names the key or flag to change."""
+import json
+import os
+
+import pytest
+
+from zerogpt.config import LRSchedulerConfig, TrainConfig
+from zerogpt.launch import cpu_threads
+from zerogpt.preflight import (PreflightError, RUN_FILES, check_data, check_fresh_run, check_output_dir,
+                               check_resume, check_schedule, check_vocab, clear_run, data_from_env, finished_message,
+                               run_data_vocab)
+from zerogpt.config import DataConfig
+
+
+def test_schedule_longer_than_the_run_names_the_users_keys():
+    with pytest.raises(PreflightError, match=r"train.max_steps=20 is shorter than lr_scheduler.warmup_steps=30") as e:
+        check_schedule(TrainConfig(max_steps=20), LRSchedulerConfig(type="cosine", warmup_steps=30))
+    assert "total_steps" not in str(e.value)  # a key the user never set is not named
+    with pytest.raises(PreflightError, match=r"lr_scheduler.total_steps=10 is shorter than .*warmup_steps=30"):
+        check_schedule(TrainConfig(max_steps=100), LRSchedulerConfig(type="linear", warmup_steps=30, total_steps=10))
+    check_schedule(TrainConfig(max_steps=30), LRSchedulerConfig(type="cosine", warmup_steps=30))
+    check_schedule(TrainConfig(max_steps=20), LRSchedulerConfig(type="constant", warmup_steps=30))
+    check_schedule(TrainConfig(max_steps=20), None)
+
+
+def test_output_dir_that_cannot_be_written_names_the_key(tmp_path):
+    with pytest.raises(PreflightError, match=r"train.output_dir='/proc/nope' cannot be written"):
+        check_output_dir("/proc/nope")
+    check_output_dir(str(tmp_path / "new" / "run"))
+    assert (tmp_path / "new" / "run").is_dir()
+
+
+def test_a_fresh_run_refuses_a_directory_holding_another_run(tmp_path):
+    (tmp_path / "config.py").write_text("")
+    check_fresh_run(str(tmp_path), None, False)                 # config.py alone: a run that never logged
+    for step in (2, 10):
+        os.makedirs(tmp_path / "checkpoints" / f"step_{step}")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(PreflightError) as e:
+        check_fresh_run(str(tmp_path), None, False)
+    assert "checkpoints up to step_10" in str(e.value)
+    for way_out in ("--resume auto", "train.output_dir", "--overwrite"):
+        assert way_out in str(e.value)
+    check_fresh_run(str(tmp_path), "auto", False)
+    check_fresh_run(str(tmp_path), None, True)
+
+
+def test_overwrite_clears_exactly_the_runs_files(tmp_path):
+    for name in ("metrics.jsonl", "loss.png", "config.py", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    for name in ("checkpoints/step_4", "tensorboard"):
+        os.makedirs(tmp_path / name)
+    (tmp_path / "tensorboard" / "events.out.tfevents.1").write_text("x")
+    (tmp_path / "checkpoints" / "latest").write_text("step_4")
+    assert sorted(clear_run(str(tmp_path))) == sorted(RUN_FILES)
+    assert os.listdir(tmp_path) == ["notes.txt"]
+    check_fresh_run(str(tmp_path), None, False)
+
+
+def test_resume_from_a_missing_directory_says_it_does_not_exist(tmp_path):
+    os.makedirs(tmp_path / "checkpoints" / "step_3")
+    with pytest.raises(PreflightError, match=r"--resume .*step_300: no such directory.*holds: step_3") as e:
+        check_resume(str(tmp_path / "checkpoints" / "step_300"))
+    assert "meta.json" not in str(e.value)
+    check_resume("auto")
+    check_resume(None)
+    check_resume(str(tmp_path / "checkpoints" / "step_3"))
+    with pytest.raises(PreflightError, match=r"holds checkpoints but is not one.*checkpoints/step_3"):
+        check_resume(str(tmp_path / "checkpoints"))
+    with pytest.raises(PreflightError, match=r"holds checkpoints but is not one.*--resume auto"):
+        check_resume(str(tmp_path))
+
+
+def test_vocab_mismatch_names_every_size_and_its_source():
+    with pytest.raises(PreflightError, match=r"tokenized with 4,096 \(d.stats.json\) tokens but the tokenizer has "
+                                             r"2,048 \(data.tokenizer=tok\)"):
+        check_vocab(dataset=(4096, "d.stats.json"), tokenizer=(2048, "data.tokenizer=tok"), model=(4096, "model"))
+    with pytest.raises(PreflightError, match=r"token id 3,000 \(largest id in d.bin\) but the vocabulary has 2,048"):
+        check_vocab(max_id=(3000, "largest id in d.bin"), tokenizer=(2048, "data.tokenizer=tok"))
+    with pytest.raises(PreflightError, match=r"1,024 \(data.vocab_size\) is smaller than the 2,048"):
+        check_vocab(dataset=(2048, "d.stats.json"), data_key=(1024, "data.vocab_size"))
+    with pytest.raises(PreflightError, match=r"1,000 \(the model's vocab_size\) is smaller than the 1,501"):
+        check_vocab(max_id=(1500, "d.bin"), model=(1000, "the model's vocab_size"))
+    # agreeing sizes, and a model padded past the tokenizer, pass
+    check_vocab(dataset=(2048, "s"), tokenizer=(2048, "t"), max_id=(2047, "b"), model=(2112, "m"), data_key=None)
+    check_vocab()
+
+
+def test_run_data_vocab_reads_the_runs_recorded_vocabulary(tmp_path):
+    prefix = tmp_path / "d"
+    (tmp_path / "d.stats.json").write_text(json.dumps({"vocab_size": 4096}))
+    config = tmp_path / "config.py"
+    config.write_text(f"data = dict(path={str(prefix)!r})\n")
+    assert run_data_vocab(str(config)) == (4096, f"{prefix}.stats.json")
+    config.write_text("data = dict(mock=True)\n")
+    assert run_data_vocab(str(config)) is None and run_data_vocab(None) is None
+
+
+def test_data_from_the_environment_and_missing_data(tmp_path, monkeypatch):
+    monkeypatch.setenv("DATA", str(tmp_path / "train_data.json"))
+    data = DataConfig()
+    assert data_from_env(data) and data.path == str(tmp_path / "train_data.json")
+    with pytest.raises(PreflightError, match=r"train_data.json': no such file"):
+        check_data(data)
+    (tmp_path / "train_data.json").write_text('{"text": "hello"}\n')
+    check_data(data)                                   # a JSONL file: tokenized on first use
+    configured = DataConfig(path=str(tmp_path / "prefix"))
+    assert not data_from_env(configured) and configured.path == str(tmp_path / "prefix")   # the config's own data.path wins
+    with pytest.raises(PreflightError, match=r"(?s)prefix.bin and .*prefix.idx not found.*data_pipeline tokenize"):
+        check_data(configured)
+    monkeypatch.delenv("DATA")
+    with pytest.raises(PreflightError, match=r"data.path is not set.*export DATA"):
+        check_data(DataConfig())
+
+
+def test_finished_message_says_how_to_extend_and_what_the_lr_does():
+    from types import SimpleNamespace
+    cosine = SimpleNamespace(lr_lambdas=[SimpleNamespace(kind="cosine", total_steps=300)])
+    msg = finished_message("runs/x/checkpoints/step_300", 300, 300, cosine)
+    assert "train.max_steps=600" in msg and "not stretched" in msg and "lr_scheduler.min_lr" in msg
+    assert "not stretched" not in finished_message("c", 300, 300, None)
+
+
+def test_cpu_threads_per_rank(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert cpu_threads() == (cores, f"{cores} cores available / 1 rank on this host")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cpu_threads()[0] == max(1, cores // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
+    assert cpu_threads()[0] == 1                       # never zero
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads() == (3, "OMP_NUM_THREADS")
+    assert cpu_threads(requested=5) == (5, "train.cpu_threads")
+    with pytest.raises(ValueError, match=r"train.cpu_threads must be >= 1"):
+        TrainConfig(cpu_threads=0)

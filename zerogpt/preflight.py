@@ -1,0 +1,227 @@
+"""Checks a run makes with its config before it launches: each names the key or flag the user sets.
+
+Everything here runs before the first optimizer step (most of it before any process group exists), so a
+mistake costs seconds, not a run: a schedule longer than the run, an output directory that cannot be
+written or that holds another run, a `--resume` path that is not there, and a vocabulary that does not
+match between the data, its tokenizer and the model. Every failure is a `PreflightError`, a user error
+that train_gpt.py reports as one line (see zerogpt/errors.py), never a traceback.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+from typing import Any
+
+__all__ = ["PreflightError", "data_from_env", "check_data", "is_jsonl", "check_schedule", "check_output_dir", "check_fresh_run", "clear_run",
+           "check_resume", "check_vocab", "RUN_FILES"]
+
+RUN_FILES = ("metrics.jsonl", "loss.png", "config.py", "checkpoints", "tensorboard")
+"""What a run writes into train.output_dir; --overwrite deletes exactly these."""
+
+
+class PreflightError(ValueError):
+    """A config, data or path mistake found before training: the message alone says what to change."""
+
+
+def is_jsonl(path: str | None) -> bool:
+    """A data.path naming a JSONL corpus (read through WebtextDataset's cached tokenization), not a prefix."""
+    return path is not None and path.endswith((".json", ".jsonl")) and os.path.isfile(path)
+
+
+def data_from_env(data: Any) -> bool:
+    """No data.path in the config: take the Colossal-AI tutorial's `export DATA=...` (JSONL file or .bin/.idx prefix).
+    Returns whether it did."""
+    if data.path is not None or data.mock or not os.environ.get("DATA"):
+        return False
+    data.path = os.environ["DATA"]
+    return True
+
+
+def check_data(data: Any, skip: bool = False) -> None:
+    """Fail before any process starts talking when the dataset is not there, naming the command that makes it."""
+    if data.mock or skip:
+        return
+    if data.path is None:
+        raise PreflightError("data.path is not set: pass --set data.path=PREFIX (a tokenized .bin/.idx dataset, made "
+                             "by `python -m data_pipeline tokenize`) or a JSONL file, export DATA=PATH, or pass "
+                             "--set data.mock=True for random tokens")
+    if data.path.endswith((".json", ".jsonl")) and not is_jsonl(data.path):
+        raise PreflightError(f"data.path={data.path!r}: no such file (a JSONL corpus, one {{\"text\": ...}} per "
+                             f"line, or the prefix of a tokenized .bin/.idx dataset)")
+    missing = [f"{data.path}{ext}" for ext in (".bin", ".idx") if not os.path.exists(data.path + ext)]
+    if missing and not is_jsonl(data.path):
+        raise PreflightError(
+            f"data.path={data.path!r}: {' and '.join(missing)} not found. Create it with\n"
+            f"    python -m data_pipeline tokenize CORPUS.jsonl --tokenizer TOKENIZER_DIR --output-prefix {data.path}\n"
+            f"(the whole chain from URLs: README 'Data pipeline'), or give a JSONL file as data.path.")
+    if data.tokenizer is not None and not os.path.exists(data.tokenizer):
+        raise PreflightError(f"data.tokenizer={data.tokenizer!r} not found; train one with `python -m data_pipeline "
+                             f"train-tokenizer CORPUS.jsonl --output {data.tokenizer}` or point it at the tokenizer "
+                             f"the dataset was made with")
+
+
+def check_schedule(train: Any, lr: Any | None) -> None:
+    """A decaying LR schedule must fit in the run: warmup longer than the run never reaches the peak LR.
+
+    Args:
+        train: the `train` section (TrainConfig); lr: the `lr_scheduler` section, or None when the config has none.
+    """
+    if lr is None or lr.type == "constant" or lr.warmup_steps == 0:
+        return
+    if lr.total_steps is not None and lr.total_steps < lr.warmup_steps:
+        raise PreflightError(f"lr_scheduler.total_steps={lr.total_steps} is shorter than lr_scheduler.warmup_steps="
+                             f"{lr.warmup_steps}; raise total_steps or lower warmup_steps")
+    if lr.total_steps is None and train.max_steps is not None and train.max_steps < lr.warmup_steps:
+        raise PreflightError(f"train.max_steps={train.max_steps} is shorter than lr_scheduler.warmup_steps="
+                             f"{lr.warmup_steps}: the run would end before the warmup reaches the peak LR; raise "
+                             f"train.max_steps (e.g. --set train.max_steps={lr.warmup_steps * 10}) or lower "
+                             f"lr_scheduler.warmup_steps")
+
+
+def check_output_dir(out: str) -> None:
+    """train.output_dir exists (it is created here) and this process can write files into it."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise PreflightError(f"train.output_dir={out!r} cannot be written: {e.strerror or e}; set "
+                             f"--set train.output_dir=DIR to a directory you can write") from None
+
+
+def _run_files(out: str) -> list[str]:
+    """The files of an earlier run in `out` (config.py alone is not a run: a run writes it first)."""
+    found = []
+    for name in ("metrics.jsonl", "checkpoints", "tensorboard"):
+        path = os.path.join(out, name)
+        if os.path.isfile(path) or (os.path.isdir(path) and os.listdir(path)):
+            found.append(path)
+    return found
+
+
+def check_fresh_run(out: str, resume: str | None, overwrite: bool) -> None:
+    """A run started without --resume must not mix its metrics and checkpoints with another run's."""
+    if resume is not None or overwrite:
+        return
+    found = _run_files(out)
+    if found:
+        steps = [int(p.rsplit("_", 1)[1]) for p in glob.glob(os.path.join(out, "checkpoints", "step_*"))
+                 if p.rsplit("_", 1)[1].isdigit()]
+        what = f"checkpoints up to step_{max(steps)}" if steps else ", ".join(found)
+        raise PreflightError(f"train.output_dir={out!r} already holds a run ({what}). Pass --resume auto to "
+                             f"continue it, --set train.output_dir=NEW_DIR to start a new run beside it, or "
+                             f"--overwrite to delete it and start over")
+
+
+def clear_run(out: str) -> list[str]:
+    """--overwrite: delete the earlier run's files (RUN_FILES) from `out`; other files are left alone."""
+    removed = []
+    for name in RUN_FILES:
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def check_resume(resume: str | None) -> None:
+    """--resume DIR must exist; a missing directory is a typo, not an interrupted save."""
+    if resume is None or resume == "auto":
+        return
+    if not os.path.isdir(resume):
+        parent = os.path.dirname(os.path.normpath(resume))
+        near = sorted(os.listdir(parent)) if parent and os.path.isdir(parent) else []
+        raise PreflightError(f"--resume {resume}: no such directory"
+                             + (f" ({parent} holds: {', '.join(near[-5:])})" if near else "")
+                             + "; pass a checkpoint directory such as runs/x/checkpoints/step_1000, or "
+                               "--resume auto for the newest checkpoint of train.output_dir")
+    steps = sorted(n for n in os.listdir(resume) if n.startswith("step_"))
+    holds_checkpoints = steps or os.path.isdir(os.path.join(resume, "checkpoints"))
+    if holds_checkpoints and not os.path.exists(os.path.join(resume, "meta.json")):
+        raise PreflightError(f"--resume {resume} holds checkpoints but is not one: pass a checkpoint directory "
+                             f"such as {os.path.join(resume, steps[-1]) if steps else resume + '/checkpoints/step_N'}"
+                             f", or --resume auto with train.output_dir set to the run directory")
+
+
+def check_vocab(*, tokenizer: tuple[int, str] | None = None, dataset: tuple[int, str] | None = None,
+                max_id: tuple[int, str] | None = None, model: tuple[int, str] | None = None,
+                data_key: tuple[int, str] | None = None) -> None:
+    """Refuse data, tokenizer and model whose vocabularies disagree, naming each size and where it came from.
+
+    Each argument is (size, where it came from) or None when unknown. The rules:
+    the dataset's recorded vocabulary equals the tokenizer's (it is the tokenizer the data was made with);
+    the largest token id is below both; the model's vocab_size and data.vocab_size may be larger (padding)
+    but never smaller. A mismatch trains without any error and generates nonsense, so it is refused here,
+    before the engine is built, and again by `zerogpt.export` and `zerogpt.generate`.
+    """
+    def name(entry: tuple[int, str]) -> str:
+        return f"{entry[0]:,} ({entry[1]})"
+
+    if tokenizer and dataset and tokenizer[0] != dataset[0]:
+        raise PreflightError(f"vocabulary mismatch: the data was tokenized with {name(dataset)} tokens but the "
+                             f"tokenizer has {name(tokenizer)}; point data.tokenizer at the tokenizer the data was "
+                             f"made with, or re-tokenize the data with this one")
+    if max_id:
+        for entry in (tokenizer, dataset):
+            if entry and max_id[0] >= entry[0]:
+                raise PreflightError(f"vocabulary mismatch: the data holds token id {max_id[0]:,} ({max_id[1]}) "
+                                     f"but the vocabulary has {name(entry)} tokens; use the tokenizer the data "
+                                     f"was made with, or re-tokenize the data")
+    needed = [e for e in (dataset, tokenizer) if e] + ([(max_id[0] + 1, f"ids 0..{max_id[0]:,}, {max_id[1]}")]
+                                                      if max_id else [])
+    for holder in (model, data_key):
+        for entry in needed:
+            if holder and holder[0] < entry[0]:
+                raise PreflightError(f"vocabulary mismatch: {name(holder)} is smaller than the {name(entry)} it "
+                                     f"must hold; raise it to at least {entry[0]:,}, or pass the tokenizer the model "
+                                     f"was trained with")
+
+
+def check_run_vocab(dataset: Any, data: Any, model: Any) -> None:
+    """check_vocab for train_gpt.py: the train split's recorded vocabulary and largest id, data.tokenizer, the model."""
+    if data.mock:
+        return
+    from data_pipeline import load_tokenizer
+
+    prefix, recorded = dataset.prefix, dataset.meta_file.get("vocab_size")
+    tokenizer = len(load_tokenizer(data.tokenizer)) if data.tokenizer else None
+    config = getattr(model, "config", None)
+    check_vocab(dataset=(recorded, f"{prefix}.stats.json") if recorded else None,
+                max_id=(dataset.max_token_id, f"largest id in the train split of {prefix}.bin"),
+                tokenizer=(tokenizer, f"data.tokenizer={data.tokenizer}") if tokenizer else None,
+                model=(config.vocab_size, "the model's vocab_size") if config is not None else None,
+                data_key=(data.vocab_size, "data.vocab_size") if data.vocab_size else None)
+
+
+def finished_message(ckpt: str, step: int, max_steps: int, lr_scheduler: Any = None) -> str:
+    """--resume auto on a run that is done: say so, how to extend it, and what that does to the LR."""
+    msg = (f"nothing to do: {ckpt} is at step {step} and train.max_steps={max_steps}. To train further, raise "
+           f"it: --resume auto --set train.max_steps={2 * step}.")
+    schedule = lr_scheduler.lr_lambdas[0] if lr_scheduler is not None else None
+    if getattr(schedule, "kind", "constant") != "constant":
+        msg += (f" The LR schedule comes back from the checkpoint and is not stretched: its {schedule.kind} decay "
+                f"ends at step {schedule.total_steps}, and the extra steps run at its floor, lr_scheduler.min_lr.")
+    return msg
+
+
+def run_data_vocab(config_path: str | None) -> tuple[int, str] | None:
+    """(vocab_size, file) recorded for the dataset a run trained on (its config's data.path), or None if unknown."""
+    if not config_path:
+        return None
+    import json
+
+    from zerogpt.config import Config, data_config
+
+    try:
+        prefix = data_config(Config.from_file(config_path)).path
+        with open(f"{prefix}.stats.json") as f:
+            size = json.load(f).get("vocab_size")
+    except Exception:  # no data.path, Megatron data without stats, or a config that no longer loads: unknown
+        return None
+    return (int(size), f"{prefix}.stats.json") if size else None
