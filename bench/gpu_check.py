@@ -1,6 +1,7 @@
 """zerogpt on one GPU: validate the CUDA paths, then measure offloaded pretraining against DeepSpeed ZeRO-Offload.
 
     python bench/gpu_check.py --out DIR                    # every phase, about 25 minutes on one H100
+                                                           # (22 of measuring, the rest installs and builds)
     # the same in three commands of under 10 minutes each (the device tool's limit per command):
     python bench/gpu_check.py --out DIR --only env,correctness,profile
     python bench/gpu_check.py --out DIR --only offload,no_offload
@@ -11,8 +12,9 @@
 Phases:
   env          torch / CUDA / NCCL / DeepSpeed versions, GPU, host RAM, which CPU Adam kernel runs
                (DeepSpeed's op if it builds, else torch's fused Adam: no nvcc needed).
-  correctness  `pytest -m gpu tests` (tests/zero/test_gpu.py: world-1 NCCL, every stage x precision x
-               offload against plain PyTorch, copy stream and eager hand-over, bit-exact resume).
+  correctness  `pytest -m gpu` on the test files with GPU tests (tests/zero/test_gpu.py: world-1 NCCL,
+               every stage x precision x offload against plain PyTorch, copy stream and eager hand-over,
+               bit-exact resume).
   offload      GPT-2 XL, seq 1024, bf16, stage 3 + CPU optimizer offload, then + param offload:
                zerogpt, DeepSpeed ZeRO-Offload, same model/batch/seq, same run.
   largest      hidden 2560, growing depth, stage 3 + CPU optimizer + param offload, both systems,
@@ -21,11 +23,11 @@ Phases:
   profile      one offloaded zerogpt step of GPT-2 XL: forward, backward, device->host, CPU Adam,
                host->device, waits (torch.profiler), as a table in DIR/profile.txt.
 
-Every measurement runs in its own process (clean peak GPU memory and host RSS; a crash or OOM is a row, not
-the end of the run); a watchdog kills one that leaves less than --host-reserve-gib of host RAM free, so the
-machine's OOM killer never fires. Each phase stops starting new measurements when its time budget is spent
-and records what it skipped. DIR gets at most 5 files: gpu_check.log, summary.json, profile.txt,
-pytest_gpu.xml, pytest_gpu.log.
+Measurements run in child processes (bench/gpu_measure.py: own peak GPU memory and host RSS; a crash or
+OOM is a row, not the end of the run); a watchdog kills one that leaves less than --host-reserve-gib of host
+RAM free, so the machine's OOM killer never fires. Each phase stops starting new measurements when its time
+budget is spent and records what it skipped. DIR gets at most 5 files: gpu_check.log, summary.json,
+profile.txt, pytest_gpu.xml, pytest_gpu.log.
 """
 from __future__ import annotations
 
@@ -48,14 +50,22 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+import importlib.util  # noqa: E402
+from dataclasses import asdict  # noqa: E402
 
 import torch  # noqa: E402
 
+# bench/ is not a package (and is off the path): load the measurement module by its file
+MEASURE = os.path.join(_HERE, "gpu_measure.py")
+_spec = importlib.util.spec_from_file_location("gpu_measure", MEASURE)
+gpu_measure = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_measure"] = gpu_measure  # dataclasses look their module up here
+_spec.loader.exec_module(gpu_measure)
+Spec, VOCAB, format_table = gpu_measure.Spec, gpu_measure.VOCAB, gpu_measure.format_table
+
 PHASES = ("env", "correctness", "offload", "largest", "no_offload", "profile")
 BUDGET_S = dict(env=100, correctness=240, offload=210, largest=420, no_offload=270, profile=75)  # 22 min
-PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0}  # dense bf16 without sparsity, by device name
-VOCAB, TINY_VOCAB = 50257, 512
+TINY_VOCAB = 512
 # GPT-2 shapes; "largest" grows n_layer at n_embd 2560 (head dim 128)
 SHAPES = dict(gpt2_small=(12, 12, 768), gpt2_medium=(24, 16, 1024), gpt2_xl=(48, 25, 1600))
 TINY = dict(gpt2_small=(2, 2, 64), gpt2_medium=(3, 2, 64), gpt2_xl=(4, 2, 64))
@@ -72,229 +82,6 @@ def _child_env() -> dict:
 
 
 # -------------------------------------------------------------------------------------------------
-# one measurement, in a child process: build the system, train a few steps, report speed and memory
-
-@dataclass
-class Spec:
-    """One measurement: system x model shape x ZeRO setting x batch."""
-
-    system: str  # zerogpt | deepspeed | torch
-    shape: tuple  # (n_layer, n_head, n_embd)
-    stage: int = 3
-    offload: str = "none"  # none | cpu | cpu+param
-    batch: int = 8
-    seq: int = 1024
-    steps: int = 4
-    warmup: int = 2
-    checkpoint: bool = False  # activation checkpointing
-    vocab: int = VOCAB
-    meta_init: bool = False  # build under ZeroInitContext / deepspeed.zero.Init (models too big to build whole)
-    profile_to: str | None = None  # write the profile of one more step here (zerogpt only)
-    label: str = ""
-
-
-def _reset_host_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM back to the current RSS (Linux >= 4.0)
-    except OSError:
-        pass
-
-
-def _host_peak_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def _build_model(spec: Spec, device: torch.device) -> torch.nn.Module:
-    from model_zoo.gpt import gpt2_small
-
-    n_layer, n_head, n_embd = spec.shape
-    torch.manual_seed(0)
-    return gpt2_small(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=spec.vocab, dropout=0.0,
-                      max_position_embeddings=spec.seq, checkpoint=spec.checkpoint)
-
-
-def _make_zerogpt(spec: Spec, device: torch.device, precision: str):
-    import zerogpt
-    from zerogpt.optim import HybridAdam
-
-    zero = dict(stage=spec.stage, offload_optimizer=dict(device="cpu" if spec.offload != "none" else "none"))
-    if spec.offload == "cpu+param":
-        zero["offload_param"] = dict(device="cpu")
-    cfg = zerogpt.Config(dict(zero=zero, precision=precision))
-    if spec.meta_init:
-        with zerogpt.ZeroInitContext(cfg):
-            model = _build_model(spec, device)
-    else:
-        with device:
-            model = _build_model(spec, device)
-    optimizer = HybridAdam(model.parameters(), lr=1e-4, weight_decay=0.0)
-    engine, *_ = zerogpt.initialize(model, optimizer, config=cfg)
-    engine.logger.setLevel("WARNING")
-    return engine, engine.backward, lambda: (engine.step(), engine.zero_grad()), optimizer, engine.close
-
-
-def _make_deepspeed(spec: Spec, device: torch.device, precision: str):
-    import deepspeed
-
-    zero = {"stage": spec.stage, "overlap_comm": True, "contiguous_gradients": True,
-            "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
-    pin = device.type == "cuda"
-    if spec.offload != "none":
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
-    if spec.offload == "cpu+param":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    config = {"train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1,
-              "zero_optimization": zero, "steps_per_print": 1 << 30, "zero_allow_untested_optimizer": True,
-              "bf16": {"enabled": precision == "bf16"}}
-    if spec.offload != "none":  # AdamW from the config: DeepSpeedCPUAdam, the op prepare_cpu_adam built
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}
-    if spec.meta_init:
-        with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu" if spec.offload == "cpu+param"
-                                 else None, pin_memory=pin):
-            model = _build_model(spec, device)
-    else:
-        with device:
-            model = _build_model(spec, device)
-    # On the device: torch's fused AdamW, as zerogpt's HybridAdam uses there (no FusedAdam JIT build)
-    client = None if spec.offload != "none" else torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
-                                                                  fused=device.type == "cuda")
-    engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                                 optimizer=client)
-    return engine, engine.backward, engine.step, optimizer, lambda: None
-
-
-def _make_torch(spec: Spec, device: torch.device, precision: str):
-    """The floor: fp32 params, bf16 autocast, torch's fused AdamW, no sharding and no communication."""
-    with device:
-        model = _build_model(spec, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-
-    def forward(x):
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            return model(x)
-
-    def step():
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return forward, lambda loss: loss.backward(), step, optimizer, lambda: None
-
-
-def measure(spec: Spec) -> dict:
-    """Train `spec` for warmup + steps; tokens/s, TFLOPS, MFU, peak GPU memory and peak host RSS."""
-    from torch.profiler import record_function
-
-    from model_zoo.gpt import GPTLMLoss
-    from zerogpt.trainer import flops_per_token
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    precision = "bf16" if cuda else "fp32"
-    make = dict(zerogpt=_make_zerogpt, deepspeed=_make_deepspeed, torch=_make_torch)[spec.system]
-    with torch.device("meta"):
-        num_params = sum(p.numel() for p in _build_model(spec, device).parameters())  # tied head counted once
-    forward, backward, step, optimizer, close = make(spec, device, precision)
-    # peaks from here on: the training steps, not the model's construction
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    _reset_host_peak()
-    loss_fn = GPTLMLoss(shift=False)
-    n_layer, _, n_embd = spec.shape
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g).to(device) for _ in range(2)]
-
-    def train_step(i: int) -> torch.Tensor:  # the phases are named for the profiler (no-ops without one)
-        x = batches[i % 2]
-        with record_function("forward"):
-            loss = loss_fn(forward(x[:, :-1]), x[:, 1:])
-        with record_function("backward"):
-            backward(loss)
-        with record_function("step"):
-            step()
-        return loss
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    losses = [train_step(i).item() for i in range(spec.warmup)]
-    sync()
-    t0 = time.perf_counter()
-    for i in range(spec.steps):
-        loss = train_step(i)
-    sync()
-    seconds = time.perf_counter() - t0
-    losses.append(loss.item())
-    tokens_per_s = spec.batch * spec.seq * spec.steps / seconds
-    tflops = tokens_per_s * flops_per_token(num_params, n_layer, n_embd, spec.seq) / 1e12
-    peak = next((v for k, v in PEAK_TFLOPS_BF16.items() if cuda and k in torch.cuda.get_device_name(0)), None)
-    out = dict(spec=asdict(spec), params=num_params, step_s=seconds / spec.steps, tokens_per_s=tokens_per_s,
-               tflops=tflops, mfu=tflops / peak if peak else None, losses=losses,
-               peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-               peak_host_gib=_host_peak_bytes() / 2**30)
-    if spec.profile_to:
-        out["profile"] = profile_step(train_step, optimizer, spec, sync, cuda)
-    close()
-    return out
-
-
-# -------------------------------------------------------------------------------------------------
-# (e) the profile of one offloaded step
-
-def profile_step(train_step, optimizer, spec: Spec, sync, cuda: bool) -> list[dict]:
-    """Profile one more step; rows (part, host ms, device ms); the full table goes to spec.profile_to."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    original = optimizer.step
-
-    def timed_step(*args, **kwargs):  # the CPU Adam kernel is not a torch op: name it for the profiler
-        with record_function("cpu_adam"):
-            return original(*args, **kwargs)
-    optimizer.step = timed_step
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync()
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        with record_function("train_step"):
-            train_step(1)
-        sync()
-        wall_ms = (time.perf_counter() - t0) * 1e3
-    optimizer.step = original
-    events = prof.key_averages()
-
-    def host_ms(match) -> float:
-        return sum(e.cpu_time_total for e in events if match(e.key)) / 1e3
-
-    def device_ms(match) -> float:
-        return sum(getattr(e, "device_time_total", 0.0) for e in events if match(e.key)) / 1e3
-
-    rows = [
-        dict(part="whole step (wall)", host_ms=wall_ms, device_ms=None),
-        dict(part="forward", host_ms=host_ms(lambda k: k == "forward"), device_ms=None),
-        dict(part="backward", host_ms=host_ms(lambda k: k == "backward"), device_ms=None),
-        dict(part="optimizer step (engine)", host_ms=host_ms(lambda k: k == "step"), device_ms=None),
-        dict(part="CPU Adam", host_ms=host_ms(lambda k: k == "cpu_adam"), device_ms=None),
-        dict(part="device->host copies", host_ms=None, device_ms=device_ms(lambda k: "DtoH" in k)),
-        dict(part="host->device copies", host_ms=None, device_ms=device_ms(lambda k: "HtoD" in k)),
-        dict(part="NCCL kernels", host_ms=None, device_ms=device_ms(lambda k: "nccl" in k.lower())),
-        dict(part="waits (host blocked on the device)",
-             host_ms=host_ms(lambda k: k in ("cudaStreamSynchronize", "cudaEventSynchronize",
-                                             "cudaDeviceSynchronize", "cudaStreamWaitEvent")), device_ms=None),
-    ]
-    table = format_table(["part", "host ms", "device ms"],
-                         [[r["part"], _fmt(r["host_ms"]), _fmt(r["device_ms"])] for r in rows])
-    try:
-        top = events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=25)
-    except Exception:  # an older torch names the column self_cuda_time_total
-        top = events.table(sort_by="self_cpu_time_total", row_limit=25)
-    with open(spec.profile_to, "w") as f:
-        f.write(f"one offloaded zerogpt step: {spec.label}\n\n{table}\n\ntop ops by self time:\n{top}")
-    return rows
-
-
-# -------------------------------------------------------------------------------------------------
 # the parent: run each Spec in a child process with a deadline and a host-RAM watchdog
 
 def run_specs(specs: list[Spec], timeout_s: float, reserve_bytes: int) -> list[dict]:
@@ -304,8 +91,7 @@ def run_specs(specs: list[Spec], timeout_s: float, reserve_bytes: int) -> list[d
 
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         result_path = os.path.join(tmp, "results.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([asdict(s) for s in specs]),
-               "--result", result_path]
+        cmd = [sys.executable, MEASURE, json.dumps([asdict(s) for s in specs]), result_path]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_child_env(),
                                 start_new_session=True)  # its own group: a kill takes its compilers too
         killed: list[str] = []
@@ -345,42 +131,6 @@ def run_specs(specs: list[Spec], timeout_s: float, reserve_bytes: int) -> list[d
     return results
 
 
-def worker_main(specs_json: str, result_path: str) -> int:
-    """Child process: one world-1 process group (NCCL on CUDA, as DeepSpeed and zerogpt use it), the specs in
-    turn; the results file is rewritten after each, so a kill keeps the ones before it."""
-    import gc
-
-    import torch.distributed as dist
-
-    specs = [Spec(**{**d, "shape": tuple(d["shape"])}) for d in json.loads(specs_json)]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(0)
-    rdzv = tempfile.mkdtemp(prefix="gpu_check_pg_")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rdzv}/rdzv", rank=0, world_size=1)
-    results = []
-    try:
-        for spec in specs:
-            try:
-                results.append(measure(spec))
-            except torch.cuda.OutOfMemoryError as e:
-                results.append(dict(spec=asdict(spec), error="gpu_oom", detail=str(e).splitlines()[0]))
-            except Exception as e:
-                results.append(dict(spec=asdict(spec), error=type(e).__name__,
-                                    detail=str(e).splitlines()[0] if str(e) else ""))
-            with open(result_path, "w") as f:
-                json.dump(results, f)
-            gc.collect()  # the last system's engine, model and optimizer state, before the next is built
-            if cuda:
-                torch.cuda.empty_cache()
-    finally:
-        dist.destroy_process_group()
-        shutil.rmtree(rdzv, ignore_errors=True)
-    return 0
-
-
 # -------------------------------------------------------------------------------------------------
 # the phases: each fills its part of the summary
 
@@ -407,6 +157,18 @@ class Phase:
         return run_specs(specs, left, int(self.args.host_reserve_gib * 2**30))
 
 
+def _remove_stale_build_locks(since: float) -> None:
+    """torch's JIT build lock of the cpu_adam op, left by the build child we killed (created after `since`):
+    it would make every later build wait forever. Only on a machine this check has to itself (the GPU)."""
+    import glob
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+    for lock in glob.glob(os.path.join(root, "**", "cpu_adam", "lock"), recursive=True):
+        if os.path.getmtime(lock) >= since:
+            os.remove(lock)
+            log(f"  removed the stale build lock {lock}")
+
+
 def prepare_cpu_adam(args) -> dict:
     """Build DeepSpeed's CPU Adam op once, here, before any measurement needs it; say which kernel runs.
 
@@ -425,12 +187,17 @@ def prepare_cpu_adam(args) -> dict:
                 "except Exception as e:\n    out['deepspeed_op_error'] = f'{type(e).__name__}: {e}'[:400]\n"
                 "out['fallback'] = cpu_adam_backend('torch')\nout['auto'] = cpu_adam_backend()\n"
                 "print(json.dumps(out))")
+        started = time.time()
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=_child_env(), cwd=REPO, start_new_session=True)
         try:
-            res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=BUDGET_S["env"],
-                                 env=_child_env(), cwd=REPO)
-            adam = json.loads(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else dict(
-                deepspeed_op_error=" | ".join(res.stderr.strip().splitlines()[-2:]))
+            out, err = proc.communicate(timeout=BUDGET_S["env"])
+            adam = json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 else dict(
+                deepspeed_op_error=" | ".join(err.strip().splitlines()[-2:]))
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and its compilers
+            proc.communicate()
+            _remove_stale_build_locks(started)
             adam = dict(deepspeed_op_error=f"the build did not finish in {BUDGET_S['env']} s")
     adam["deepspeed_op_built"] = adam.get("deepspeed_op") == "deepspeed"
     if not adam["deepspeed_op_built"]:
@@ -537,7 +304,8 @@ def phase_largest(args, summary: dict) -> None:
         for _ in range(args.largest_tries):
             spec = Spec(system, (depth, n_head, n_embd), stage=3, offload="cpu+param", batch=args.largest_batch,
                         seq=args.seq, steps=1, warmup=1, checkpoint=True, meta_init=True, vocab=args.vocab,
-                        label=f"{system} {depth}L x {n_embd} ({(depth * per_layer + fixed) / 1e9:.2f}B) offload=cpu+param")
+                        label=f"{system} {depth}L x {n_embd} ({(depth * per_layer + fixed) / 1e9:.2f}B) "
+                              f"offload=cpu+param")
             r = phase.run(spec)
             if r is None:
                 break
@@ -597,15 +365,6 @@ def phase_profile(args, summary: dict) -> None:
 
 # -------------------------------------------------------------------------------------------------
 # summary, tables, merge
-
-def _fmt(x) -> str:
-    return "" if x is None else f"{x:,.1f}"
-
-
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
-
 
 def rows_table(rows: list[dict]) -> str:
     def cell(r, key, fmt):
@@ -682,11 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every phase's time budget")
     p.add_argument("--host-reserve-gib", type=float, default=None,
                    help="kill a measurement that leaves less host RAM free than this (8; tiny: 1)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
-        return worker_main(args.worker, args.result)
     if not args.out:
         p.error("--out DIR is required")
     os.makedirs(args.out, exist_ok=True)
