@@ -20,6 +20,7 @@ def run_check(*args: str, timeout: float = 280) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the no-CUDA path")
 def test_dry_run_without_cuda_writes_the_summary(tmp_path):
