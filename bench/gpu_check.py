@@ -260,8 +260,10 @@ def phase_correctness(args, summary: dict) -> None:
         for suite in ET.parse(xml).getroot().iter("testsuite"):
             for k in counts:
                 counts[k] += int(suite.get(k, 0))
-    failed = counts["failures"] + counts["errors"] + (1 if timed_out or not os.path.exists(xml) else 0)
-    summary["correctness"] = dict(ran=True, timed_out=timed_out, **counts)
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    # a run that timed out, wrote no report or passed nothing (every GPU test skipped) proved nothing: one more
+    failed = counts["failures"] + counts["errors"] + (1 if timed_out or not os.path.exists(xml) or passed <= 0 else 0)
+    summary["correctness"] = dict(ran=True, timed_out=timed_out, passed=passed, **counts)
     summary["cuda_checks_failed"] = failed
     log(f"  pytest -m gpu: {counts}, timed out: {timed_out} -> cuda_checks_failed = {failed} "
         f"(details: pytest_gpu.log)")
@@ -435,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (1024; tiny: 64)")
     p.add_argument("--offload-batch", type=int, default=None, help="micro-batch of the offload runs (16; tiny: 2)")
     p.add_argument("--largest-batch", type=int, default=None, help="micro-batch of the largest-model runs (4)")
-    p.add_argument("--largest-tries", type=int, default=3, help="sizes tried per system in the largest phase")
+    p.add_argument("--largest-tries", type=int, default=2, help="sizes tried per system in the largest phase (2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per measurement (4; tiny: 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (2; tiny: 1)")
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every phase's time budget")
