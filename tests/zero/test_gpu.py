@@ -10,14 +10,13 @@ functions over gloo on a few settings, so the logic stays exercised in the norma
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
 
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
-from tests.zero.reference import Recipe, assert_run_matches, engine_run, reference_run
+from tests.zero.reference import assert_run_matches, engine_run, reference_run
 from tests.zero.test_parity import CLIP, GPT_RECIPE, token_batches, zero_config
 
 ACCUM = 2
