@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in spawned processes, with a hard timeout (a hang fails, never blocks).
+"""Run a function on N gloo (or NCCL) ranks in spawned processes, with a hard timeout (a hang fails, never blocks).
 
 Rendezvous is a file in a fresh temp dir (no port races). The function's return value on each rank
 comes back through a queue, so tests assert in the parent process.
@@ -16,10 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, queue: Any) -> None:
+def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, queue: Any,
+            backend: str = "gloo") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # before NCCL init, so each rank binds its own GPU
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         buffer = io.BytesIO()  # by value: tensors sent as shared memory die with this process
         torch.save(result, buffer)
@@ -31,8 +34,10 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
-    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; return results by rank.
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
+                    backend: str = "gloo") -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` ranks (gloo; "nccl": one GPU per rank); return
+    results by rank.
 
     Raises RuntimeError with the failing rank's traceback, or TimeoutError after `timeout` seconds.
     fn must be importable (module level) so spawned processes can find it.
@@ -40,7 +45,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(prefix="zerogpt-rdzv-"), "rdzv")
-    procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue, backend),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -95,27 +95,32 @@ def reference_run(recipe: Recipe, world: int, accum: int, clip: float | None = N
 
 def engine_run(rank: int, world: int, recipe: Recipe, zero: dict, precision: str = "fp32", accum: int = 1,
                clip: float | None = None, setup: Callable | None = None,
-               inspect: Callable | None = None) -> dict[str, Any]:
+               inspect: Callable | None = None, device: str = "cpu") -> dict[str, Any]:
     """Train `recipe` on the engine (call on every rank). Returns losses (global mean per step), the
     consolidated params (`state_dict_full`), the step() stats per optimizer step, and inspect's results.
 
     `setup(engine)` runs once after initialize (to attach probes); `inspect(engine, step)` runs after
-    each optimizer step (for invariants the caller checks on the returned values).
+    each optimizer step (for invariants the caller checks on the returned values). `device="cuda"`
+    trains on this rank's GPU (the process group must then be NCCL); the data is built on the CPU and
+    moved, so it is the same as the reference's.
     """
     import zerogpt
 
     torch.set_num_threads(1)
     model = recipe.build()
     cfg = zerogpt.Config(dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=accum, clip_grad_norm=clip))
-    engine, *_ = zerogpt.initialize(model, recipe.optimizer(model), config=cfg, ctx=cpu_ctx(rank, world))
+    ctx = cpu_ctx(rank, world)
+    if device == "cuda":
+        ctx.device = torch.device("cuda", torch.cuda.current_device())
+    engine, *_ = zerogpt.initialize(model, recipe.optimizer(model), config=cfg, ctx=ctx)
     if setup is not None:
         setup(engine)
     data = recipe.data(recipe.steps, world, accum)
     losses, stats, seen = [], [], []
     for step in range(recipe.steps):
-        step_loss = torch.zeros(())
+        step_loss = torch.zeros((), device=ctx.device)
         for j in range(accum):
-            loss = recipe.loss(engine, data[step, j, rank], step)
+            loss = recipe.loss(engine, data[step, j, rank].to(ctx.device), step)
             engine.backward(loss)
             out = engine.step()
             engine.zero_grad()

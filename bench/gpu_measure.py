@@ -1,0 +1,302 @@
+"""One measurement of bench/gpu_check.py, in its own process: build a system (zerogpt, DeepSpeed or plain
+PyTorch) on one device, train a few steps, report tokens/s, TFLOPS, MFU and the training steps' peak GPU
+memory and host RSS, and optionally profile one more step.
+
+    python bench/gpu_measure.py SPECS_JSON RESULT_PATH    # run by gpu_check.py; SPECS_JSON: a list of Specs
+
+The specs run in turn under one world-1 process group (NCCL on CUDA, gloo otherwise); RESULT_PATH is rewritten
+after each, so a process killed by gpu_check's watchdog keeps the results before the kill.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# bench/ holds tokenize.py, which would shadow the stdlib module of that name (imported by dataclasses via
+# inspect): take bench/ off the path before any other import.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+
+import torch  # noqa: E402
+
+PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0}  # dense bf16 without sparsity, by device name
+VOCAB = 50257
+
+@dataclass
+class Spec:
+    """One measurement: system x model shape x ZeRO setting x batch."""
+
+    system: str  # zerogpt | deepspeed | torch
+    shape: tuple  # (n_layer, n_head, n_embd)
+    stage: int = 3
+    offload: str = "none"  # none | cpu | cpu+param
+    batch: int = 8
+    seq: int = 1024
+    steps: int = 4
+    warmup: int = 2
+    checkpoint: bool = False  # activation checkpointing
+    vocab: int = VOCAB
+    meta_init: bool = False  # build under ZeroInitContext / deepspeed.zero.Init (models too big to build whole)
+    profile_to: str | None = None  # write the profile of one more step here (zerogpt only)
+    label: str = ""
+
+
+def _reset_host_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM back to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def _host_peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _build_model(spec: Spec, device: torch.device) -> torch.nn.Module:
+    from model_zoo.gpt import gpt2_small
+
+    n_layer, n_head, n_embd = spec.shape
+    torch.manual_seed(0)
+    return gpt2_small(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=spec.vocab, dropout=0.0,
+                      max_position_embeddings=spec.seq, checkpoint=spec.checkpoint)
+
+
+def _make_zerogpt(spec: Spec, device: torch.device, precision: str):
+    import zerogpt
+    from zerogpt.optim import HybridAdam
+
+    zero = dict(stage=spec.stage, offload_optimizer=dict(device="cpu" if spec.offload != "none" else "none"))
+    if spec.offload == "cpu+param":
+        zero["offload_param"] = dict(device="cpu")
+    cfg = zerogpt.Config(dict(zero=zero, precision=precision))
+    if spec.meta_init:
+        with zerogpt.ZeroInitContext(cfg):
+            model = _build_model(spec, device)
+    else:
+        with device:
+            model = _build_model(spec, device)
+    optimizer = HybridAdam(model.parameters(), lr=1e-4, weight_decay=0.0)
+    engine, *_ = zerogpt.initialize(model, optimizer, config=cfg)
+    engine.logger.setLevel("WARNING")
+    return engine, engine.backward, lambda: (engine.step(), engine.zero_grad()), optimizer, engine.close
+
+
+def _make_deepspeed(spec: Spec, device: torch.device, precision: str):
+    import deepspeed
+
+    zero = {"stage": spec.stage, "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
+    pin = device.type == "cuda"
+    if spec.offload != "none":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if spec.offload == "cpu+param":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    config = {"train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1,
+              "zero_optimization": zero, "steps_per_print": 1 << 30, "zero_allow_untested_optimizer": True,
+              "bf16": {"enabled": precision == "bf16"}}
+    if spec.offload != "none":  # AdamW from the config: DeepSpeedCPUAdam, the op prepare_cpu_adam built
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}
+    if spec.meta_init:
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu" if spec.offload == "cpu+param"
+                                 else None, pin_memory=pin):
+            model = _build_model(spec, device)
+    else:
+        with device:
+            model = _build_model(spec, device)
+    # On the device: torch's fused AdamW, as zerogpt's HybridAdam uses there (no FusedAdam JIT build)
+    client = None if spec.offload != "none" else torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
+                                                                  fused=device.type == "cuda")
+    engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                 optimizer=client)
+    # destroy() drops DeepSpeed's hooks and buffers, so the next spec in this process starts from free memory
+    return engine, engine.backward, engine.step, optimizer, getattr(engine, "destroy", lambda: None)
+
+
+def _make_torch(spec: Spec, device: torch.device, precision: str):
+    """The floor: fp32 params, bf16 autocast, torch's fused AdamW, no sharding and no communication."""
+    with device:
+        model = _build_model(spec, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    def forward(x):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            return model(x)
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return forward, lambda loss: loss.backward(), step, optimizer, lambda: None
+
+
+def measure(spec: Spec) -> dict:
+    """Train `spec` for warmup + steps; tokens/s, TFLOPS, MFU, peak GPU memory and peak host RSS."""
+    from torch.profiler import record_function
+
+    from model_zoo.gpt import GPTLMLoss
+    from zerogpt.trainer import flops_per_token
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    precision = "bf16" if cuda else "fp32"
+    make = dict(zerogpt=_make_zerogpt, deepspeed=_make_deepspeed, torch=_make_torch)[spec.system]
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in _build_model(spec, device).parameters())  # tied head counted once
+    forward, backward, step, optimizer, close = make(spec, device, precision)
+    # peaks from here on: the training steps, not the model's construction
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    _reset_host_peak()
+    loss_fn = GPTLMLoss(shift=False)
+    n_layer, _, n_embd = spec.shape
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g).to(device) for _ in range(2)]
+
+    def train_step(i: int) -> torch.Tensor:  # the phases are named for the profiler (no-ops without one)
+        x = batches[i % 2]
+        with record_function("forward"):
+            loss = loss_fn(forward(x[:, :-1]), x[:, 1:])
+        with record_function("backward"):
+            backward(loss)
+        with record_function("step"):
+            step()
+        return loss
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    losses = [train_step(i).item() for i in range(spec.warmup)]
+    sync()
+    t0 = time.perf_counter()
+    for i in range(spec.steps):
+        loss = train_step(i)
+    sync()
+    seconds = time.perf_counter() - t0
+    losses.append(loss.item())
+    tokens_per_s = spec.batch * spec.seq * spec.steps / seconds
+    tflops = tokens_per_s * flops_per_token(num_params, n_layer, n_embd, spec.seq) / 1e12
+    peak = next((v for k, v in PEAK_TFLOPS_BF16.items() if cuda and k in torch.cuda.get_device_name(0)), None)
+    out = dict(spec=asdict(spec), params=num_params, step_s=seconds / spec.steps, tokens_per_s=tokens_per_s,
+               tflops=tflops, mfu=tflops / peak if peak else None, losses=losses,
+               peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+               peak_host_gib=_host_peak_bytes() / 2**30)
+    if spec.profile_to:
+        out["profile"] = profile_step(train_step, optimizer, spec, sync, cuda)
+    close()
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# (e) the profile of one offloaded step
+
+def profile_step(train_step, optimizer, spec: Spec, sync, cuda: bool) -> list[dict]:
+    """Profile one more step; rows (part, host ms, device ms); the full table goes to spec.profile_to."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    original = optimizer.step
+
+    def timed_step(*args, **kwargs):  # the CPU Adam kernel is not a torch op: name it for the profiler
+        with record_function("cpu_adam"):
+            return original(*args, **kwargs)
+    optimizer.step = timed_step
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        with record_function("train_step"):
+            train_step(1)
+        sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    optimizer.step = original
+    events = prof.key_averages()
+
+    def host_ms(match) -> float:
+        return sum(e.cpu_time_total for e in events if match(e.key)) / 1e3
+
+    def device_ms(match) -> float:
+        return sum(getattr(e, "device_time_total", 0.0) for e in events if match(e.key)) / 1e3
+
+    rows = [
+        dict(part="whole step (wall)", host_ms=wall_ms, device_ms=None),
+        dict(part="forward", host_ms=host_ms(lambda k: k == "forward"), device_ms=None),
+        dict(part="backward", host_ms=host_ms(lambda k: k == "backward"), device_ms=None),
+        dict(part="optimizer step (engine)", host_ms=host_ms(lambda k: k == "step"), device_ms=None),
+        dict(part="CPU Adam", host_ms=host_ms(lambda k: k == "cpu_adam"), device_ms=None),
+        dict(part="device->host copies", host_ms=None, device_ms=device_ms(lambda k: "DtoH" in k)),
+        dict(part="host->device copies", host_ms=None, device_ms=device_ms(lambda k: "HtoD" in k)),
+        dict(part="NCCL kernels", host_ms=None, device_ms=device_ms(lambda k: "nccl" in k.lower())),
+        dict(part="waits (host blocked on the device)",
+             host_ms=host_ms(lambda k: k in ("cudaStreamSynchronize", "cudaEventSynchronize",
+                                             "cudaDeviceSynchronize", "cudaMemcpy")), device_ms=None),
+    ]
+    table = format_table(["part", "host ms", "device ms"],
+                         [[r["part"], _fmt(r["host_ms"]), _fmt(r["device_ms"])] for r in rows])
+    try:
+        top = events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=25)
+    except Exception:  # an older torch names the column self_cuda_time_total
+        top = events.table(sort_by="self_cpu_time_total", row_limit=25)
+    with open(spec.profile_to, "w") as f:
+        f.write(f"one offloaded zerogpt step: {spec.label}\n\n{table}\n\ntop ops by self time:\n{top}")
+    return rows
+
+
+
+def _fmt(x) -> str:
+    return "" if x is None else f"{x:,.1f}"
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+
+
+def worker_main(specs_json: str, result_path: str) -> int:
+    """Child process: one world-1 process group (NCCL on CUDA, as DeepSpeed and zerogpt use it), the specs in
+    turn; the results file is rewritten after each, so a kill keeps the ones before it."""
+    import gc
+
+    import torch.distributed as dist
+
+    specs = [Spec(**{**d, "shape": tuple(d["shape"])}) for d in json.loads(specs_json)]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)
+    rdzv = tempfile.mkdtemp(prefix="gpu_check_pg_")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rdzv}/rdzv", rank=0, world_size=1)
+    results = []
+    try:
+        for spec in specs:
+            try:
+                results.append(measure(spec))
+            except torch.cuda.OutOfMemoryError as e:
+                results.append(dict(spec=asdict(spec), error="gpu_oom", detail=str(e).splitlines()[0]))
+            except Exception as e:
+                results.append(dict(spec=asdict(spec), error=type(e).__name__,
+                                    detail=str(e).splitlines()[0] if str(e) else ""))
+            with open(result_path, "w") as f:
+                json.dump(results, f)
+            gc.collect()  # the last system's engine, model and optimizer state, before the next is built
+            if cuda:
+                torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(rdzv, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1], sys.argv[2]))
