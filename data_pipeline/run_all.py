@@ -24,6 +24,9 @@ OUTPUTS = {"blacklist": "urls.txt", "download": "raw.jsonl", "cleanup": "clean.j
            "find-duplicates": "pairs.jsonl", "group-duplicates": "groups.jsonl",
            "remove-duplicates": "dedup.jsonl", "shuffle": "webtext.jsonl",
            "train-tokenizer": "tokenizer", "tokenize": "webtext_text_document"}
+# stages that run as sharded tasks on --executor (data_pipeline/dist_stages.py)
+DIST_JOBS = ("blacklist", "cleanup", "find-duplicates", "group-duplicates", "remove-duplicates", "shuffle",
+             "tokenize")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -68,6 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="also tokenize webtext.jsonl into WORKDIR/webtext_text_document.bin/.idx, training "
                         "WORKDIR/tokenizer first unless --tokenizer is given")
     p.add_argument("--vocab-size", type=int, default=50257, help="train-tokenizer: vocabulary size")
+    from data_pipeline.executor import add_executor_args
+
+    add_executor_args(p)
     return p
 
 
@@ -110,7 +116,33 @@ def stage_argvs(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return stages
 
 
+def run_stage(stage: str, module, stage_args: argparse.Namespace, args: argparse.Namespace) -> int:
+    """The CPU stages run as sharded tasks on --executor (dist_stages.py); download and
+    train-tokenizer run in this process."""
+    if stage not in DIST_JOBS:
+        return module.run(stage_args)
+    from data_pipeline.dist_stages import run_stage as run_tasks
+
+    run_tasks(stage, stage_args, args)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.executor != "ray":
+        return run_chain(args)
+    from data_pipeline.executor import start_ray
+
+    started_ray = start_ray(args.ray_address, args.workers)
+    try:
+        return run_chain(args)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def run_chain(args: argparse.Namespace) -> int:
     from data_pipeline.__main__ import load_stage
 
     started = time.time()
@@ -125,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
             output = getattr(stage_args, "output", None) or stage_args.output_prefix
             print(f"[all] {stage}: skipped, {output} is complete", file=sys.stderr)
             continue
-        print(f"[all] {stage}: running", file=sys.stderr)
-        rc = module.run(stage_args)
+        print(f"[all] {stage}: running" + (f" on {args.executor}" if stage in DIST_JOBS else ""), file=sys.stderr)
+        rc = run_stage(stage, module, stage_args, args)
         if rc:
             print(f"[all] {stage} failed with exit code {rc}; fix it and re-run `all` to resume", file=sys.stderr)
             return rc
