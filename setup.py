@@ -41,8 +41,8 @@ setup(
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "ray[default]>=2.40"],  # the pipeline's tests run a local Ray
-        "ray": ["ray[default]>=2.40"],  # `python -m data_pipeline all --executor ray`
+        "dev": ["pytest", "pytest-timeout", "ray[data]>=2.40"],  # the pipeline's tests run a local Ray
+        "ray": ["ray[data]>=2.40"],  # `python -m data_pipeline all --executor ray`
         "deepspeed": ["deepspeed"],
     },
     entry_points={
