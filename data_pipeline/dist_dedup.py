@@ -38,7 +38,7 @@ from data_pipeline.shards import first_line, iter_shard, read_json, write_json
 BAND_RECORD = np.dtype([("key", "V16"), ("line", "<i8"), ("set", "V8")])
 PAIR_RECORD = np.dtype([("a", "<i8"), ("b", "<i8"), ("exact", "u1")])
 INDEX_RECORD = np.dtype([("line", "<i8"), ("off", "<i8"), ("n", "<i8"), ("meta", "<i8")])
-MERGE_CHUNK = 1 << 16  # records read at a time from each sorted file in a merge
+MERGE_RECORDS = 1 << 20  # records a merge task buffers, over all its input files (or output partitions)
 
 
 def bands_rows(threshold: float, num_perm: int) -> tuple[int, int]:
@@ -108,17 +108,19 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
         yield batch
 
 
-def _read_sorted(path: str, dtype: np.dtype) -> Iterator[tuple]:
-    """Records of a sorted binary file, read MERGE_CHUNK at a time."""
+def _read_sorted(path: str, dtype: np.dtype, chunk: int) -> Iterator[tuple]:
+    """Records of a sorted binary file, read `chunk` at a time."""
     data = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
-    for start in range(0, data.size, MERGE_CHUNK):
-        yield from data[start:start + MERGE_CHUNK].tolist()
+    for start in range(0, data.size, chunk):
+        yield from data[start:start + chunk].tolist()
 
 
 def buckets_task(rank: int, world: int, work: str, shards: int, partitions: int) -> None:
     """Band `rank`: candidate and exact pairs of every run of equal band keys."""
     band_dir = os.path.join(work, "bands", f"{rank:03d}")
-    streams = [_read_sorted(os.path.join(band_dir, f"{s:05d}.bin"), BAND_RECORD) for s in range(shards)]
+    chunk = max(16, MERGE_RECORDS // shards)
+    streams = [_read_sorted(os.path.join(band_dir, f"{s:05d}.bin"), BAND_RECORD, chunk) for s in range(shards)]
+    flush_at = max(16, MERGE_RECORDS // partitions)
     parts: list[list[tuple]] = [[] for _ in range(partitions)]
     outs = [atomic_write(os.path.join(work, "cand", f"{p:05d}", f"{rank:03d}.bin"), "wb") for p in range(partitions)]
     files = [o.__enter__() for o in outs]
@@ -126,7 +128,7 @@ def buckets_task(rank: int, world: int, work: str, shards: int, partitions: int)
     def emit(a: int, b: int, exact: int) -> None:
         p = (a * 1_000_003 + b) % partitions
         parts[p].append((a, b, exact))
-        if len(parts[p]) >= MERGE_CHUNK:
+        if len(parts[p]) >= flush_at:
             files[p].write(np.array(parts[p], dtype=PAIR_RECORD).tobytes())
             parts[p].clear()
 
@@ -153,35 +155,35 @@ def buckets_task(rank: int, world: int, work: str, shards: int, partitions: int)
 
 
 class ShardStore:
-    """Shingle sets and references of the documents of every shard, read back by line."""
+    """Shingle sets and references of the documents of every shard, read back by line.
+
+    Indexes are memory-mapped and files opened per read, so a verify task holds neither the
+    corpus's index nor a file handle per shard.
+    """
 
     def __init__(self, work: str, shards: int) -> None:
         self.firsts = [first_line(work, s) for s in range(shards)]
-        base = [os.path.join(work, "store", f"{s:05d}") for s in range(shards)]
-        self.index = [np.load(b + ".index.npy") for b in base]
-        self.lines = [ix["line"] for ix in self.index]
-        self.shingles = [open(b + ".shingles", "rb") for b in base]
-        self.meta = [open(b + ".meta.jsonl", "rb") for b in base]
+        self.base = [os.path.join(work, "store", f"{s:05d}") for s in range(shards)]
+        self.index: dict[int, np.ndarray] = {}
 
-    def _find(self, line: int) -> tuple[int, tuple]:
+    def _find(self, line: int) -> tuple[str, tuple]:
         s = bisect.bisect_right(self.firsts, line) - 1
-        i = int(np.searchsorted(self.lines[s], line))
-        return s, self.index[s][i]
+        if s not in self.index:
+            self.index[s] = np.load(self.base[s] + ".index.npy", mmap_mode="r")
+        index = self.index[s]
+        return self.base[s], index[int(np.searchsorted(index["line"], line))]
 
     def shingles_of(self, line: int) -> np.ndarray:
-        s, (_, off, n, _) = self._find(line)
-        return np.frombuffer(os.pread(self.shingles[s].fileno(), 4 * int(n), int(off)), dtype=np.uint32)
+        base, (_, off, n, _) = self._find(line)
+        with open(base + ".shingles", "rb") as f:
+            return np.frombuffer(os.pread(f.fileno(), 4 * int(n), int(off)), dtype=np.uint32)
 
     def ref(self, line: int, source: str) -> dict:
-        s, (_, _, _, meta_off) = self._find(line)
-        f = self.meta[s]
-        f.seek(int(meta_off))
-        meta = json.loads(f.readline())
+        base, (_, _, _, meta_off) = self._find(line)
+        with open(base + ".meta.jsonl", "rb") as f:
+            f.seek(int(meta_off))
+            meta = json.loads(f.readline())
         return {"src": 0, "source": source, "line": line, "url": meta["url"], "hash": meta["hash"]}
-
-    def close(self) -> None:
-        for f in self.shingles + self.meta:
-            f.close()
 
 
 def verify_task(rank: int, world: int, work: str, shards: int, bands: int, threshold: float, source: str) -> None:
@@ -193,22 +195,19 @@ def verify_task(rank: int, world: int, work: str, shards: int, bands: int, thres
     order = np.lexsort((pairs["a"], pairs["b"]))
     counts: Counter = Counter(pairs=0, candidates=0, rejected_candidates=0, exact_duplicates=0)
     store = ShardStore(work, shards)
-    try:
-        with atomic_write(os.path.join(work, "pairs", f"{rank:05d}.jsonl")) as out:
-            for a, b, exact in pairs[order].tolist():
-                if exact:
-                    counts["exact_duplicates"] += 1
-                    j = 1.0
-                else:
-                    counts["candidates"] += 1
-                    j = fd.jaccard(store.shingles_of(a), store.shingles_of(b))
-                    if j < threshold:
-                        counts["rejected_candidates"] += 1
-                        continue
-                counts["pairs"] += 1
-                out.write(dumps({"a": store.ref(a, source), "b": store.ref(b, source), "jaccard": float(j)}))
-    finally:
-        store.close()
+    with atomic_write(os.path.join(work, "pairs", f"{rank:05d}.jsonl")) as out:
+        for a, b, exact in pairs[order].tolist():
+            if exact:
+                counts["exact_duplicates"] += 1
+                j = 1.0
+            else:
+                counts["candidates"] += 1
+                j = fd.jaccard(store.shingles_of(a), store.shingles_of(b))
+                if j < threshold:
+                    counts["rejected_candidates"] += 1
+                    continue
+            counts["pairs"] += 1
+            out.write(dumps({"a": store.ref(a, source), "b": store.ref(b, source), "jaccard": float(j)}))
     write_json(os.path.join(work, "counts", "verify", f"{rank:05d}.json"), dict(counts))
 
 
