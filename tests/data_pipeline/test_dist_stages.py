@@ -201,14 +201,13 @@ def test_killed_stage_resumes_without_redoing_finished_tasks(tmp_path):
     proc.wait()
     finished = sorted(os.listdir(done))
     assert 2 <= len(finished) < 8 and not (work / "c.jsonl").exists()
-    stamps = {r: os.stat(work / ".tasks" / "cleanup" / "out" / f"{int(r):05d}.jsonl").st_mtime_ns for r in finished}
 
     proc = _run_cleanup_in_subprocess(work, docs, tasks=8)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-3000:]
     assert f"Skipping {len(finished)} already completed tasks" in err  # datatrove's completion markers
-    assert "Skipping rank=" not in err or all(f"rank={int(r)}" in err for r in finished)
-    assert stamps  # the finished shards were not rewritten before the merge read them
+    # only the unfinished clean tasks and the merge ran: no line-count task, no finished task again
+    assert err.count("Launching pipeline for rank=") == 8 - len(finished) + 1, err[-3000:]
     one = tmp_path / "one.jsonl"
     assert main(["cleanup", docs, "--output", str(one), "--min-tokens", "100", "--workers", "1"]) == 0
     assert (work / "c.jsonl").read_bytes() == one.read_bytes()
