@@ -6,7 +6,7 @@ global index:
 1. `signatures` (one task per input shard): shingle sets and MinHash signatures, as today. Per
    band, the task writes its documents' (band key, line, shingle-set key) records sorted by (band
    key, line). Shingle sets go to the shard's store, with an index by line.
-2. `buckets` (one task per band): merges the band's sorted files of all shards (a streaming
+2. `buckets` (a band per task, or several): merges the band's sorted files of all shards (a streaming
    k-way merge) and walks each run of equal band keys in line order. Documents with a shingle set
    seen earlier in the run pair with its first document (Jaccard 1.0) and take no further part,
    as in Deduper; the others are candidate pairs. Candidates are partitioned by pair.
@@ -115,14 +115,19 @@ def _read_sorted(path: str, dtype: np.dtype, chunk: int) -> Iterator[tuple]:
         yield from data[start:start + chunk].tolist()
 
 
-def buckets_task(rank: int, world: int, work: str, shards: int, partitions: int) -> None:
-    """Band `rank`: candidate and exact pairs of every run of equal band keys."""
-    band_dir = os.path.join(work, "bands", f"{rank:03d}")
+def buckets_task(rank: int, world: int, work: str, shards: int, partitions: int, bands: int) -> None:
+    """Bands rank, rank + world, ...: candidate and exact pairs of every run of equal band keys."""
+    for band in range(rank, bands, world):
+        band_pairs(band, work, shards, partitions)
+
+
+def band_pairs(band: int, work: str, shards: int, partitions: int) -> None:
+    band_dir = os.path.join(work, "bands", f"{band:03d}")
     chunk = max(16, MERGE_RECORDS // shards)
     streams = [_read_sorted(os.path.join(band_dir, f"{s:05d}.bin"), BAND_RECORD, chunk) for s in range(shards)]
     flush_at = max(16, MERGE_RECORDS // partitions)
     parts: list[list[tuple]] = [[] for _ in range(partitions)]
-    outs = [atomic_write(os.path.join(work, "cand", f"{p:05d}", f"{rank:03d}.bin"), "wb") for p in range(partitions)]
+    outs = [atomic_write(os.path.join(work, "cand", f"{p:05d}", f"{band:03d}.bin"), "wb") for p in range(partitions)]
     files = [o.__enter__() for o in outs]
 
     def emit(a: int, b: int, exact: int) -> None:
