@@ -116,19 +116,18 @@ def find_duplicates_jobs(args, sargs, work, started) -> list[Job]:
         raise ValueError(f"--threshold must be in (0, 1], got {sargs.threshold}")
     n = num_tasks(args, file_size(sargs.input))
     bands, _ = dist_dedup.bands_rows(sargs.threshold, sargs.num_perm)
-    rss = os.path.join(work, "rss")
     return [Job("lines", count_lines, n, {"path": sargs.input, "out_dir": work}),
             Job("signatures", dist_dedup.signatures_task, n,
                 {"input": sargs.input, "work": work, "text_key": sargs.text_key, "ngram": sargs.ngram,
                  "unit": sargs.unit, "num_perm": sargs.num_perm, "seed": sargs.seed,
-                 "threshold": sargs.threshold, "strict": sargs.strict}, rss),
+                 "threshold": sargs.threshold, "strict": sargs.strict}),
             Job("buckets", dist_dedup.buckets_task, min(bands, n),
-                {"work": work, "shards": n, "partitions": n, "bands": bands}, rss),
+                {"work": work, "shards": n, "partitions": n, "bands": bands}),
             Job("verify", dist_dedup.verify_task, n,
                 {"work": work, "shards": n, "bands": bands, "threshold": sargs.threshold,
-                 "source": os.path.basename(sargs.input)}, rss),
+                 "source": os.path.basename(sargs.input)}),
             Job("merge", dist_dedup.merge_task, 1, {"work": work, "shards": n, "partitions": n, "args": sargs,
-                                                    "started": started}, rss)]
+                                                    "started": started})]
 
 
 # --------------------------------------------------------------------------- remove-duplicates
@@ -333,9 +332,10 @@ JOBS = {"blacklist": one_task_jobs("blacklist"), "cleanup": cleanup_jobs, "find-
         "shuffle": shuffle_jobs, "tokenize": tokenize_jobs}
 
 
-def run_stage(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -> None:
+def run_stage(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -> dict[str, int]:
     """Run `stage` (parsed as `sargs`) as tasks on args.executor, in WORKDIR/.tasks/STAGE; the task
-    files are deleted once the stage's output and stats are in place."""
+    files are deleted once the stage's output and stats are in place. Returns the peak RSS (KiB)
+    of each job's tasks."""
     from data_pipeline.io import file_signature, stage_params
 
     work = os.path.join(args.workdir, ".tasks", stage)
@@ -348,5 +348,8 @@ def run_stage(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -
     if not os.path.exists(marker):
         write_json(marker, identity)
     run_jobs(args, work, JOBS[stage](args, sargs, work, time.time()))
-    if args.executor != "slurm":
-        shutil.rmtree(work, ignore_errors=True)
+    if args.executor == "slurm":
+        return {}
+    peaks = dist_dedup.peak_rss(work)
+    shutil.rmtree(work, ignore_errors=True)
+    return peaks

@@ -128,6 +128,7 @@ def run_jobs(args: argparse.Namespace, stage_dir: str, jobs: list[Job]) -> None:
         shutil.rmtree(stage_dir, ignore_errors=True)
     previous = None
     for job in jobs:
+        job.rss_dir = job.rss_dir or os.path.join(stage_dir, "rss")
         executor = _executor(args, job, os.path.join(stage_dir, "logs", job.name), depends=previous)
         if args.executor == "slurm":
             previous = executor
