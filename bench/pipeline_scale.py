@@ -25,10 +25,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dedup import build_corpus, components, exact_pairs, score  # noqa: E402
-
+# the repository root instead of bench/, whose tokenize.py would shadow the stdlib module Ray needs
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.dedup import build_corpus, components, exact_pairs, score  # noqa: E402
 from data_pipeline import dist_stages  # noqa: E402
 from data_pipeline.__main__ import main as pipeline  # noqa: E402
 from data_pipeline.find_duplicates import shingle_hashes  # noqa: E402
