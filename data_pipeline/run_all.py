@@ -162,6 +162,10 @@ def run_chain(args: argparse.Namespace) -> int:
         if rc:
             print(f"[all] {stage} failed with exit code {rc}; fix it and re-run `all` to resume", file=sys.stderr)
             return rc
+        if args.executor == "slurm" and stage in DIST_JOBS:  # the next stage reads this one's output
+            print(f"[all] {stage}: submitted to Slurm; re-run this command when its jobs are done to go on "
+                  f"(finished tasks and stages are skipped)", file=sys.stderr)
+            return 0
     final = OUTPUTS["tokenize"] + ".bin/.idx" if args.tokenize else OUTPUTS["shuffle"]
     print(f"[all] done in {time.time() - started:.1f}s: {os.path.join(args.workdir, final)}", file=sys.stderr)
     return 0

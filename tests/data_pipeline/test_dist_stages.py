@@ -237,3 +237,31 @@ def test_all_on_ray_gives_the_local_executors_documents(tmp_path, site, ray_clus
                              ("clean.jsonl", "pairs.jsonl", "groups.jsonl", "dedup.jsonl", "webtext.jsonl")}
     assert outputs["ray"] == outputs["local"]
     assert len(outputs["ray"]["webtext.jsonl"].splitlines()) == 6
+
+
+def test_slurm_stage_is_a_datatrove_job_array_chain(tmp_path, monkeypatch):
+    """--executor slurm submits a stage's jobs as sbatch arrays, each after the one before (sbatch
+    is faked: no Slurm here)."""
+    from datatrove.executor import slurm
+
+    arrays = []  # (job name, --array, --dependency) of each job array submitted
+
+    def fake_sbatch(contents, job_id_retriever, *args):
+        if "launch_pickled_pipeline" in contents:  # not datatrove's stats-merging job
+            field = {k: v for k, _, v in (line.removeprefix("#SBATCH --").partition("=") for line in
+                                         contents.splitlines() if line.startswith("#SBATCH --"))}
+            dep = next((a.removeprefix("--dependency=") for a in args if a.startswith("--dependency=")), None)
+            arrays.append((field["job-name"], field["array"], field["partition"], dep))
+        return str(100 + len(arrays))
+
+    monkeypatch.setattr(slurm, "launch_slurm_job", fake_sbatch)
+    docs = str(dup_corpus(tmp_path / "docs.jsonl"))
+    args = executor_args(tmp_path / "w", executor="slurm", tasks=3)
+    with pytest.raises(ValueError, match="--slurm-partition"):
+        dist_stages.run_stage("find-duplicates", stage_args("find-duplicates", [docs, "--output", "p"]), args)
+    args.slurm_partition = "cpu"
+    dist_stages.run_stage("find-duplicates", stage_args("find-duplicates", [docs, "--output", "p"]), args)
+    assert [a[:3] for a in arrays] == [(f"zerogpt-{name}", f"0-{n - 1}", "cpu") for name, n in
+                                       [("lines", 3), ("signatures", 3), ("buckets", 3), ("verify", 3), ("merge", 1)]]
+    # each array waits for the one before it
+    assert arrays[0][3] is None and [a[3] for a in arrays[1:]] == [f"afterok:{101 + i}" for i in range(4)]
