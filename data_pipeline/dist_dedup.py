@@ -61,7 +61,7 @@ def signatures_task(rank: int, world: int, input: str, work: str, text_key: str,
     lines = ((first + i, raw) for i, raw in enumerate(iter_shard(input, rank, world)))
     with atomic_write(store_path + ".shingles", "wb") as sh_f, atomic_write(store_path + ".meta.jsonl") as meta_f:
         offset, meta_off = 0, 0
-        for batch in _batches(lines, fd.BATCH_LINES):
+        for batch in batches(lines, fd.BATCH_LINES):
             for lineno, kind, detail, url, thash, shingles, sig in fd._fingerprint_batch(
                     (batch, text_key, ngram, unit, num_perm, seed)):
                 if kind == "malformed":
@@ -83,8 +83,8 @@ def signatures_task(rank: int, world: int, input: str, work: str, text_key: str,
                 for b in range(bands):
                     key = hashlib.blake2b(sig[b * rows:(b + 1) * rows].tobytes(), digest_size=16).digest()
                     records[b].append((key, lineno, set_key))
-    np.save(_tmp_then(store_path + ".index.npy"), np.array(index, dtype=INDEX_RECORD))
-    os.replace(_tmp_then(store_path + ".index.npy"), store_path + ".index.npy")
+    with atomic_write(store_path + ".index.npy", "wb") as f:
+        np.save(f, np.array(index, dtype=INDEX_RECORD))
     for b in range(bands):
         arr = np.array(records[b], dtype=BAND_RECORD)
         arr.sort(order=["key", "line"])
@@ -93,11 +93,7 @@ def signatures_task(rank: int, world: int, input: str, work: str, text_key: str,
     write_json(os.path.join(work, "counts", "signatures", f"{rank:05d}.json"), dict(counts))
 
 
-def _tmp_then(path: str) -> str:
-    return path + ".tmp.npy"
-
-
-def _batches(items: Iterator, size: int) -> Iterator[list]:
+def batches(items: Iterator, size: int) -> Iterator[list]:
     batch = []
     for item in items:
         batch.append(item)

@@ -49,16 +49,15 @@ def cleanup_task(rank: int, world: int, work: str, sargs: argparse.Namespace, to
     from data_pipeline import cleanup
 
     cleanup._init_worker(tokenizer_json)
-    first = first_line(work, rank)
-    lines = [(first + i, raw) for i, raw in enumerate(iter_shard(sargs.input, rank, world))]
+    lines = enumerate(iter_shard(sargs.input, rank, world), first_line(work, rank))
     counts: Counter = Counter(kept=0, empty=0, too_short=0, wrong_lang=0, lang_detect_failed=0, malformed=0)
     languages: Counter = Counter()
     total_length = 0
     report = BadLineReporter(sargs.input, sargs.strict)
     with atomic_write(part(work, "out", rank)) as out, atomic_write(part(work, "rejected", rank)) as rej:
-        for start in range(0, len(lines), cleanup.BATCH_LINES):
+        for batch in dist_dedup.batches(lines, cleanup.BATCH_LINES):
             for lineno, kind, reason, payload in cleanup._process_batch(
-                    (lines[start:start + cleanup.BATCH_LINES], sargs.lang, sargs.min_tokens, sargs.quality)):
+                    (batch, sargs.lang, sargs.min_tokens, sargs.quality)):
                 if kind == "blank":
                     counts["blank_lines"] += 1
                 elif kind == "malformed":

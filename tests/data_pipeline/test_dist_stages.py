@@ -35,8 +35,9 @@ def stage_args(stage: str, argv: list[str]) -> argparse.Namespace:
     return parser.parse_args([stage, *argv])
 
 
-def executor_args(workdir, executor="local", tasks=None, workers=2, shard_size="256M") -> argparse.Namespace:
-    return argparse.Namespace(workdir=str(workdir), executor=executor, tasks=tasks, workers=workers, force=False,
+def executor_args(workdir, executor="local", tasks=None, workers=2, shard_size="256M",
+                  force=False) -> argparse.Namespace:
+    return argparse.Namespace(workdir=str(workdir), executor=executor, tasks=tasks, workers=workers, force=force,
                               shard_size=shard_size, ray_address=None, slurm_partition=None, slurm_time="1:00:00")
 
 
@@ -99,7 +100,7 @@ def test_shuffle_tasks_are_the_single_process_shuffle(tmp_path):
     docs = str(dup_corpus(tmp_path / "docs.jsonl"))
     one = tmp_path / "one.jsonl"
     assert main(["shuffle", docs, "--output", str(one), "--seed", "7"]) == 0
-    for tasks, limit in [(1, "1G"), (5, "8K"), (3, "100")]:
+    for tasks, limit in [(1, "1G"), (5, "8K"), (3, "20K")]:
         out = tmp_path / f"many{tasks}.jsonl"
         dist_stages.run_stage("shuffle", stage_args("shuffle", [docs, "--output", str(out), "--seed", "7",
                                                                  "--memory-limit", limit]),
@@ -176,11 +177,11 @@ def test_dedup_task_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
         assert large[kind] < 1.3 * small[kind] + per_file * (n_large - n_small), (kind, small, large)
 
 
-def _run_cleanup_in_subprocess(workdir, docs, tasks, **popen):
+def _run_cleanup_in_subprocess(workdir, docs, tasks, force=False, **popen):
     code = ("import sys; from data_pipeline import dist_stages as d; from tests.data_pipeline.test_dist_stages "
             "import stage_args, executor_args; "
             f"d.run_stage('cleanup', stage_args('cleanup', [{docs!r}, '--output', {str(workdir / 'c.jsonl')!r}, "
-            f"'--min-tokens', '100']), executor_args({str(workdir)!r}, tasks={tasks}, workers=1))")
+            f"'--min-tokens', '100']), executor_args({str(workdir)!r}, tasks={tasks}, workers=1, force={force}))")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, start_new_session=True,
@@ -211,6 +212,10 @@ def test_killed_stage_resumes_without_redoing_finished_tasks(tmp_path):
     one = tmp_path / "one.jsonl"
     assert main(["cleanup", docs, "--output", str(one), "--min-tokens", "100", "--workers", "1"]) == 0
     assert (work / "c.jsonl").read_bytes() == one.read_bytes()
+
+    proc = _run_cleanup_in_subprocess(work, docs, tasks=8, force=True)  # --force: every task again
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0 and err.count("Launching pipeline for rank=") == 8 + 8 + 1, err[-3000:]
 
 
 @pytest.fixture(scope="module")
