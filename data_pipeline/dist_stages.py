@@ -1,12 +1,12 @@
 """The CPU stages as sharded tasks (see executor.py); `all --executor ...` runs them.
 
-Every stage that works line by line (cleanup, find-duplicates' signatures, remove-duplicates,
-shuffle's scatter, tokenize) runs one task per byte-range shard of its input (shards.py) and a
-last task that merges the shards' outputs, in shard order, into the file the single-process
-stage writes, with the same stats: `all` and the later stages cannot tell the two apart, and
-the documents are the same. blacklist and group-duplicates (union-find over the pairs) run as
-one task, through their own `run()`. Task files live in WORKDIR/.tasks/STAGE/ until the stage's
-output is complete.
+Every stage that works line by line (blacklist's URL checks, cleanup, find-duplicates' signatures,
+remove-duplicates, shuffle's scatter, tokenize) runs one task per byte-range shard of its input
+(shards.py) and a last task that merges the shards' outputs, in shard order, into the file the
+single-process stage writes, with the same stats: `all` and the later stages cannot tell the two
+apart, and the documents are the same. blacklist drops exact duplicate URLs in its merge;
+group-duplicates (union-find over the pairs) runs as one task, through its own `run()`. Task files
+live in WORKDIR/.tasks/STAGE/ until the stage's output is complete.
 """
 from __future__ import annotations
 
@@ -41,6 +41,83 @@ def run_module_task(rank: int, world: int, stage: str, stage_args: argparse.Name
     rc = load_stage(stage).run(stage_args)
     if rc:
         raise RuntimeError(f"{stage} exited with {rc}")
+
+
+# ----------------------------------------------------------------------------------- blacklist
+
+def blacklist_lines_task(rank: int, world: int, files: list[str], work: str) -> None:
+    """Line counts of shard `rank` of every URL file (a folder per file)."""
+    for i, path in enumerate(files):
+        count_lines(rank, world, path, os.path.join(work, f"file{i:05d}"))
+
+
+def blacklist_lists(sargs: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The domains and extensions `blacklist` rejects, as its run() builds them."""
+    from data_pipeline import blacklist
+
+    domains = [] if sargs.no_default_lists else blacklist.default_list("blacklist_domains.txt")
+    extensions = [] if sargs.no_default_lists else blacklist.default_list("blacklist_extensions.txt")
+    domains += blacklist.read_list(sargs.extra_domains) if sargs.extra_domains else []
+    extensions += blacklist.read_list(sargs.extra_extensions) if sargs.extra_extensions else []
+    return domains, extensions
+
+
+def blacklist_task(rank: int, world: int, files: list[str], work: str, sargs: argparse.Namespace) -> None:
+    """Check every URL of shard `rank` of each file; exact duplicates are left to the merge."""
+    from data_pipeline.blacklist import UrlFilter
+
+    url_filter = UrlFilter(*blacklist_lists(sargs), sargs.min_length)
+    for i, path in enumerate(files):
+        lines = enumerate(iter_shard(path, rank, world), first_line(os.path.join(work, f"file{i:05d}"), rank))
+        with atomic_write(part(work, f"file{i:05d}", rank)) as out:
+            for lineno, raw in lines:
+                url = raw.decode("utf-8", errors="replace").strip()
+                if url and not url.startswith("#"):  # as blacklist.iter_text_lines
+                    out.write(dumps({"line": lineno, "url": url, "reason": url_filter.check(url)}))
+
+
+def blacklist_merge(rank: int, world: int, files: list[str], work: str, shards: int, sargs: argparse.Namespace,
+                    started: float) -> None:
+    """The kept URLs in input order without exact duplicates, rejects and stats, as `blacklist` writes them."""
+    counts: Counter = Counter()
+    seen: set[str] = set()
+    with atomic_write(sargs.output) as out, atomic_write(sargs.output + ".rejected.jsonl") as rej:
+        for i, path in enumerate(files):
+            report = BadLineReporter(path, sargs.strict)
+            for r in range(shards):
+                with open(part(work, f"file{i:05d}", r), encoding="utf-8") as f:
+                    for rec in map(json.loads, f):
+                        counts["input"] += 1
+                        url, reason = rec["url"], rec["reason"]
+                        if reason is None and url in seen:
+                            reason = "duplicate"
+                        if reason == "malformed":
+                            report(rec["line"], f"malformed URL {url[:200]!r}")
+                        if reason is not None:
+                            counts[reason] += 1
+                            rej.write(dumps({"url": url, "reason": reason, "source": f"{path}:{rec['line']}"}))
+                            continue
+                        seen.add(url)
+                        counts["kept"] += 1
+                        out.write(url + "\n")
+    for reason in ("malformed", "scheme", "too_short", "domain", "extension", "duplicate"):
+        counts.setdefault(reason, 0)
+    domains, extensions = blacklist_lists(sargs)
+    inputs = ([sargs.input] if os.path.isdir(sargs.input) else []) + files + \
+        [f for f in (sargs.extra_domains, sargs.extra_extensions) if f]
+    write_stats(sargs.output, "blacklist", counts, sargs, inputs, started,
+                num_domains=len(set(domains)), num_extensions=len(set(extensions)), shards=shards)
+
+
+def blacklist_jobs(args, sargs, work, started) -> list[Job]:
+    from data_pipeline.blacklist import input_files
+
+    files = input_files(sargs.input)
+    n = num_tasks(args, sum(file_size(f) for f in files))
+    return [Job("lines", blacklist_lines_task, n, {"files": files, "work": work}),
+            Job("check", blacklist_task, n, {"files": files, "work": work, "sargs": sargs}),
+            Job("merge", blacklist_merge, 1, {"files": files, "work": work, "shards": n, "sargs": sargs,
+                                              "started": started})]
 
 
 # ------------------------------------------------------------------------------------- cleanup
@@ -326,7 +403,7 @@ def one_task_jobs(stage: str):
     return jobs
 
 
-JOBS = {"blacklist": one_task_jobs("blacklist"), "cleanup": cleanup_jobs, "find-duplicates": find_duplicates_jobs,
+JOBS = {"blacklist": blacklist_jobs, "cleanup": cleanup_jobs, "find-duplicates": find_duplicates_jobs,
         "group-duplicates": one_task_jobs("group-duplicates"), "remove-duplicates": remove_duplicates_jobs,
         "shuffle": shuffle_jobs, "tokenize": tokenize_jobs}
 

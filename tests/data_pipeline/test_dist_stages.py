@@ -113,6 +113,23 @@ def test_shuffle_tasks_are_the_single_process_shuffle(tmp_path):
     assert out.read_bytes() != one.read_bytes() and sorted(read_lines(out)) == sorted(read_lines(one))
 
 
+def test_blacklist_tasks_give_the_single_process_urls_and_rejects(tmp_path):
+    urls = tmp_path / "urls"
+    urls.mkdir()
+    (urls / "a.txt").write_text("# comment\n" + "".join(f"https://site{i % 7}.org/page/{i % 11}\n" for i in range(60)) +
+                                "\nnot a url\nhttps://www.youtube.com/watch?v=1\nftp://x.org/f\n")
+    (urls / "b.txt").write_bytes(b"https://site1.org/page/1\nhttps://e.org/paper.pdf\n\xff\xfe\n"
+                                 b"https://new.org/a\nhttps://site2.org/page/2")
+    one, many = tmp_path / "one", tmp_path / "many"
+    assert main(["blacklist", str(urls), "--output", str(one / "urls.txt")]) == 0
+    dist_stages.run_stage("blacklist", stage_args("blacklist", [str(urls), "--output", str(many / "urls.txt")]),
+                          executor_args(many, tasks=4))
+    for name in ("urls.txt", "urls.txt.rejected.jsonl"):
+        assert (many / name).read_bytes() == (one / name).read_bytes(), name
+    counts = [json.loads((d / "urls.txt.stats.json").read_text())["counts"] for d in (one, many)]
+    assert counts[0] == counts[1] and counts[0]["duplicate"] > 0 and counts[0]["malformed"] > 0
+
+
 def test_cleanup_and_tokenize_tasks_give_the_single_process_outputs(tmp_path):
     from data_pipeline.tokenizer import save_tokenizer_dir
     from data_pipeline.train_tokenizer import train_byte_level_bpe
