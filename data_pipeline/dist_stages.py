@@ -282,8 +282,9 @@ def shuffle_buckets(input_size: int, memory_limit: int) -> int:
 
 
 def line_keys(seed: int, start: int, n: int) -> np.ndarray:
-    """Keys of lines start..start+n-1: the same draws of Philox(seed) as shuffle.py's, by line index
-    (Philox is a counter-based generator: jump to any draw without making the ones before)."""
+    """Keys of lines start..start+n-1: draws start.. of Philox(seed), as shuffle.py draws them
+    (Philox is a counter-based generator: jump to any draw without making the ones before).
+    shuffle.py numbers valid lines only, so the outputs are equal when every line is valid."""
     gen = np.random.Philox(key=seed)
     gen.advance(start // 4)  # one Philox step is 4 draws
     return gen.random_raw(n + start % 4)[start % 4:] if n else np.zeros(0, np.uint64)
