@@ -10,6 +10,9 @@ unchanged (io.is_complete, or the stage's own `is_complete(args)`); otherwise it
 (download resumes).
 
     python -m data_pipeline all --urls urls/ --workdir data/webtext --lang en --threshold 0.7 --tokenize
+
+The CPU stages run as sharded, resumable datatrove tasks (dist_stages.py) on --executor: local
+processes by default, a Ray cluster (`--executor ray [--ray-address ADDR]`), or Slurm job arrays.
 """
 from __future__ import annotations
 
