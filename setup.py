@@ -26,6 +26,9 @@ INSTALL_REQUIRES = [
     "rich",
     "matplotlib",
     "psutil",
+    # the pipeline's CPU stages run as sharded, resumable tasks on datatrove's executors (bench/README.md)
+    "datatrove>=0.10",
+    "fsspec",
 ]
 
 setup(
@@ -38,7 +41,8 @@ setup(
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        "dev": ["pytest", "pytest-timeout"],
+        "dev": ["pytest", "pytest-timeout", "ray[data]>=2.40"],  # the pipeline's tests run a local Ray
+        "ray": ["ray[data]>=2.40"],  # `python -m data_pipeline all --executor ray`
         "deepspeed": ["deepspeed"],
     },
     entry_points={

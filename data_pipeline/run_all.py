@@ -11,6 +11,9 @@ unchanged (io.is_complete, or the stage's own `is_complete(args)`); otherwise it
 the chain with its counts, instead of a later stage failing on an empty input.
 
     python -m data_pipeline all --urls urls/ --workdir data/webtext --lang en --threshold 0.7 --tokenize
+
+The CPU stages run as sharded, resumable datatrove tasks (dist_stages.py) on --executor: local
+processes by default, a Ray cluster (`--executor ray [--ray-address ADDR]`), or Slurm job arrays.
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ OUTPUTS = {"blacklist": "urls.txt", "download": "raw.jsonl", "cleanup": "clean.j
            "train-tokenizer": "tokenizer", "tokenize": "webtext_text_document"}
 # Stages whose output is the corpus itself: when one is empty, nothing after it can work.
 CORPUS_STAGES = ("blacklist", "download", "cleanup", "remove-duplicates", "shuffle")
+# stages that run as sharded tasks on --executor (data_pipeline/dist_stages.py)
+DIST_JOBS = ("blacklist", "cleanup", "find-duplicates", "group-duplicates", "remove-duplicates", "shuffle",
+             "tokenize")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -75,6 +81,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="also tokenize webtext.jsonl into WORKDIR/webtext_text_document.bin/.idx, training "
                         "WORKDIR/tokenizer first unless --tokenizer is given")
     p.add_argument("--vocab-size", type=int, default=50257, help="train-tokenizer: vocabulary size")
+    from data_pipeline.executor import add_executor_args
+
+    add_executor_args(p)
     return p
 
 
@@ -118,7 +127,33 @@ def stage_argvs(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return stages
 
 
+def run_stage(stage: str, module, stage_args: argparse.Namespace, args: argparse.Namespace) -> int:
+    """The CPU stages run as sharded tasks on --executor (dist_stages.py); download and
+    train-tokenizer run in this process."""
+    if stage not in DIST_JOBS:
+        return module.run(stage_args)
+    from data_pipeline.dist_stages import run_stage as run_tasks
+
+    run_tasks(stage, stage_args, args)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.executor != "ray":
+        return run_chain(args)
+    from data_pipeline.executor import start_ray
+
+    started_ray = start_ray(args.ray_address, args.workers)
+    try:
+        return run_chain(args)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def run_chain(args: argparse.Namespace) -> int:
     from data_pipeline.__main__ import load_stage
 
     started = time.time()
@@ -134,11 +169,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"[all] {stage}: skipped, {output} is complete", file=sys.stderr)
             check_produced(stage, stage_args, args)
             continue
-        print(f"[all] {stage}: running", file=sys.stderr)
-        rc = module.run(stage_args)
+        print(f"[all] {stage}: running" + (f" on {args.executor}" if stage in DIST_JOBS else ""), file=sys.stderr)
+        rc = run_stage(stage, module, stage_args, args)
         if rc:
             print(f"[all] {stage} failed with exit code {rc}; fix it and re-run `all` to resume", file=sys.stderr)
             return rc
+        if args.executor == "slurm" and stage in DIST_JOBS:  # the next stage reads this one's output
+            print(f"[all] {stage}: submitted to Slurm; re-run this command when its jobs are done to go on "
+                  f"(finished tasks and stages are skipped)", file=sys.stderr)
+            return 0
         check_produced(stage, stage_args, args)
     final = OUTPUTS["tokenize"] + ".bin/.idx" if args.tokenize else OUTPUTS["shuffle"]
     print(f"[all] done in {time.time() - started:.1f}s: {os.path.join(args.workdir, final)}", file=sys.stderr)

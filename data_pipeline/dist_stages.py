@@ -1,0 +1,432 @@
+"""The CPU stages as sharded tasks (see executor.py); `all --executor ...` runs them.
+
+Every stage that works line by line (blacklist's URL checks, cleanup, find-duplicates' signatures,
+remove-duplicates, shuffle's scatter, tokenize) runs one task per byte-range shard of its input
+(shards.py) and a last task that merges the shards' outputs, in shard order, into the file the
+single-process stage writes, with the same stats: `all` and the later stages cannot tell the two
+apart, and the documents are the same. blacklist drops exact duplicate URLs in its merge;
+group-duplicates (union-find over the pairs) runs as one task, through its own `run()`. Task files
+live in WORKDIR/.tasks/STAGE/ until the stage's output is complete.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import struct
+import time
+from collections import Counter
+
+import numpy as np
+
+from data_pipeline import dist_dedup
+from data_pipeline.executor import Job, num_tasks, run_jobs
+from data_pipeline.io import (BadLineReporter, atomic_write, dumps, parse_jsonl_line, parse_size,
+                              write_stats)
+from data_pipeline.shards import concat, count_lines, file_size, first_line, iter_shard, read_json, write_json
+
+SHUFFLE_RECORD = struct.Struct("<QQI")  # key, line index, byte length (as shuffle.py's bucket files)
+
+
+def part(work: str, kind: str, rank: int, suffix: str = ".jsonl") -> str:
+    return os.path.join(work, kind, f"{rank:05d}{suffix}")
+
+
+def run_module_task(rank: int, world: int, stage: str, stage_args: argparse.Namespace) -> None:
+    """A stage that runs as one task: its own `run()`."""
+    from data_pipeline.__main__ import load_stage
+
+    rc = load_stage(stage).run(stage_args)
+    if rc:
+        raise RuntimeError(f"{stage} exited with {rc}")
+
+
+# ----------------------------------------------------------------------------------- blacklist
+
+def blacklist_lines_task(rank: int, world: int, files: list[str], work: str) -> None:
+    """Line counts of shard `rank` of every URL file (a folder per file)."""
+    for i, path in enumerate(files):
+        count_lines(rank, world, path, os.path.join(work, f"file{i:05d}"))
+
+
+def blacklist_lists(sargs: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The domains and extensions `blacklist` rejects, as its run() builds them."""
+    from data_pipeline import blacklist
+
+    domains = [] if sargs.no_default_lists else blacklist.default_list("blacklist_domains.txt")
+    extensions = [] if sargs.no_default_lists else blacklist.default_list("blacklist_extensions.txt")
+    domains += blacklist.read_list(sargs.extra_domains) if sargs.extra_domains else []
+    extensions += blacklist.read_list(sargs.extra_extensions) if sargs.extra_extensions else []
+    return domains, extensions
+
+
+def blacklist_task(rank: int, world: int, files: list[str], work: str, sargs: argparse.Namespace) -> None:
+    """Check every URL of shard `rank` of each file; exact duplicates are left to the merge."""
+    from data_pipeline.blacklist import UrlFilter
+
+    url_filter = UrlFilter(*blacklist_lists(sargs), sargs.min_length)
+    for i, path in enumerate(files):
+        lines = enumerate(iter_shard(path, rank, world), first_line(os.path.join(work, f"file{i:05d}"), rank))
+        with atomic_write(part(work, f"file{i:05d}", rank)) as out:
+            for lineno, raw in lines:
+                url = raw.decode("utf-8", errors="replace").strip()
+                if url and not url.startswith("#"):  # as blacklist.iter_text_lines
+                    out.write(dumps({"line": lineno, "url": url, "reason": url_filter.check(url)}))
+
+
+def blacklist_merge(rank: int, world: int, files: list[str], work: str, shards: int, sargs: argparse.Namespace,
+                    started: float) -> None:
+    """The kept URLs in input order without exact duplicates, rejects and stats, as `blacklist` writes them."""
+    counts: Counter = Counter()
+    seen: set[str] = set()
+    with atomic_write(sargs.output) as out, atomic_write(sargs.output + ".rejected.jsonl") as rej:
+        for i, path in enumerate(files):
+            report = BadLineReporter(path, sargs.strict)
+            for r in range(shards):
+                with open(part(work, f"file{i:05d}", r), encoding="utf-8") as f:
+                    for rec in map(json.loads, f):
+                        counts["input"] += 1
+                        url, reason = rec["url"], rec["reason"]
+                        if reason is None and url in seen:
+                            reason = "duplicate"
+                        if reason == "malformed":
+                            report(rec["line"], f"malformed URL {url[:200]!r}")
+                        if reason is not None:
+                            counts[reason] += 1
+                            rej.write(dumps({"url": url, "reason": reason, "source": f"{path}:{rec['line']}"}))
+                            continue
+                        seen.add(url)
+                        counts["kept"] += 1
+                        out.write(url + "\n")
+    for reason in ("malformed", "scheme", "too_short", "domain", "extension", "duplicate"):
+        counts.setdefault(reason, 0)
+    domains, extensions = blacklist_lists(sargs)
+    inputs = ([sargs.input] if os.path.isdir(sargs.input) else []) + files + \
+        [f for f in (sargs.extra_domains, sargs.extra_extensions) if f]
+    write_stats(sargs.output, "blacklist", counts, sargs, inputs, started,
+                num_domains=len(set(domains)), num_extensions=len(set(extensions)), shards=shards)
+
+
+def blacklist_jobs(args, sargs, work, started) -> list[Job]:
+    from data_pipeline.blacklist import input_files
+
+    files = input_files(sargs.input)
+    n = num_tasks(args, sum(file_size(f) for f in files))
+    return [Job("lines", blacklist_lines_task, n, {"files": files, "work": work}),
+            Job("check", blacklist_task, n, {"files": files, "work": work, "sargs": sargs}),
+            Job("merge", blacklist_merge, 1, {"files": files, "work": work, "shards": n, "sargs": sargs,
+                                              "started": started})]
+
+
+# ------------------------------------------------------------------------------------- cleanup
+
+def cleanup_task(rank: int, world: int, work: str, sargs: argparse.Namespace, tokenizer_json: str | None) -> None:
+    from data_pipeline import cleanup
+
+    cleanup._init_worker(tokenizer_json)
+    lines = enumerate(iter_shard(sargs.input, rank, world), first_line(work, rank))
+    counts: Counter = Counter(kept=0, empty=0, too_short=0, wrong_lang=0, lang_detect_failed=0, malformed=0)
+    languages: Counter = Counter()
+    total_length = 0
+    report = BadLineReporter(sargs.input, sargs.strict)
+    with atomic_write(part(work, "out", rank)) as out, atomic_write(part(work, "rejected", rank)) as rej:
+        for batch in dist_dedup.batches(lines, cleanup.BATCH_LINES):
+            for lineno, kind, reason, payload in cleanup._process_batch(
+                    (batch, sargs.lang, sargs.min_tokens, sargs.quality)):
+                if kind == "blank":
+                    counts["blank_lines"] += 1
+                elif kind == "malformed":
+                    counts["malformed"] += 1
+                    report(lineno, reason)
+                elif kind == "keep":
+                    record, length, detected = payload
+                    out.write(dumps(record))
+                    counts["kept"] += 1
+                    total_length += length
+                    languages[detected or "not_checked"] += 1
+                else:
+                    detail, url, head = payload
+                    counts[reason] += 1
+                    if reason == "wrong_lang":
+                        languages[detail] += 1
+                    rej.write(dumps({"line": lineno, "url": url, "reason": reason, "detail": detail,
+                                     "text_head": head}))
+    write_json(part(work, "counts", rank, ".json"),
+               {"counts": counts, "languages": languages, "total_length": total_length})
+
+
+def cleanup_merge(rank: int, world: int, work: str, shards: int, sargs: argparse.Namespace, started: float) -> None:
+    counts, languages, total_length = Counter(), Counter(), 0
+    for r in range(shards):
+        c = read_json(part(work, "counts", r, ".json"))
+        counts.update(c["counts"])
+        languages.update(c["languages"])
+        total_length += c["total_length"]
+    with atomic_write(sargs.output, "wb") as out, atomic_write(sargs.output + ".rejected.jsonl", "wb") as rej:
+        concat([part(work, "out", r) for r in range(shards)], out)
+        concat([part(work, "rejected", r) for r in range(shards)], rej)
+    unit = f"tokens ({sargs.tokenizer})" if sargs.tokenizer else "words (whitespace split; no --tokenizer)"
+    write_stats(sargs.output, "cleanup", counts, sargs, [sargs.input] + ([sargs.tokenizer] if sargs.tokenizer else []),
+                started, length_unit=unit, kept_length_total=total_length,
+                languages=dict(languages.most_common()), shards=shards)
+
+
+def cleanup_jobs(args, sargs, work, started) -> list[Job]:
+    tokenizer_json = None
+    if sargs.tokenizer:
+        from data_pipeline.tokenizer import load_backend
+
+        tokenizer_json = load_backend(sargs.tokenizer, require_eod=False)[0].to_str()
+    n = num_tasks(args, file_size(sargs.input))
+    return [Job("lines", count_lines, n, {"path": sargs.input, "out_dir": work}),
+            Job("clean", cleanup_task, n, {"work": work, "sargs": sargs, "tokenizer_json": tokenizer_json}),
+            Job("merge", cleanup_merge, 1, {"work": work, "shards": n, "sargs": sargs, "started": started})]
+
+
+# ----------------------------------------------------------------------------- find-duplicates
+
+def find_duplicates_jobs(args, sargs, work, started) -> list[Job]:
+    if not 0.0 < sargs.threshold <= 1.0:
+        raise ValueError(f"--threshold must be in (0, 1], got {sargs.threshold}")
+    n = num_tasks(args, file_size(sargs.input))
+    bands, _ = dist_dedup.bands_rows(sargs.threshold, sargs.num_perm)
+    return [Job("lines", count_lines, n, {"path": sargs.input, "out_dir": work}),
+            Job("signatures", dist_dedup.signatures_task, n,
+                {"input": sargs.input, "work": work, "text_key": sargs.text_key, "ngram": sargs.ngram,
+                 "unit": sargs.unit, "num_perm": sargs.num_perm, "seed": sargs.seed,
+                 "threshold": sargs.threshold, "strict": sargs.strict}),
+            Job("buckets", dist_dedup.buckets_task, min(bands, n),
+                {"work": work, "shards": n, "partitions": n, "bands": bands}),
+            Job("verify", dist_dedup.verify_task, n,
+                {"work": work, "shards": n, "bands": bands, "threshold": sargs.threshold,
+                 "source": os.path.basename(sargs.input)}),
+            Job("merge", dist_dedup.merge_task, 1, {"work": work, "shards": n, "partitions": n, "args": sargs,
+                                                    "started": started})]
+
+
+# --------------------------------------------------------------------------- remove-duplicates
+
+def remove_task(rank: int, world: int, work: str, sargs: argparse.Namespace) -> None:
+    from data_pipeline.find_duplicates import text_hash
+    from data_pipeline.remove_duplicates import load_removals
+
+    first = first_line(work, rank)
+    last = first_line(work, rank + 1) if rank + 1 < world else None
+    source = sargs.source or os.path.basename(sargs.input)
+    group_counts: Counter = Counter()
+    remove = {line: h for line, h in load_removals(sargs.groups, source, group_counts, sargs.strict).items()
+              if line >= first and (last is None or line < last)}
+    counts: Counter = Counter(docs=0, kept=0, removed=0, chars_kept=0, chars_removed=0, malformed=0)
+    report = BadLineReporter(sargs.input, sargs.strict)
+    found = set()
+    with atomic_write(part(work, "out", rank), "wb") as out:
+        for lineno, raw in enumerate(iter_shard(sargs.input, rank, world), first):
+            rec, err = parse_jsonl_line(raw, sargs.text_key)
+            if rec is None:
+                counts["malformed" if err else "blank_lines"] += 1
+                if err:
+                    report(lineno, err)
+                continue
+            counts["docs"] += 1
+            text = rec[sargs.text_key]
+            if lineno in remove:
+                found.add(lineno)
+                if remove[lineno] is not None and text_hash(text) != remove[lineno]:
+                    raise ValueError(f"{sargs.input}:{lineno}: text differs from the document find-duplicates saw "
+                                     f"there; the groups were built from another version of this file")
+                counts["removed"] += 1
+                counts["chars_removed"] += len(text)
+                continue
+            counts["kept"] += 1
+            counts["chars_kept"] += len(text)
+            out.write(raw if raw.endswith(b"\n") else raw + b"\n")
+        if len(found) != len(remove):
+            raise ValueError(f"{sargs.groups} marks lines of {source} that are not valid documents in "
+                             f"{sargs.input} (e.g. {sorted(set(remove) - found)[:5]}); it was built from another file")
+    counts["malformed_group_lines"] = group_counts["malformed"]
+    counts["refs_other_sources"] = group_counts["refs_other_sources"]
+    write_json(part(work, "counts", rank, ".json"), counts)
+
+
+def concat_merge(rank: int, world: int, work: str, shards: int, stage: str, sargs: argparse.Namespace,
+                 inputs: list[str], started: float) -> None:
+    """Concatenate the shards' outputs into sargs.output and write the stage's stats."""
+    counts: Counter = Counter()
+    for r in range(shards):
+        counts.update(read_json(part(work, "counts", r, ".json")))
+    for key in ("malformed_group_lines", "refs_other_sources"):  # the same groups file read by every shard
+        if key in counts:
+            counts[key] //= shards
+    with atomic_write(sargs.output, "wb") as out:
+        concat([part(work, "out", r) for r in range(shards)], out)
+    write_stats(sargs.output, stage, counts, sargs, inputs, started, shards=shards)
+
+
+def remove_duplicates_jobs(args, sargs, work, started) -> list[Job]:
+    n = num_tasks(args, file_size(sargs.input))
+    return [Job("lines", count_lines, n, {"path": sargs.input, "out_dir": work}),
+            Job("remove", remove_task, n, {"work": work, "sargs": sargs}),
+            Job("merge", concat_merge, 1, {"work": work, "shards": n, "stage": "remove-duplicates", "sargs": sargs,
+                                           "inputs": [sargs.groups, sargs.input], "started": started})]
+
+
+# ------------------------------------------------------------------------------------- shuffle
+
+def shuffle_buckets(input_size: int, memory_limit: int) -> int:
+    """Range buckets of the key space: each holds about half of --memory-limit."""
+    from data_pipeline.shuffle import MAX_BUCKETS
+
+    return min(MAX_BUCKETS, 1 << max(0, math.ceil(math.log2(max(1, 2 * input_size / memory_limit)))))
+
+
+def line_keys(seed: int, start: int, n: int) -> np.ndarray:
+    """Keys of lines start..start+n-1: draws start.. of Philox(seed), as shuffle.py draws them
+    (Philox is a counter-based generator: jump to any draw without making the ones before).
+    shuffle.py numbers valid lines only, so the outputs are equal when every line is valid."""
+    gen = np.random.Philox(key=seed)
+    gen.advance(start // 4)  # one Philox step is 4 draws
+    return gen.random_raw(n + start % 4)[start % 4:] if n else np.zeros(0, np.uint64)
+
+
+def scatter_task(rank: int, world: int, work: str, sargs: argparse.Namespace, buckets: int) -> None:
+    """Key each line of shard `rank` and append it to the file of its key's range bucket."""
+    first = first_line(work, rank)
+    lines = list(iter_shard(sargs.input, rank, world))
+    keys = line_keys(sargs.seed, first - 1, len(lines))
+    shift = np.uint64(64 - int(math.log2(buckets))) if buckets > 1 else np.uint64(64)
+    bucket_of = (keys >> shift).astype(np.int64) if buckets > 1 else np.zeros(len(lines), np.int64)
+    counts: Counter = Counter(docs=0, malformed=0)
+    report = BadLineReporter(sargs.input, sargs.strict)
+    out = [bytearray() for _ in range(buckets)]
+    for i, raw in enumerate(lines):
+        rec, err = parse_jsonl_line(raw, text_key=None)
+        if rec is None:
+            counts["malformed" if err else "blank_lines"] += 1
+            if err:
+                report(first + i, err)
+            continue
+        counts["docs"] += 1
+        raw = raw if raw.endswith(b"\n") else raw + b"\n"
+        out[bucket_of[i]] += SHUFFLE_RECORD.pack(int(keys[i]), first - 1 + i, len(raw)) + raw
+    for b, data in enumerate(out):
+        with atomic_write(os.path.join(work, "scatter", f"{b:05d}", f"{rank:05d}.bin"), "wb") as f:
+            f.write(data)
+    write_json(part(work, "counts", rank, ".json"), counts)
+
+
+def sort_task(rank: int, world: int, work: str, shards: int) -> None:
+    """Bucket `rank`: its lines from every shard, sorted by (key, line index)."""
+    records = []
+    for s in range(shards):
+        with open(os.path.join(work, "scatter", f"{rank:05d}", f"{s:05d}.bin"), "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos < len(data):
+            key, index, length = SHUFFLE_RECORD.unpack_from(data, pos)
+            pos += SHUFFLE_RECORD.size
+            records.append((key, index, data[pos:pos + length]))
+            pos += length
+    records.sort(key=lambda r: (r[0], r[1]))
+    with atomic_write(part(work, "out", rank), "wb") as out:
+        for _, _, line in records:
+            out.write(line)
+
+
+def shuffle_merge(rank: int, world: int, work: str, shards: int, buckets: int, sargs: argparse.Namespace,
+                  started: float) -> None:
+    counts: Counter = Counter()
+    for r in range(shards):
+        counts.update(read_json(part(work, "counts", r, ".json")))
+    with atomic_write(sargs.output, "wb") as out:
+        concat([part(work, "out", b) for b in range(buckets)], out)
+    write_stats(sargs.output, "shuffle", counts, sargs, [sargs.input], started, mode="distributed",
+                buckets=buckets, shards=shards)
+
+
+def shuffle_jobs(args, sargs, work, started) -> list[Job]:
+    if sargs.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {sargs.seed}")
+    size = file_size(sargs.input)
+    n, buckets = num_tasks(args, size), shuffle_buckets(size, parse_size(sargs.memory_limit))
+    return [Job("lines", count_lines, n, {"path": sargs.input, "out_dir": work}),
+            Job("scatter", scatter_task, n, {"work": work, "sargs": sargs, "buckets": buckets}),
+            Job("sort", sort_task, buckets, {"work": work, "shards": n}),
+            Job("merge", shuffle_merge, 1, {"work": work, "shards": n, "buckets": buckets, "sargs": sargs,
+                                            "started": started})]
+
+
+# ------------------------------------------------------------------------------------ tokenize
+
+def tokenize_task(rank: int, world: int, work: str, sargs: argparse.Namespace) -> None:
+    from data_pipeline.tokenize_stage import tokenize_file
+
+    shard = part(work, "in", rank)
+    with atomic_write(shard, "wb") as f:
+        for raw in iter_shard(sargs.input, rank, world):
+            f.write(raw)
+    tokenize_file(shard, sargs.tokenizer, part(work, "out", rank, ""), workers=1, text_key=sargs.json_key,
+                  strict=sargs.strict)
+    os.unlink(shard)
+
+
+def tokenize_merge(rank: int, world: int, work: str, shards: int, sargs: argparse.Namespace, started: float) -> None:
+    from data_pipeline import tokenize_stage as ts
+    from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
+    from data_pipeline.io import file_signature, read_stats
+
+    counts: Counter = Counter()
+    parts = [IndexedDataset(part(work, "out", r, "")) for r in range(shards)]
+    for r in range(shards):
+        counts.update(read_stats(part(work, "out", r, ""))["counts"])
+    with IndexedDatasetWriter(sargs.output_prefix, parts[0].dtype) as writer:
+        for ds in parts:
+            if len(ds):
+                writer.add_documents(np.asarray(ds.tokens), np.asarray(ds.sizes))
+    write_stats(sargs.output_prefix, "tokenize", counts, inputs=[sargs.input, sargs.tokenizer], started=started,
+                params=ts._params(sargs.tokenizer, sargs.json_key), shards=shards,
+                output_signatures=[file_signature(p) for p in ts._outputs(sargs.output_prefix)],
+                tokenizer=os.path.abspath(sargs.tokenizer), dtype=parts[0].dtype.name)
+
+
+def tokenize_jobs(args, sargs, work, started) -> list[Job]:
+    n = num_tasks(args, file_size(sargs.input))
+    return [Job("tokenize", tokenize_task, n, {"work": work, "sargs": sargs}),
+            Job("merge", tokenize_merge, 1, {"work": work, "shards": n, "sargs": sargs, "started": started})]
+
+
+# -------------------------------------------------------------------------------------- driver
+
+def one_task_jobs(stage: str):
+    def jobs(args, sargs, work, started) -> list[Job]:
+        return [Job(stage, run_module_task, 1, {"stage": stage, "stage_args": sargs})]
+    return jobs
+
+
+JOBS = {"blacklist": blacklist_jobs, "cleanup": cleanup_jobs, "find-duplicates": find_duplicates_jobs,
+        "group-duplicates": one_task_jobs("group-duplicates"), "remove-duplicates": remove_duplicates_jobs,
+        "shuffle": shuffle_jobs, "tokenize": tokenize_jobs}
+
+
+def run_stage(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -> dict[str, int]:
+    """Run `stage` (parsed as `sargs`) as tasks on args.executor, in WORKDIR/.tasks/STAGE; the task
+    files are deleted once the stage's output and stats are in place. Returns the peak RSS (KiB)
+    of each job's tasks."""
+    from data_pipeline.io import file_signature, stage_params
+
+    work = os.path.join(args.workdir, ".tasks", stage)
+    inputs = [getattr(sargs, k) for k in ("input", "groups", "pairs") if isinstance(getattr(sargs, k, None), str)]
+    identity = {"params": stage_params(sargs), "inputs": [file_signature(p) for p in inputs if os.path.isfile(p)]}
+    identity = json.loads(json.dumps(identity, default=str))
+    marker = os.path.join(work, "identity.json")
+    if os.path.exists(marker) and read_json(marker) != identity:  # tasks of another input or parameters
+        shutil.rmtree(work)
+    if not os.path.exists(marker):
+        write_json(marker, identity)
+    run_jobs(args, work, JOBS[stage](args, sargs, work, time.time()))
+    if args.executor == "slurm":
+        return {}
+    peaks = dist_dedup.peak_rss(work)
+    shutil.rmtree(work, ignore_errors=True)
+    return peaks

@@ -1,0 +1,142 @@
+"""Run the pipeline's stages as sharded tasks on datatrove's executors (local, Ray, Slurm).
+
+A stage is a list of `Job`s: a function `fn(rank, world, **kwargs)` run as `tasks` datatrove
+tasks. Each job has its own logging folder under WORKDIR/.tasks/, where datatrove writes a
+completion marker per finished task: a killed run that is re-run skips finished tasks, and
+`--force` deletes the folder. Jobs run in order; each waits for all the tasks of the one before
+(on Slurm, as a job array with an `afterok` dependency). bench/README.md says why datatrove.
+
+    python -m data_pipeline all --urls urls.txt --workdir data/webtext                   # local
+    python -m data_pipeline all --urls urls.txt --workdir data/webtext --executor ray    # local Ray
+    python -m data_pipeline all ... --executor ray --ray-address ray://head:10001        # a cluster
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from datatrove.pipeline.base import PipelineStep
+
+EXECUTORS = ("local", "ray", "slurm")
+
+
+@dataclass
+class Job:
+    """`tasks` runs of `fn(rank, tasks, **kwargs)`; `name` is its folder under the stage's task dir."""
+    name: str
+    fn: Callable[..., Any]
+    tasks: int
+    kwargs: dict = field(default_factory=dict)
+    rss_dir: str | None = None  # where each task records its peak RSS (bench, memory test)
+
+
+class TaskStep(PipelineStep):
+    """A datatrove pipeline step that runs one zerogpt task function for its rank.
+
+    The stages read and write their own files (JSONL, sorted signature files), so the step
+    neither takes nor yields datatrove Documents.
+    """
+    name = "zerogpt task"
+    type = "zerogpt"
+
+    def __init__(self, job: Job) -> None:
+        super().__init__()
+        self.job = job
+        self.name = job.name
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        with self.track_time():
+            self.job.fn(rank, world_size, **self.job.kwargs)
+        if self.job.rss_dir:
+            import resource
+
+            from data_pipeline.shards import write_json
+
+            kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            write_json(os.path.join(self.job.rss_dir, self.job.name, f"{rank:05d}.json"), {"kb": kb})
+        return iter(())
+
+
+def add_executor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="where the CPU stages' tasks run: local processes (default), Ray, or Slurm job arrays")
+    p.add_argument("--ray-address", help="Ray cluster to join (e.g. ray://head:10001 or auto); "
+                                         "without it --executor ray starts a local Ray")
+    p.add_argument("--tasks", type=int, help="shards per stage (default: input size / --shard-size, "
+                                             "at least --workers)")
+    p.add_argument("--shard-size", default="256M", help="target input bytes per task; bounds a task's memory")
+    p.add_argument("--slurm-partition", help="--executor slurm: partition for the job arrays")
+    p.add_argument("--slurm-time", default="4:00:00", help="--executor slurm: time limit per task")
+
+
+def num_tasks(args: argparse.Namespace, input_size: int) -> int:
+    """--tasks, or enough shards of --shard-size for the input, and at least --workers."""
+    from data_pipeline.io import parse_size
+
+    if args.tasks is not None:
+        if args.tasks < 1:
+            raise ValueError(f"--tasks must be >= 1, got {args.tasks}")
+        return args.tasks
+    return max(args.workers, -(-input_size // parse_size(args.shard_size)), 1)
+
+
+def start_ray(address: str | None, num_cpus: int) -> bool:
+    """Connect to Ray at `address`, or start a local one with `num_cpus`; True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False)
+    return True
+
+
+def _executor(args: argparse.Namespace, job: Job, logging_dir: str, depends=None):
+    pipeline = [TaskStep(job)]
+    if args.executor == "local":
+        from datatrove.executor import LocalPipelineExecutor
+
+        # fork: tasks inherit the loaded modules; datatrove's default forkserver re-imports them per task
+        return LocalPipelineExecutor(pipeline, tasks=job.tasks, workers=min(args.workers, job.tasks),
+                                     logging_dir=logging_dir, start_method="fork")
+    if args.executor == "ray":
+        from datatrove.executor import RayPipelineExecutor
+
+        return RayPipelineExecutor(pipeline, tasks=job.tasks, workers=min(args.workers, job.tasks),
+                                   logging_dir=logging_dir, cpus_per_task=1, mem_per_cpu_gb=1)
+    from datatrove.executor import SlurmPipelineExecutor
+
+    if not args.slurm_partition:
+        raise ValueError("--executor slurm needs --slurm-partition")
+    return SlurmPipelineExecutor(pipeline, tasks=job.tasks, time=args.slurm_time, partition=args.slurm_partition,
+                                 logging_dir=logging_dir, depends=depends, job_name=f"zerogpt-{job.name}",
+                                 venv_path=os.environ.get("VIRTUAL_ENV"))
+
+
+def run_jobs(args: argparse.Namespace, stage_dir: str, jobs: list[Job]) -> None:
+    """Run `jobs` in order under `stage_dir`; finished tasks of an earlier run are skipped.
+
+    Local and Ray wait for each job and raise if a task failed (datatrove's own `depends` would
+    wait forever on a failed task); Slurm submits the chain as dependent arrays and returns.
+    """
+    if getattr(args, "force", False):
+        shutil.rmtree(stage_dir, ignore_errors=True)
+    previous = None
+    for job in jobs:
+        job.rss_dir = job.rss_dir or os.path.join(stage_dir, "rss")
+        executor = _executor(args, job, os.path.join(stage_dir, "logs", job.name), depends=previous)
+        if args.executor == "slurm":
+            previous = executor
+            continue
+        executor.run()
+        failed = executor.get_incomplete_ranks()
+        if failed:
+            raise RuntimeError(f"{job.name}: tasks {failed[:10]} failed (logs in {stage_dir}/logs/{job.name}/logs); "
+                               f"re-run to retry them, finished tasks are skipped")
+    if previous is not None:
+        previous.run()
