@@ -22,9 +22,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import zerogpt
 from zerogpt.config import data_config, lr_scheduler_config, train_config
 from zerogpt.optim.lr_scheduler import build_lr_scheduler
-from zerogpt.trainer import (EvalHook, LogMetricByStepHook, LossHook, LRSchedulerHook, MemoryHook, NaNGuardHook,
-                             PlotHook, ProgressBarHook, SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer,
-                             latest_checkpoint)
+from zerogpt.trainer import (EvalHook, LogMetricByStepHook, MemoryHook, NaNGuardHook, PlotHook, ProgressBarHook,
+                             SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer, latest_checkpoint)
 from model_zoo import GPTLMLoss, build_model
 import data_pipeline
 
@@ -167,17 +166,16 @@ def run(cfg, train, data, ctx, resume) -> None:
     ctx.logger.info(f"tokens/step: {cfg.BATCH_SIZE} seqs x {cfg.SEQ_LEN} tokens x {accum} accumulation x "
                     f"{ctx.world_size} ranks = {cfg.BATCH_SIZE * cfg.SEQ_LEN * accum * ctx.world_size:,}")
 
-    # 6. train: the built-in hooks, then the config's own
-    hooks = [LossHook(), ThroughputHook(flops), MemoryHook(train.log_interval), NaNGuardHook(),
+    # 6. train: the built-in hooks in the order they run (loggers after the numbers they log, checkpoint last
+    #    but the plot), then the config's own
+    hooks = [ThroughputHook(flops), MemoryHook(train.log_interval),
              LogMetricByStepHook(out, train.log_interval),
-             TensorboardHook(os.path.join(out, "tensorboard"), train.log_interval),
-             EvalHook(train.eval_interval, train.eval_iters, at_start=True),
-             SaveCheckpointHook(out, train.save_interval, train.keep_last), PlotHook(out)]
-    if lr_scheduler is not None:
-        hooks.append(LRSchedulerHook(lr_scheduler))
+             TensorboardHook(os.path.join(out, "tensorboard"), train.log_interval), NaNGuardHook()]
     if sys.stderr.isatty():
         hooks.append(ProgressBarHook())
-    trainer = Trainer(engine, hooks=hooks + list(cfg.hooks), logger=ctx.logger)
+    hooks += [EvalHook(train.eval_interval, train.eval_iters, at_start=True),
+              SaveCheckpointHook(out, train.save_interval, train.keep_last), PlotHook(out)]
+    trainer = Trainer(engine, hooks=hooks + list(cfg.hooks), lr_scheduler=lr_scheduler, logger=ctx.logger)
     if resume:
         ckpt = latest_checkpoint(out) if resume == "auto" else resume
         if ckpt is None:

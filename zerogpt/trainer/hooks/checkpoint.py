@@ -41,7 +41,6 @@ class SaveCheckpointHook(Hook):
         save_at_end: also save after the last step.
     """
 
-    priority = 80
 
     def __init__(self, output_dir: str, save_interval: int | None = None, keep_last: int = 3,
                  save_at_end: bool = True):

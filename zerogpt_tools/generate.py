@@ -1,11 +1,11 @@
 """Generate text from an exported Hugging Face directory or a zerogpt checkpoint / run directory, with a KV cache.
 
-    python -m zerogpt.generate --model exports/demo_cpu --prompt "The json module" --max-new-tokens 50
-    python -m zerogpt.generate --model runs/demo_cpu --prompt "def " --top-p 0.9 --seed 1 --tokenizer runs/tok
-    python -m zerogpt.generate --model runs/demo_cpu --prompt "Return" --greedy
+    python -m zerogpt_tools.generate --model exports/demo_cpu --prompt "The json module" --max-new-tokens 50
+    python -m zerogpt_tools.generate --model runs/demo_cpu --prompt "def " --top-p 0.9 --seed 1 --tokenizer runs/tok
+    python -m zerogpt_tools.generate --model runs/demo_cpu --prompt "Return" --greedy
 
 An HF directory (config.json) is loaded with transformers; a checkpoint is rebuilt through the model class it
-records (`model_from_config` of that class's module, see zerogpt/export.py) and filled tensor by tensor. Both
+records (`model_from_config` of that class's module, see zerogpt_tools/export.py) and filled tensor by tensor. Both
 are driven by one decoding loop: prefill the prompt once, then feed one token at a time with the cache
 (`model(ids, past_key_values=..., use_cache=True)`, the call our GPT and HF's share). Greedy decoding gives the
 same tokens as `transformers` `generate(do_sample=False)` on the exported model; sampling is reproducible for
@@ -109,7 +109,7 @@ def generate_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: 
 
 def _load_checkpoint_model(reader: Any) -> torch.nn.Module:
     """Rebuild the recorded model class and fill it from the checkpoint, one tensor at a time."""
-    from zerogpt.export import ModelPlugin
+    from zerogpt_tools.export import ModelPlugin
 
     model = ModelPlugin(reader.meta["model"]).build()
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -132,7 +132,8 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
     The tokenizer is `tokenizer` if given, else an HF dir's own tokenizer files, else the run config's
     data.tokenizer; ValueError naming the fix when there is none.
     """
-    from zerogpt.export import find_tokenizer, load_tokenizer
+    from data_pipeline.tokenizer import load_tokenizer
+    from zerogpt_tools.export import find_tokenizer
 
     if not os.path.isdir(path):
         raise ValueError(f"--model {path}: no such directory (an exported HF dir, a run dir or a checkpoint dir)")
@@ -188,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zerogpt.export import DTYPES
+    from zerogpt_tools.export import DTYPES
 
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:

@@ -1,7 +1,7 @@
 """Grow a Hugging Face GPT-2's vocabulary to a bigger tokenizer that keeps the old ids (merge-tokenizers output).
 
     python -m data_pipeline merge-tokenizers runs/tok_web runs/tok_code --out runs/tok_web_code
-    python -m zerogpt.extend_vocab --model exports/web --tokenizer runs/tok_web_code --out exports/web_code
+    python -m zerogpt_tools.extend_vocab --model exports/web --tokenizer runs/tok_web_code --out exports/web_code
 
 The embedding (and the head: tied in GPT-2, grown too if saved untied) gets len(tokenizer) rows rounded up to
 --divisible-by (128 by default, for matmul speed). Old rows are copied unchanged, so a text of old tokens gives
@@ -58,7 +58,7 @@ def _check_model(model_dir: str) -> dict:
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--model {model_dir}: no config.json there; point at a Hugging Face GPT-2 directory "
-                         f"(e.g. `python -m zerogpt.export RUN --out DIR` output)")
+                         f"(e.g. `python -m zerogpt_tools.export RUN --out DIR` output)")
     with open(config_path) as f:
         config = json.load(f)
     if config.get("model_type") != "gpt2":
@@ -77,8 +77,8 @@ def extend_vocab(model_dir: str, tokenizer: str, out_dir: str, divisible_by: int
     """
     from transformers import AutoConfig
 
-    from zerogpt.export import (ShardWriter, atomic_output_dir, find_tokenizer, iter_hf_weights, load_tokenizer,
-                                save_tokenizer)
+    from data_pipeline.tokenizer import load_tokenizer
+    from zerogpt_tools.export import ShardWriter, atomic_output_dir, find_tokenizer, iter_hf_weights, save_tokenizer
 
     if divisible_by < 1:
         raise ValueError(f"--divisible-by must be >= 1, got {divisible_by}")
@@ -133,7 +133,7 @@ def extend_vocab(model_dir: str, tokenizer: str, out_dir: str, divisible_by: int
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerogpt-extend-vocab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="Hugging Face GPT-2 directory (e.g. a zerogpt.export output)")
+    p.add_argument("--model", required=True, help="Hugging Face GPT-2 directory (e.g. a zerogpt_tools.export output)")
     p.add_argument("--tokenizer", required=True, help="the bigger tokenizer (keeps the model's ids: merge-tokenizers)")
     p.add_argument("--out", required=True, help="output directory; replaced atomically")
     p.add_argument("--divisible-by", type=int, default=128, help="round the rows up to a multiple of this (128)")
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zerogpt.export import parse_size
+    from data_pipeline.io import parse_size
 
     args = build_parser().parse_args(argv)
     try:
