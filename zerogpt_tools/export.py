@@ -332,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        stats = export_checkpoint(args.checkpoint, args.out, args.dtype, args.tokenizer,
-                                  parse_size(args.max_shard_size), with_tokenizer=not args.no_tokenizer)
+        max_shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
+        stats = export_checkpoint(args.checkpoint, args.out, args.dtype, args.tokenizer, max_shard_bytes,
+                                  with_tokenizer=not args.no_tokenizer)
     except (ValueError, KeyError) as e:  # CheckpointError is a ValueError
         raise SystemExit(f"error: {e}")
     print(f"[export] {stats['checkpoint']} -> {stats['out']}: {stats['tensors']} tensors, "

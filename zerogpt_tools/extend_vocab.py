@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         stats = extend_vocab(args.model, args.tokenizer, args.out, args.divisible_by, args.init,
-                             parse_size(args.max_shard_size))
+                             parse_size(args.max_shard_size, "--max-shard-size"))
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     print(f"[extend-vocab] {stats['old_vocab_size']} -> {stats['vocab_size']} rows (tokenizer {stats['tokenizer_size']}"
