@@ -1,6 +1,6 @@
 """Pretrain a GPT from a config file: config -> launch -> data -> model -> initialize -> Trainer.fit.
 
-The CPU demo (2 ranks; tokenizes the bundled sample corpus on its first run, then trains for 1-2 minutes):
+The CPU demo (2 ranks; tokenizes the bundled sample corpus on its first run, then trains):
     torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/demo_cpu.py
 One process, CPU or one GPU:
     python train_gpt.py --config configs/demo_cpu.py --set train.max_steps=50

@@ -1,17 +1,11 @@
 """Will it fit? Bytes per rank on GPU, host and disk for a GPT trained with zerogpt, before you launch.
 
-Owns the memory plan as pure functions of ints (no torch.distributed, no model build): model states
-(`model_state_bytes`, the ZeRO-paper accounting as our engine actually holds it), activations
-(Korthikanti et al. 2022) and chunk buffers in flight. The engine's `memory_stats()` measures the same
-categories from live tensors; tests compare the two. Model sizes come from model_zoo's table.
+    python -m zerogpt_tools.estimate --model gpt2_xl --stage 3 --offload cpu --world 1 --gpu-mem 80GiB
 
-    python -m zerogpt_tools.estimate --model gpt2_xl --stage 3 --offload cpu --world 1 --gpu-mem 80GiB --host-mem 128GiB
-
-Versus DeepSpeed's `estimate_zero2_model_states_mem_needs_all_live` / `estimate_zero3_..._all_live`:
-those cover model states only, for fp16 mixed precision with Adam, with a flat 1.5x "buffer factor" on
-host RAM and (ZeRO-3) the largest layer's fp32 params on the GPU; they ignore activations, NVMe/disk
-offload, fp32 vs mixed precision, prefetch/chunk buffers and the loss head, and never say whether the
-run fits. This module counts each of those separately, per device kind, and compares with capacities.
+Pure functions of ints: model states (`model_state_bytes`, the ZeRO-paper accounting as the engine holds
+it), activations (Korthikanti et al. 2022) and chunk buffers in flight; the engine's `memory_stats()`
+measures the same categories and tests compare the two. Unlike DeepSpeed's estimators it also counts
+activations, disk offload, precision and buffers, and compares the totals with the capacities given.
 """
 from __future__ import annotations
 

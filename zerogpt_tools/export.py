@@ -2,18 +2,10 @@
 
     python -m zerogpt_tools.export runs/demo_cpu --out exports/demo_cpu [--dtype bf16] [--tokenizer DIR]
 
-The output (config.json, model.safetensors or model-0000i-of-0000n.safetensors + model.safetensors.index.json,
-generation_config.json, the run's tokenizer files) loads with `AutoModelForCausalLM.from_pretrained(DIR)` and
-`AutoTokenizer.from_pretrained(DIR)`. Peak memory is one safetensors shard (--max-shard-size) plus one fp32
-tensor: neither the whole trained model nor an HF model is ever built.
-
-The conversion is found through the model class the checkpoint records, so a model outside model_zoo exports too. A transformers class ("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel") is written as is.
-Any other class "pkg.mod.Cls" plugs in through module-level functions of "pkg.mod" (model_zoo/gpt.py has them):
-    hf_config(config: dict) -> transformers.PretrainedConfig
-    to_hf_tensor(name, tensor, config: dict) -> (hf_name, tensor) or None to leave the tensor out
-    model_from_config(config: dict) -> nn.Module          (used by zerogpt_tools.generate to rebuild the model)
-This module also owns the small HF-side helpers that generate.py and extend_vocab.py share: the sharded
-safetensors writer and reader, and finding the run's tokenizer (data_pipeline.load_tokenizer loads it).
+The output loads with `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`.
+Peak memory is one safetensors shard plus one tensor. The conversion is found through the model class the
+checkpoint records: a transformers class is written as is; any other "pkg.mod.Cls" plugs in through
+`hf_config`, `to_hf_tensor` and `model_from_config` in "pkg.mod" (model_zoo/gpt.py has them; see ModelPlugin).
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """Grow a Hugging Face GPT-2's vocabulary to a bigger tokenizer that keeps the old ids (merge-tokenizers output).
 
-    python -m data_pipeline merge-tokenizers runs/tok_web runs/tok_code --out runs/tok_web_code
     python -m zerogpt_tools.extend_vocab --model exports/web --tokenizer runs/tok_web_code --out exports/web_code
 
-The embedding (and the head: tied in GPT-2, grown too if saved untied) gets len(tokenizer) rows rounded up to
---divisible-by (128 by default, for matmul speed). Old rows are copied unchanged, so a text of old tokens gives
-the same outputs; new rows start at the mean of the old embeddings (the new tokens begin as an "average token"
-rather than noise, so the initial loss stays close to the old model's: J. Hewitt, "Initializing New Word
-Embeddings for Pretrained Language Models", 2021) or at zeros. config.json and the tokenizer files are
-rewritten; the result continues pretraining with `model = dict(type=gpt2_small, pretrained="exports/web_code")`.
-Tensors stream one at a time.
+The embedding (and an untied head) gets len(tokenizer) rows rounded up to --divisible-by; old rows are copied,
+so old-token inputs give the same outputs, and new rows start at the mean of the old ones (J. Hewitt,
+"Initializing New Word Embeddings for Pretrained Language Models", 2021) or at zeros. Tensors stream one at a time.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Generate text from an exported Hugging Face directory or a zerogpt checkpoint / run directory, with a KV cache.
 
     python -m zerogpt_tools.generate --model exports/demo_cpu --prompt "The json module" --max-new-tokens 50
-    python -m zerogpt_tools.generate --model runs/demo_cpu --prompt "def " --top-p 0.9 --seed 1 --tokenizer runs/tok
     python -m zerogpt_tools.generate --model runs/demo_cpu --prompt "Return" --greedy
 
-An HF directory (config.json) is loaded with transformers; a checkpoint is rebuilt through the model class it
-records (`model_from_config` of that class's module, see zerogpt_tools/export.py) and filled tensor by tensor. Both
-are driven by one decoding loop: prefill the prompt once, then feed one token at a time with the cache
-(`model(ids, past_key_values=..., use_cache=True)`, the call our GPT and HF's share). Greedy decoding gives the
-same tokens as `transformers` `generate(do_sample=False)` on the exported model; sampling is reproducible for
-a --seed. Generation stops at --max-new-tokens or at the tokenizer's EOS (unless --ignore-eos).
+One decoding loop for both (prefill once, then one token at a time with the cache); a checkpoint is rebuilt
+through the model class it records (see zerogpt_tools/export.py). Greedy decoding gives the same tokens as
+transformers' `generate(do_sample=False)` on the export; sampling is reproducible for a --seed.
 """
 from __future__ import annotations
 
