@@ -147,6 +147,7 @@ class Trainer:
         self._epoch_steps = 0
         self._window: dict[str, float] = {}      # where the current logging window started
         self._hook_s = 0.0                       # seconds spent in hooks since the window started
+        self._fire_depth = 0
 
     # ---------------------------------------------------------------- the loop
     def fit(self, train_dataloader: Iterable, epochs: int | None = None, max_steps: int | None = None,
@@ -324,10 +325,14 @@ class Trainer:
         """Call `event` on every hook in list order; the time spent is left out of the throughput window."""
         if event not in EVENTS:
             raise ValueError(f"unknown trainer event {event!r}; events are {', '.join(EVENTS)}")
-        t0 = time.perf_counter()
-        for h in self.hooks:
-            getattr(h, event)(self, **kwargs)
-        self._hook_s += time.perf_counter() - t0
+        t0, self._fire_depth = time.perf_counter(), self._fire_depth + 1
+        try:
+            for h in self.hooks:
+                getattr(h, event)(self, **kwargs)
+        finally:
+            self._fire_depth -= 1
+            if self._fire_depth == 0:   # an event fired inside a hook (eval's) is inside the outer one's time
+                self._hook_s += time.perf_counter() - t0
 
     def state_dict(self) -> dict[str, Any]:
         """Everything besides the engine that a resumed run needs (JSON-safe): counters, LR schedule, hooks."""
