@@ -50,7 +50,7 @@ def test_clipping_changes_the_reference():
 
 
 def _stage3_models_at_stages_0_1_2(rank: int, world: int) -> dict:
-    from tests.zero.test_stage3 import RECIPES
+    from tests.zero.stage3_recipes import RECIPES
     from zerogpt.zero import TensorShardStrategy
 
     out = {}
@@ -67,7 +67,7 @@ def _stage3_models_at_stages_0_1_2(rank: int, world: int) -> dict:
 def test_frozen_and_sometimes_unused_parameters_at_stages_0_1_2():
     """Frozen parameters (no master, no state), a branch that gets gradients on some steps only and a
     layer used twice per pass, with both shard strategies and accumulation, on 2 ranks."""
-    from tests.zero.test_stage3 import RECIPES
+    from tests.zero.stage3_recipes import RECIPES
 
     results = run_distributed(_stage3_models_at_stages_0_1_2, 2, timeout=280)[0]
     for (stage, name, strategy), run in results.items():
