@@ -40,9 +40,9 @@ class RunConfig:
     """Global L2 grad-norm clip; None or 0 = off."""
     zero: ZeroConfig | ColossalZeroConfig = field(default_factory=ZeroConfig)
     """zerogpt's keys and/or the Colossal-AI form (colossalai.py: without `stage` it means stage 3)."""
-    model: dict | None = None
+    model: dict = field(default_factory=dict)
     """dict(type=builder, **kwargs) or dict(type="hf", path=DIR); model_zoo.build_model reads it."""
-    optimizer: dict | None = None
+    optimizer: dict = field(default_factory=dict)
     """dict(type=class or name, **kwargs), the kwargs going to the optimizer class."""
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -61,8 +61,7 @@ class RunConfig:
 
 
 _HINTS = typing.get_type_hints(RunConfig)
-_SCALARS = {f.name: f for f in fields(RunConfig)
-            if not section_types(_HINTS[f.name]) and dict not in typing.get_args(_HINTS[f.name])}
+_SCALARS = {f.name: f for f in fields(RunConfig) if not section_types(_HINTS[f.name]) and _HINTS[f.name] is not dict}
 _ALL_PATHS = all_paths((RunConfig,))
 
 # Keys of other frameworks' configs that people will paste in; the hint says what to write instead.
