@@ -35,7 +35,7 @@ setup(
     name="zerogpt",
     version="0.1.0",
     description="ZeRO-sharded GPT pretraining with CPU/disk offload, config files and a webtext pipeline",
-    packages=find_packages(include=["zerogpt", "zerogpt.*", "model_zoo", "model_zoo.*",
+    packages=find_packages(include=["zerogpt", "zerogpt.*", "zerogpt_tools", "model_zoo", "model_zoo.*",
                                     "data_pipeline", "data_pipeline.*"]),
     package_data={"data_pipeline": ["assets/*", "assets/**/*"]},
     python_requires=">=3.10",
@@ -47,10 +47,10 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "zerogpt-estimate=zerogpt.estimate:main",
-            "zerogpt-export=zerogpt.export:main",
-            "zerogpt-generate=zerogpt.generate:main",
-            "zerogpt-extend-vocab=zerogpt.extend_vocab:main",
+            "zerogpt-estimate=zerogpt_tools.estimate:main",
+            "zerogpt-export=zerogpt_tools.export:main",
+            "zerogpt-generate=zerogpt_tools.generate:main",
+            "zerogpt-extend-vocab=zerogpt_tools.extend_vocab:main",
             "zerogpt-pipeline=data_pipeline.__main__:main",
         ]
     },

@@ -1,6 +1,6 @@
 """Pretrain a GPT from a config file: config -> launch -> data -> model -> initialize -> Trainer.fit.
 
-The CPU demo (2 ranks; tokenizes the bundled sample corpus on its first run, then trains for 1-2 minutes):
+The CPU demo (2 ranks; tokenizes the bundled sample corpus on its first run, then trains):
     torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/demo_cpu.py
 One process, CPU or one GPU:
     python train_gpt.py --config configs/demo_cpu.py --set train.max_steps=50
@@ -27,9 +27,8 @@ from zerogpt.config import data_config, lr_scheduler_config, train_config
 from zerogpt.errors import USER_ERRORS, env_rank, report_crash, report_user_error
 from zerogpt.optim.lr_scheduler import build_lr_scheduler
 from zerogpt.preflight import is_jsonl
-from zerogpt.trainer import (EvalHook, LogMetricByStepHook, LossHook, LRSchedulerHook, MemoryHook, NaNGuardHook,
-                             PlotHook, ProgressBarHook, SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer,
-                             latest_checkpoint)
+from zerogpt.trainer import (EvalHook, LogMetricByStepHook, MemoryHook, NaNGuardHook, PlotHook, ProgressBarHook,
+                             SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer, latest_checkpoint)
 from model_zoo import GPTLMLoss, build_model
 import data_pipeline
 
@@ -181,17 +180,16 @@ def setup(cfg, train, data, ctx, resume):
     ctx.logger.info(f"tokens/step: {cfg.BATCH_SIZE} seqs x {cfg.SEQ_LEN} tokens x {accum} accumulation x "
                     f"{ctx.world_size} ranks = {cfg.BATCH_SIZE * cfg.SEQ_LEN * accum * ctx.world_size:,}")
 
-    # 6. train: the built-in hooks, then the config's own
-    hooks = [LossHook(), ThroughputHook(flops), MemoryHook(train.log_interval), NaNGuardHook(),
+    # 6. train: the built-in hooks in the order they run (loggers after the numbers they log, checkpoint last
+    #    but the plot), then the config's own
+    hooks = [ThroughputHook(flops), MemoryHook(train.log_interval),
              LogMetricByStepHook(out, train.log_interval),
-             TensorboardHook(os.path.join(out, "tensorboard"), train.log_interval),
-             EvalHook(train.eval_interval, train.eval_iters, at_start=True),
-             SaveCheckpointHook(out, train.save_interval, train.keep_last), PlotHook(out)]
-    if lr_scheduler is not None:
-        hooks.append(LRSchedulerHook(lr_scheduler))
+             TensorboardHook(os.path.join(out, "tensorboard"), train.log_interval), NaNGuardHook()]
     if sys.stderr.isatty():
         hooks.append(ProgressBarHook())
-    trainer = Trainer(engine, hooks=hooks + list(cfg.hooks), logger=ctx.logger)
+    hooks += [EvalHook(train.eval_interval, train.eval_iters, at_start=True),
+              SaveCheckpointHook(out, train.save_interval, train.keep_last), PlotHook(out)]
+    trainer = Trainer(engine, hooks=hooks + list(cfg.hooks), lr_scheduler=lr_scheduler, logger=ctx.logger)
     if resume:
         ckpt = latest_checkpoint(out) if resume == "auto" else resume
         if ckpt is None:

@@ -254,7 +254,7 @@ def gpu_largest(args) -> list[dict]:
     """
     import zerogpt
     from model_zoo.gpt import GPTLMLoss
-    from zerogpt.estimate import model_state_bytes
+    from zerogpt_tools.estimate import model_state_bytes
     from zerogpt.optim import HybridAdam
 
     host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -321,17 +321,29 @@ class _PoolMap:
         self.pool.join()
 
 
-def parse_size(text: str) -> int:
-    """'512M' / '2G' / '1000' -> bytes. Raises ValueError naming the accepted forms."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    num, unit = (s[:-1], s[-1]) if s and s[-1] in units else (s, "")
-    try:
-        value = int(float(num) * units[unit])
-    except ValueError:
-        raise ValueError(f"cannot parse size {text!r}; use a number of bytes or e.g. 512M, 2G") from None
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, name: str = "size") -> int:
+    """Bytes from a size, with the one meaning every zerogpt command uses (the coreutils `dd` convention).
+
+    SI units are powers of 1000 ("1GB" = 10**9, as Hugging Face's max_shard_size); IEC units and bare letters
+    are powers of 1024 ("1GiB" = "1G" = 2**30). Case does not matter; a plain number is bytes.
+
+    Example:
+        >>> parse_size("1GB"), parse_size("1G"), parse_size("512MiB")
+        (1000000000, 1073741824, 536870912)
+    Raises:
+        ValueError naming `name` (e.g. the flag), the text and the accepted forms (also for sizes <= 0).
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{name}: cannot read {text!r} as a size; write bytes or e.g. 500MB (10**6), 2G or 2GiB "
+                         f"(2**30)")
+    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
     if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
+        raise ValueError(f"{name} must be positive, got {text!r}")
     return value
 
 

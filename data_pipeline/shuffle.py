@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     check_input(args.input)
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    memory_limit = parse_size(args.memory_limit)
+    memory_limit = parse_size(args.memory_limit, "--memory-limit")
     counts: Counter = Counter(docs=0, malformed=0)
     external = os.path.getsize(args.input) > memory_limit
     with atomic_write(args.output, "wb") as out:

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "GPTOutput", "GPTLMLoss",
            "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "from_hf", "to_hf", "hf_config",
-           "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf", "model_from_config"]
+           "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf", "model_from_config", "SIZES"]
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each (B, nh, T_past, hs)
 
@@ -288,7 +288,7 @@ class GPTLMLoss(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 # Factories: model = dict(type=gpt2_small, checkpoint=True) in a config calls these with the dict's kwargs.
 
-_SIZES = {
+SIZES = {  # the one table of model sizes (zerogpt_tools.estimate reads it too)
     "gpt2_tiny": dict(n_layer=2, n_head=2, n_embd=64, vocab_size=1024, max_position_embeddings=256),
     "gpt2_small": dict(n_layer=12, n_head=12, n_embd=768),    # 124M
     "gpt2_medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 355M
@@ -306,11 +306,11 @@ def _build(size: str, pretrained: str | None, overrides: dict[str, Any]) -> GPT:
         raise TypeError(f"{size}() got unknown keyword(s) " + ", ".join(
             f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in sorted(unknown))
             + f"; valid: {', '.join(sorted(names))}")
-    config = GPTConfig(**{**_SIZES[size], **overrides})
+    config = GPTConfig(**{**SIZES[size], **overrides})
     if pretrained is None:
         return GPT(config)
     from transformers import GPT2LMHeadModel  # optional dependency, only for pretrained=DIR
-    from zerogpt.export import check_hf_dir  # names a corrupt model.safetensors instead of a traceback
+    from model_zoo.hf import check_hf_dir  # names a corrupt model.safetensors instead of a traceback
 
     check_hf_dir(pretrained)
     model = from_hf(GPT2LMHeadModel.from_pretrained(pretrained, local_files_only=True),
@@ -370,7 +370,7 @@ def _as_config(config: GPTConfig | dict[str, Any]) -> GPTConfig:
 
 
 def model_from_config(config: GPTConfig | dict[str, Any]) -> GPT:
-    """A freshly initialised GPT of a recorded config (zerogpt.generate loads checkpoint tensors into it)."""
+    """A freshly initialised GPT of a recorded config (zerogpt_tools.generate loads checkpoint tensors into it)."""
     return GPT(_as_config(config))
 
 

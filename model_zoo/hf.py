@@ -5,6 +5,7 @@ from our own GPT lives in model_zoo/gpt.py (from_hf / to_hf).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,6 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
         raise ValueError(f"model = dict(type='hf', path={path!r}): no config.json there; point path at a "
                          f"directory written by save_pretrained (nothing is downloaded)")
     from transformers import AutoModelForCausalLM  # optional dependency
-    from zerogpt.export import check_hf_dir  # names a corrupt model.safetensors instead of a traceback
 
     check_hf_dir(path)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
@@ -35,3 +35,24 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def check_safetensors(paths: list[str], model_dir: str) -> None:
+    """Each file opens as safetensors: a corrupt or truncated one is named here, not deep in transformers' loader."""
+    from safetensors import safe_open
+
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError, or OSError for a missing file
+            raise ValueError(f"{path} is corrupt, truncated or missing ({type(e).__name__}: {e}); export the "
+                             f"checkpoint again: python -m zerogpt_tools.export RUN_DIR --out {model_dir}") from None
+
+
+def check_hf_dir(model_dir: str) -> None:
+    """Before transformers loads `model_dir`: its safetensors weights (if it has any) open."""
+    if not os.path.isdir(model_dir):
+        return  # the loader's own error names the missing directory
+    names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    check_safetensors([os.path.join(model_dir, n) for n in names], model_dir)

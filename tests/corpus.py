@@ -17,3 +17,9 @@ def stdlib_docstrings() -> list[str]:
         docs += [d for d in (ast.get_docstring(n) for n in ast.walk(tree)
                              if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))) if d]
     return docs
+
+
+def prose_and_code() -> tuple[list[str], list[str]]:
+    """Two real, offline corpora with different statistics: stdlib docstrings (prose) and source (code)."""
+    code = [inspect.getsource(module) for module in (json, argparse, collections, textwrap, inspect)]
+    return stdlib_docstrings(), code

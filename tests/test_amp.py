@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.zero.reference import cpu_ctx, single_thread
-from tests.zero.test_parity import GPT_RECIPE
+from tests.zero.recipes import GPT_RECIPE
 from zerogpt.amp import DynamicLossScaler
 
 WORLD = 2

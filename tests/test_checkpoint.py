@@ -264,8 +264,10 @@ KILL_SCRIPT = textwrap.dedent("""
     loader = torch.utils.data.DataLoader(data, batch_sampler=DistributedBatchSampler(data, 4, 0, 1, shuffle=True, seed=3))
     losses = []
     class Record(LossHook):
+        def logs_at(self, step, max_steps):
+            return True
         def after_step(self, trainer):
-            losses.append(trainer.state.loss)
+            losses.append(trainer.state.metrics.loss)
     trainer = Trainer(engine, hooks=[Record(), SaveCheckpointHook(out, save_interval=2, keep_last=5)])
     if mode == "resume":
         trainer.load_state_dict(engine.load_checkpoint(latest_checkpoint(out)))

@@ -5,7 +5,7 @@ import pytest
 
 import train_gpt
 from data_pipeline.__main__ import STAGES, build_parser as pipeline_parser
-from zerogpt import estimate, export, extend_vocab, generate
+from zerogpt_tools import estimate, export, extend_vocab, generate
 
 
 def stage_parser(stage):
@@ -13,9 +13,9 @@ def stage_parser(stage):
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[stage]
 
 
-PARSERS = {"train_gpt.py": train_gpt.build_parser, "zerogpt.estimate": estimate.build_parser,
-           "zerogpt.export": export.build_parser, "zerogpt.generate": generate.build_parser,
-           "zerogpt.extend_vocab": extend_vocab.build_parser,
+PARSERS = {"train_gpt.py": train_gpt.build_parser, "zerogpt_tools.estimate": estimate.build_parser,
+           "zerogpt_tools.export": export.build_parser, "zerogpt_tools.generate": generate.build_parser,
+           "zerogpt_tools.extend_vocab": extend_vocab.build_parser,
            **{f"data_pipeline {stage}": (lambda stage=stage: stage_parser(stage)) for stage in STAGES}}
 
 

@@ -13,7 +13,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.zero.reference import (EPS, LR, Recipe, assert_params_close, assert_run_matches, cpu_ctx, engine_run,
                                   reference_run)
-from tests.zero.test_parity import lm_loss, tiny_gpt, token_batches, zero_config
+from tests.zero.recipes import lm_loss, tiny_gpt, token_batches, zero_config
 
 WORLD = 2
 BETAS = (0.8, 0.95)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerogpt.amp import DynamicLossScaler, compute_dtype
-from zerogpt.config import Config, EngineConfig, engine_config
+from zerogpt.config import Config, EngineConfig, engine_config, optimizer_class
 from zerogpt.engine import Engine
 from zerogpt.host_memory import keep_freed_host_memory
 from zerogpt.zero.chunk import Chunk, plan_chunks
@@ -66,18 +66,7 @@ def _resolve_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimize
         return optimizer
     if isinstance(optimizer, dict):
         kwargs = dict(optimizer)
-        kind = kwargs.pop("type", None)
-        if isinstance(kind, str):
-            import zerogpt.optim as zoptim
-
-            cls = getattr(torch.optim, kind, None) or getattr(zoptim, kind, None)
-            if cls is None:
-                raise ValueError(f"optimizer.type={kind!r} is not a torch.optim or zerogpt.optim class; "
-                                 f"use e.g. 'AdamW', 'Adam', 'SGD', 'HybridAdam', 'CPUAdam' or pass the class")
-        elif isinstance(kind, type) and issubclass(kind, torch.optim.Optimizer):
-            cls = kind
-        else:
-            raise TypeError(f"optimizer.type must be an optimizer class or its name, got {kind!r}")
+        cls = optimizer_class(kwargs.pop("type", None))
         return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
     raise TypeError(f"optimizer must be a torch.optim.Optimizer built on model.parameters() or a "
                     f"dict(type=..., **kwargs), got {type(optimizer).__name__}")

@@ -158,7 +158,7 @@ def check_vocab(*, tokenizer: tuple[int, str] | None = None, dataset: tuple[int,
     the dataset's recorded vocabulary equals the tokenizer's (it is the tokenizer the data was made with);
     the largest token id is below both; the model's vocab_size and data.vocab_size may be larger (padding)
     but never smaller. A mismatch trains without any error and generates nonsense, so it is refused here,
-    before the engine is built, and again by `zerogpt.export` and `zerogpt.generate`.
+    before the engine is built, and again by `zerogpt_tools.export` and `zerogpt_tools.generate`.
     """
     def name(entry: tuple[int, str]) -> str:
         return f"{entry[0]:,} ({entry[1]})"

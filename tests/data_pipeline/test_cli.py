@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-try:  # the local test web server lives in test_download.py (rootdir-relative or package import)
-    from test_download import Handler, QuietServer, read_jsonl
+try:  # the local test web server (rootdir-relative or package import)
+    from web_server import Handler, QuietServer, read_jsonl
 except ImportError:  # pragma: no cover - when tests/data_pipeline becomes a package
-    from tests.data_pipeline.test_download import Handler, QuietServer, read_jsonl
+    from tests.data_pipeline.web_server import Handler, QuietServer, read_jsonl
 
 from data_pipeline import __main__ as cli
 from data_pipeline.__main__ import main

@@ -1,8 +1,6 @@
 """Tests for data_pipeline/merge_tokenizers.py: A's ids kept, B's tokens and merges appended, loadable, lossless."""
 from __future__ import annotations
 
-import ast
-import inspect
 import json
 
 import pytest
@@ -10,21 +8,9 @@ import pytest
 from data_pipeline.__main__ import main
 from data_pipeline.tokenizer import save_tokenizer_dir
 from data_pipeline.train_tokenizer import train_byte_level_bpe
+from tests.corpus import prose_and_code
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def prose_and_code():
-    """Two real, offline corpora with different statistics: stdlib docstrings (prose) and source (code)."""
-    import argparse, collections, textwrap  # noqa: E401
-    prose, code = [], []
-    for module in (json, argparse, collections, textwrap, inspect):
-        source = inspect.getsource(module)
-        code.append(source)
-        tree = ast.parse(source)
-        prose += [d for d in (ast.get_docstring(n) for n in ast.walk(tree)
-                              if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))) if d]
-    return prose, code
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def test_bad_args_and_strict(tmp_path, capsys):
     src = make_input(tmp_path, 10)
     out = tmp_path / "o.jsonl"
     assert main(["shuffle", str(src), "--output", str(out), "--memory-limit", "lots"]) == 2
-    assert "cannot parse size" in capsys.readouterr().err
+    assert "--memory-limit: cannot read 'lots' as a size" in capsys.readouterr().err
     assert main(["shuffle", str(src), "--output", str(out), "--strict"]) == 2
     assert "in.jsonl:8" in capsys.readouterr().err and not out.exists()
     empty = tmp_path / "empty.jsonl"

@@ -1,5 +1,6 @@
-"""Hooks: metrics.jsonl schema, LR schedule shapes through LRSchedulerHook, NaN guard, checkpoints, plot."""
+"""Hooks: metrics.jsonl schema, LR schedule shapes, NaN guard, checkpoints, plot, the seed tutorial's hook list."""
 import json
+import logging
 import math
 import os
 
@@ -7,9 +8,9 @@ import pytest
 import torch
 
 from tests.trainer.engine_double import EngineDouble, token_batches
-from zerogpt.trainer import (EvalHook, Hook, LogMetricByStepHook, LossHook, LRSchedulerHook, MemoryHook,
-                             NaNGuardHook, PlotHook, ProgressBarHook, SaveCheckpointHook, TensorboardHook,
-                             ThroughputHook, Trainer, flops_per_token, latest_checkpoint)
+from zerogpt.trainer import (EvalHook, Hook, LogMetricByEpochHook, LogMetricByStepHook, LossHook, LRSchedulerHook,
+                             MemoryHook, NaNGuardHook, PlotHook, ProgressBarHook, SaveCheckpointHook, TensorboardHook,
+                             ThroughputHook, Trainer, latest_checkpoint)
 from zerogpt.trainer.hooks.logging import TRAIN_KEYS, VALID_KEYS
 
 
@@ -19,9 +20,9 @@ def read_jsonl(path):
 
 
 def standard_hooks(out, log_interval=2, eval_interval=3, save_interval=None):
-    return [LossHook(), ThroughputHook(flops_per_token=1e6), MemoryHook(), NaNGuardHook(),
-            LogMetricByStepHook(out, log_interval=log_interval), EvalHook(eval_interval, eval_iters=2),
-            SaveCheckpointHook(out, save_interval=save_interval), PlotHook(out)]
+    return [ThroughputHook(flops_per_token=1e6), MemoryHook(), LogMetricByStepHook(out, log_interval=log_interval),
+            NaNGuardHook(), EvalHook(eval_interval, eval_iters=2), SaveCheckpointHook(out, save_interval=save_interval),
+            PlotHook(out)]
 
 
 def test_metrics_jsonl_schema(tmp_path):
@@ -93,12 +94,10 @@ def _lr_curve(sched_cfg, total_steps=20, lr=1.0, skip_steps=()):
     lrs = []
 
     class Keep(Hook):
-        priority = 25      # after LRSchedulerHook recorded the rate the step used
-
         def after_step(self, t):
-            lrs.append(t.state.metrics["lr"])
+            lrs.append(t.state.metrics.lr)            # the rate the step used (a float on every step)
 
-    Trainer(engine, hooks=[LRSchedulerHook(sched), Keep()]).fit(token_batches(4), max_steps=total_steps)
+    Trainer(engine, hooks=[Keep()], lr_scheduler=sched).fit(token_batches(4), max_steps=total_steps)
     return lrs
 
 
@@ -128,12 +127,12 @@ def test_scheduler_state_travels_in_trainer_state_dict():
     from zerogpt.optim.lr_scheduler import build_lr_scheduler
     engine = EngineDouble(lr=1.0)
     sched = build_lr_scheduler(engine.optimizer, LRSchedulerConfig(type="cosine"), 10)
-    trainer = Trainer(engine, hooks=[LRSchedulerHook(sched)])
+    trainer = Trainer(engine, lr_scheduler=sched)
     trainer.fit(token_batches(4), max_steps=4)
     sd = json.loads(json.dumps(trainer.state_dict()))
     engine2 = EngineDouble(lr=1.0)
     sched2 = build_lr_scheduler(engine2.optimizer, LRSchedulerConfig(type="cosine"), 10)
-    Trainer(engine2, hooks=[LRSchedulerHook(sched2)]).load_state_dict(sd)
+    Trainer(engine2, lr_scheduler=sched2).load_state_dict(sd)
     assert sched2.get_last_lr() == pytest.approx(sched.get_last_lr())
     assert engine2.optimizer.param_groups[0]["lr"] == pytest.approx(engine.optimizer.param_groups[0]["lr"])
     assert engine2.optimizer.param_groups[0]["lr"] < 1.0                   # not the construction-time rate
@@ -154,14 +153,25 @@ class NaNAfter:
 def test_nan_guard_names_the_step():
     engine = EngineDouble()
     engine.criterion = NaNAfter(start=3)
-    with pytest.raises(FloatingPointError, match=r"at step 5, non-finite for 3 consecutive steps \(steps 3..5\)"):
-        Trainer(engine, hooks=[LossHook(), NaNGuardHook(max_bad_steps=3)]).fit(token_batches(8), max_steps=8)
+    hooks = [LogMetricByStepHook(None, log_interval=1), NaNGuardHook(max_bad_steps=3)]
+    with pytest.raises(FloatingPointError,
+                       match=r"at step 5, non-finite for 3 consecutive logged steps \(steps 3..5\)"):
+        Trainer(engine, hooks=hooks).fit(token_batches(8), max_steps=8)
+
+
+def test_nan_guard_sees_log_steps_only():
+    engine = EngineDouble()
+    engine.criterion = NaNAfter(start=3)
+    hooks = [LogMetricByStepHook(None, log_interval=2), NaNGuardHook(max_bad_steps=2)]
+    with pytest.raises(FloatingPointError, match=r"at step 6, non-finite for 2 consecutive logged steps"):
+        Trainer(engine, hooks=hooks).fit(token_batches(8), max_steps=8)
 
 
 def test_nan_guard_ignores_fp16_skipped_steps_and_resets_on_finite():
     engine = EngineDouble(skip_steps=set(range(3, 9)), loss_scale=1024.0)
     engine.criterion = NaNAfter(start=3)
-    Trainer(engine, hooks=[LossHook(), NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8), max_steps=8)
+    Trainer(engine, hooks=[LogMetricByStepHook(None, 1), NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8),
+                                                                                           max_steps=8)
 
     class Flaky:
         calls = 0
@@ -173,7 +183,8 @@ def test_nan_guard_ignores_fp16_skipped_steps_and_resets_on_finite():
 
     engine = EngineDouble()
     engine.criterion = Flaky()
-    Trainer(engine, hooks=[LossHook(), NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8), max_steps=8)
+    Trainer(engine, hooks=[LogMetricByStepHook(None, 1), NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8),
+                                                                                           max_steps=8)
 
 
 def test_plot_written_at_checkpoint_and_end(tmp_path):
@@ -181,8 +192,6 @@ def test_plot_written_at_checkpoint_and_end(tmp_path):
     sizes = []
 
     class AtCkpt(Hook):
-        priority = 95
-
         def on_checkpoint(self, trainer, path):
             sizes.append(os.path.getsize(os.path.join(out, "loss.png")))
 
@@ -194,7 +203,7 @@ def test_plot_written_at_checkpoint_and_end(tmp_path):
 
 
 def test_tensorboard_and_progress_bar(tmp_path):
-    hooks = [LossHook(), ThroughputHook(), TensorboardHook(str(tmp_path / "tb"), log_interval=1),
+    hooks = [ThroughputHook(), TensorboardHook(str(tmp_path / "tb"), log_interval=1),
              ProgressBarHook(), EvalHook(2, eval_iters=1)]
     Trainer(EngineDouble(), hooks=hooks).fit(token_batches(4), max_steps=3, eval_dataloader=token_batches(2))
     files = os.listdir(tmp_path / "tb")
@@ -206,14 +215,36 @@ def test_tensorboard_and_progress_bar(tmp_path):
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
 
 
-def test_flops_per_token_palm_formula():
-    # 6N + 12 L C T: GPT-2 small at T=1024 (N without wpe ~ 123.9M) is ~0.8 GFLOP/token.
-    assert flops_per_token(123_900_000, 12, 768, 1024) == pytest.approx(6 * 123.9e6 + 12 * 12 * 768 * 1024)
-
-
 def test_eval_hook_at_start_gives_baseline(tmp_path):
     out = str(tmp_path)
-    hooks = [LossHook(), LogMetricByStepHook(out, 1), EvalHook(None, eval_iters=1, at_start=True)]
+    hooks = [LogMetricByStepHook(out, 1), EvalHook(None, eval_iters=1, at_start=True)]
     Trainer(EngineDouble(), hooks=hooks).fit(token_batches(4), max_steps=2, eval_dataloader=token_batches(2))
     valid = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "valid"]
     assert valid == [0, 2]
+
+
+def test_seed_tutorial_hook_list_runs_as_written(tmp_path, caplog):
+    # The hook list of Colossal-AI's GPT-2 ZeRO tutorial, unchanged (its commented-out hooks included).
+    from zerogpt.config import LRSchedulerConfig
+    from zerogpt.optim.lr_scheduler import build_lr_scheduler
+    engine = EngineDouble(lr=1.0)
+    lr_scheduler = build_lr_scheduler(engine.optimizer, LRSchedulerConfig(type="linear", warmup_steps=1), 6)
+    logger = logging.getLogger("tutorial")
+    hook_list = [
+        LossHook(),
+        LRSchedulerHook(lr_scheduler=lr_scheduler, by_epoch=False),
+        LogMetricByEpochHook(logger),
+        ThroughputHook(),
+        LogMetricByStepHook(),
+        TensorboardHook(log_dir=str(tmp_path / "tb_logs"), ranks=[0]),
+        SaveCheckpointHook(checkpoint_dir=str(tmp_path / "ckpt")),
+    ]
+    with caplog.at_level(logging.INFO):
+        state = Trainer(engine, hooks=hook_list).fit(token_batches(3), epochs=2)
+    assert state.step == 6 and lr_scheduler.last_epoch == 6                  # stepped by the loop, per step
+    epoch_lines = [r.getMessage() for r in caplog.records if r.name == "tutorial"]
+    assert [line.split(" | ")[0] for line in epoch_lines] == ["epoch 1", "epoch 2"]
+    assert all(" | loss " in line and "3 steps" in line for line in epoch_lines)
+    assert any(r.getMessage().startswith("step 6/6 | loss ") for r in caplog.records)   # the last step's line
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb_logs"))
+    assert os.path.isdir(tmp_path / "ckpt" / "step_6")

@@ -19,7 +19,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.zero.reference import EPS, LR, WEIGHT_DECAY, assert_params_close, engine_run, reference_run
-from tests.zero.test_parity import GPT_RECIPE, MICRO_BATCH, SETTINGS, zero_config
+from tests.zero.recipes import GPT_RECIPE, MICRO_BATCH, SETTINGS, zero_config
 
 deepspeed = pytest.importorskip("deepspeed")
 

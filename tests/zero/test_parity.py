@@ -11,50 +11,12 @@ Why parameters are compared as a whole-model relative error and with Adam eps=1e
 """
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
-from tests.zero.reference import Recipe, assert_run_matches, engine_run, reference_run
-
-MICRO_BATCH = 2
-SEQ = 16
-VOCAB = 128
-CLIP = 0.05  # well below the tiny model's grad norms (~0.5-2), so clipping changes every step
-
-
-def tiny_gpt() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return gpt2_tiny(vocab_size=VOCAB, dropout=0.0, max_position_embeddings=SEQ)
-
-
-def token_batches(steps: int, world: int, accum: int) -> torch.Tensor:
-    """(steps, accum, world, B, T+1) token ids: one global batch per step, the same for every run."""
-    g = torch.Generator().manual_seed(1234)
-    return torch.randint(0, VOCAB, (steps, accum, world, MICRO_BATCH, SEQ + 1), generator=g)
-
-
-def lm_loss(model, batch: torch.Tensor, step: int) -> torch.Tensor:
-    return GPTLMLoss(shift=False)(model(batch[:, :-1]), batch[:, 1:])
-
-
-GPT_RECIPE = Recipe(build=tiny_gpt, data=token_batches, loss=lm_loss)
-
-# stage x precision x accumulation, plus clipping (fp32; without and with accumulation) at every stage
-SETTINGS = [(stage, precision, accum, None) for stage, precision, accum in
-            itertools.product([0, 1, 2, 3], ["fp32", "bf16"], [1, 3])]
-SETTINGS += [(stage, "fp32", accum, CLIP) for stage in [0, 1, 2, 3] for accum in [1, 3]]
-
-
-def zero_config(stage: int) -> dict:
-    from zerogpt.zero import BucketTensorShardStrategy
-
-    # 0.02 MB buckets: several multi-parameter chunks, most not divisible by 2 or 3 ranks (padding)
-    return dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02))
-
+from tests.zero.recipes import CLIP, GPT_RECIPE, SETTINGS, tiny_gpt, zero_config
+from tests.zero.reference import assert_run_matches, engine_run, reference_run
 
 def _all_settings(rank: int, world: int) -> dict:
     return {s: engine_run(rank, world, GPT_RECIPE, zero_config(s[0]), precision=s[1], accum=s[2], clip=s[3])
@@ -88,7 +50,7 @@ def test_clipping_changes_the_reference():
 
 
 def _stage3_models_at_stages_0_1_2(rank: int, world: int) -> dict:
-    from tests.zero.test_stage3 import RECIPES
+    from tests.zero.stage3_recipes import RECIPES
     from zerogpt.zero import TensorShardStrategy
 
     out = {}
@@ -105,7 +67,7 @@ def _stage3_models_at_stages_0_1_2(rank: int, world: int) -> dict:
 def test_frozen_and_sometimes_unused_parameters_at_stages_0_1_2():
     """Frozen parameters (no master, no state), a branch that gets gradients on some steps only and a
     layer used twice per pass, with both shard strategies and accumulation, on 2 ranks."""
-    from tests.zero.test_stage3 import RECIPES
+    from tests.zero.stage3_recipes import RECIPES
 
     results = run_distributed(_stage3_models_at_stages_0_1_2, 2, timeout=280)[0]
     for (stage, name, strategy), run in results.items():

@@ -12,7 +12,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.zero.reference import cpu_ctx
-from tests.zero.test_parity import lm_loss, tiny_gpt, token_batches, zero_config
+from tests.zero.recipes import lm_loss, tiny_gpt, token_batches, zero_config
 
 ACCUM = 3
 

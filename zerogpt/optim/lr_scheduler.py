@@ -1,20 +1,18 @@
 """LR schedules: linear warmup, then cosine / linear decay to an absolute floor `min_lr`, or constant.
 
 Owns the shape of the schedule as a torch LambdaLR (so state_dict/load_state_dict come for free);
-does not own when it is stepped (the engine/trainer calls `scheduler.step()` once per optimizer step).
+does not own when it is stepped (Trainer.fit calls `scheduler.step()` once per optimizer step).
 """
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from zerogpt.config.schema import LRSchedulerConfig
+
 __all__ = ["build_lr_scheduler", "WarmupDecay"]
-
-SCHEDULE_TYPES = ("cosine", "linear", "constant")
-
 
 class WarmupDecay:
     """LR multiplier at optimizer step `s` (0-based): the LambdaLR lambda, a plain object so that
@@ -41,41 +39,35 @@ class WarmupDecay:
         return self.min_ratio + (1.0 - self.min_ratio) * f
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: Any,
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,
                        total_steps: int | None = None) -> LambdaLR:
     """Build the run's LR schedule over `optimizer`.
 
     Args:
         optimizer: any torch optimizer; each group's current lr is its peak (base) lr.
-        cfg: zerogpt.config.LRSchedulerConfig, or any object with attributes type ("cosine" | "linear" |
-            "constant"), warmup_steps (optimizer steps), min_lr (absolute lr floor, applied to group 0;
-            other groups keep the same ratio to their own base lr), total_steps (int or None).
+        cfg: the checked `lr_scheduler` section; min_lr is an absolute floor applied to group 0 (other
+            groups keep the same ratio to their own base lr).
         total_steps: the run's length in optimizer steps; used when cfg.total_steps is None.
     Returns:
-        torch.optim.lr_scheduler.LambdaLR; call .step() after each optimizer step.
+        torch.optim.lr_scheduler.LambdaLR; call .step() after each optimizer step (Trainer.fit does).
 
     Example:
         >>> cfg = LRSchedulerConfig(type="cosine", warmup_steps=100, min_lr=1e-5)
         >>> sched = build_lr_scheduler(opt, cfg, total_steps=10_000)
     """
-    kind = getattr(cfg, "type", "constant")
-    warmup = int(getattr(cfg, "warmup_steps", 0) or 0)
-    min_lr = float(getattr(cfg, "min_lr", 0.0) or 0.0)
-    total = getattr(cfg, "total_steps", None) or total_steps
-    if kind not in SCHEDULE_TYPES:
-        raise ValueError(f"lr_scheduler.type={kind!r} is not a schedule; valid: {', '.join(SCHEDULE_TYPES)}")
-    if warmup < 0 or min_lr < 0:
-        raise ValueError(f"lr_scheduler.warmup_steps={warmup} and min_lr={min_lr} must be >= 0")
-    if kind != "constant":
+    total = cfg.total_steps or total_steps
+    # The checks below need the run's length and the optimizer's lr, which the config section alone lacks.
+    if cfg.type != "constant":
         if total is None:
-            raise ValueError(f"lr_scheduler.type={kind!r} needs a length: set lr_scheduler.total_steps or "
+            raise ValueError(f"lr_scheduler.type={cfg.type!r} needs a length: set lr_scheduler.total_steps or "
                              f"train.max_steps (e.g. --set train.max_steps=1000)")
-        if total < warmup:
-            raise ValueError(f"lr_scheduler.total_steps={total} is shorter than warmup_steps={warmup}; "
+        if total < cfg.warmup_steps:
+            raise ValueError(f"lr_scheduler.total_steps={total} is shorter than warmup_steps={cfg.warmup_steps}; "
                              f"raise total_steps or lower warmup_steps")
     base_lr = float(optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"]))
-    if kind != "constant" and min_lr > base_lr:
-        raise ValueError(f"lr_scheduler.min_lr={min_lr} is above the optimizer's lr={base_lr}; "
+    if cfg.type != "constant" and cfg.min_lr > base_lr:
+        raise ValueError(f"lr_scheduler.min_lr={cfg.min_lr} is above the optimizer's lr={base_lr}; "
                          f"min_lr is the floor the decay ends at, set it below lr")
-    min_ratio = min_lr / base_lr if base_lr > 0 else 0.0
-    return LambdaLR(optimizer, WarmupDecay(kind, warmup, None if total is None else int(total), min_ratio))
+    min_ratio = cfg.min_lr / base_lr if base_lr > 0 else 0.0
+    return LambdaLR(optimizer, WarmupDecay(cfg.type, cfg.warmup_steps, None if total is None else int(total),
+                                           min_ratio))

@@ -1,20 +1,24 @@
-"""Trainer: the training loop and the hook events around it.
+"""Trainer: the training loop, the math of a step around the engine, and the hook events.
 
-Owns the loop (batch -> forward -> engine.backward -> engine.step), the typed `TrainerState` and the
-order in which hooks run. It does not own the math of a step (the engine does) nor any side effect
-(logging, eval, checkpoints, plots: hooks do). Resumable state: `Trainer.state_dict()` is the
-`extra_state` a checkpoint carries (trainer counters, data position, hook state such as the LR schedule).
+Owns the loop (batch -> forward -> engine.backward -> engine.step -> LR schedule), averaging the loss over
+ranks, and timing throughput over each logging window. Hooks only observe (log, eval, checkpoint, plot) and
+run in list order. Numbers reach the host only on log steps: a step that logs nothing makes no host sync
+(fp16's overflow check, inside the engine, excepted). Resumable state: `Trainer.state_dict()` is the
+`extra_state` a checkpoint carries (counters, data position, LR schedule, hook state).
 """
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from zerogpt.trainer.hooks.base import Hook
+from zerogpt.trainer.hooks.lr import LRSchedulerHook, json_safe
+from zerogpt.trainer.metrics import EpochMetrics, StepMetrics, host_float
 
 EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_step", "after_step",
           "before_eval", "after_eval", "on_checkpoint")
@@ -22,7 +26,7 @@ EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_
 
 @dataclass
 class TrainerState:
-    """Counters and the latest numbers of a run; hooks read and write it instead of passing dicts around."""
+    """Counters and the latest numbers of a run; hooks read it instead of passing dicts around."""
 
     step: int = 0
     """optimizer steps done (an fp16 step skipped on overflow still counts: its data was consumed)"""
@@ -38,11 +42,10 @@ class TrainerState:
     """input tokens consumed by all ranks together"""
     max_steps: int | None = None
     """the step at which fit() stops (resolved from max_steps or epochs)"""
-    loss: float | None = None
-    """mean loss over the micro-batches of the last step, this rank only (LossHook averages over ranks)"""
-    metrics: dict[str, Any] = field(default_factory=dict)
-    """this step's numbers: engine stats (grad_norm, skipped, loss_scale, lr) and what hooks add
-    (loss averaged over ranks, tokens_per_s, tflops, mem, ...); cleared at the start of each step"""
+    metrics: StepMetrics | None = None
+    """the last step's numbers (device tensors until `metrics.logged`: see zerogpt.trainer.metrics)"""
+    epoch_metrics: EpochMetrics | None = None
+    """the last finished epoch's numbers (set before after_epoch fires)"""
     eval_results: dict[str, float] = field(default_factory=dict)
     """the latest evaluation: {"step", "loss", "ppl"}"""
     should_stop: bool = False
@@ -100,19 +103,23 @@ def _iterate(loader: Iterable) -> Iterator[Any]:
 
 
 class Trainer:
-    """Runs `engine` over a dataloader and fires hook events; `trainer.state` is the shared state.
+    """Runs `engine` over a dataloader, steps the LR schedule and fires hook events; `trainer.state` is shared.
 
     Args:
         engine: what `zerogpt.initialize` returns (forward, criterion, backward, step, zero_grad, ctx).
-        hooks: Hook instances; every event calls them in ascending `priority` (ties: list order).
+        hooks: Hook instances; every event calls them in list order.
+        lr_scheduler: stepped once per applied optimizer step (an fp16 step skipped on overflow does not
+            advance it, as in DeepSpeed); an `LRSchedulerHook(lr_scheduler=...)` in `hooks` passes it too.
+        schedule_by_epoch: step the schedule once per epoch instead (Colossal-AI's `by_epoch=True`).
         logger: defaults to the engine's rank-aware logger.
 
     Example:
-        trainer = Trainer(engine, hooks=[LossHook(), LogMetricByStepHook("runs/x", log_interval=10)])
+        trainer = Trainer(engine, hooks=[LogMetricByStepHook("runs/x", log_interval=10)], lr_scheduler=sched)
         trainer.fit(train_dl, max_steps=100, eval_dataloader=valid_dl)
     """
 
-    def __init__(self, engine: Any, hooks: Iterable[Hook] = (), logger: logging.Logger | None = None):
+    def __init__(self, engine: Any, hooks: Iterable[Hook] = (), lr_scheduler: Any = None,
+                 schedule_by_epoch: bool = False, logger: logging.Logger | None = None):
         self.engine = engine
         ctx = getattr(engine, "ctx", None)
         self.rank: int = getattr(ctx, "rank", 0)
@@ -120,17 +127,27 @@ class Trainer:
         self.device = torch.device(getattr(ctx, "device", "cpu"))
         self.group = getattr(ctx, "group", None)
         self.logger = logger or getattr(ctx, "logger", None) or logging.getLogger("zerogpt")
-        hooks = list(hooks)
-        for h in hooks:
+        self.hooks: list[Hook] = list(hooks)
+        for h in self.hooks:
             if not isinstance(h, Hook):
                 raise TypeError(f"hooks must be zerogpt.trainer.Hook instances; got {h!r} ({type(h).__name__})")
-        # sorted() is stable, so hooks of equal priority keep the order they were given in.
-        self.hooks: list[Hook] = sorted(hooks, key=lambda h: h.priority)
+            if isinstance(h, LRSchedulerHook):   # the Colossal-AI form: the schedule is handed over in a hook
+                if lr_scheduler is not None and lr_scheduler is not h.lr_scheduler:
+                    raise ValueError("Trainer got two LR schedulers (lr_scheduler= and an LRSchedulerHook); "
+                                     "pass one")
+                lr_scheduler, schedule_by_epoch = h.lr_scheduler, h.by_epoch
+        self.lr_scheduler = lr_scheduler
+        self.schedule_by_epoch = schedule_by_epoch
         self.state = TrainerState()
         self.train_dataloader: Any = None
         self.eval_dataloader: Any = None
         self._pending_data_state: dict | None = None
         self._epoch_batches: int | None = None   # batches of the current epoch handed out so far
+        self._epoch_loss: torch.Tensor | None = None   # sum of this rank's step losses in the epoch (device)
+        self._epoch_steps = 0
+        self._window: dict[str, float] = {}      # where the current logging window started
+        self._hook_s = 0.0                       # seconds spent in hooks since the window started
+        self._fire_depth = 0
 
     # ---------------------------------------------------------------- the loop
     def fit(self, train_dataloader: Iterable, epochs: int | None = None, max_steps: int | None = None,
@@ -144,11 +161,11 @@ class Trainer:
         batches = self._batches(train_dataloader, epochs)
         engine.train()
         self.fire("before_train")
+        self._start_window()
         while s.step < s.max_steps and not s.should_stop:
             batch = next(batches, None)             # fetched first, so epoch events precede before_step
             if batch is None:
                 break
-            s.metrics = {}
             self.fire("before_step")
             # ------------------------------ TRAINING SECTION BEGIN ------------------------------
             # One optimizer step = `accum` micro-batches; engine.step() acts only on the last one.
@@ -169,14 +186,49 @@ class Trainer:
             if len(micro_losses) < accum:
                 break
             engine.zero_grad()
+            skipped = bool(stats.get("skipped", False))             # a Python bool (fp16 reads it anyway)
+            if self.lr_scheduler is not None and not self.schedule_by_epoch and not skipped:
+                self.lr_scheduler.step()
             # ------------------------------ TRAINING SECTION END --------------------------------
             s.step += 1
-            s.loss = torch.stack(micro_losses).float().mean().item()   # one host sync per step
-            s.metrics.update(stats)
+            step_loss = torch.stack(micro_losses).float().mean()    # this rank's mean, still on the device
+            self._add_to_epoch(step_loss)
+            s.metrics = StepMetrics(step=s.step, loss=step_loss, grad_norm=stats.get("grad_norm"),
+                                    lr=stats.get("lr"), skipped=skipped, loss_scale=stats.get("loss_scale"))
+            if any(h.logs_at(s.step, s.max_steps) for h in self.hooks):
+                self._read_metrics(s.metrics)                       # the one host sync of a log step
             self.fire("after_step")
         self._finish_epoch_if_complete(train_dataloader)
         self.fire("after_train")
         return s
+
+    def _start_window(self) -> None:
+        s = self.state
+        self._window = {"t": time.perf_counter(), "step": s.step, "tokens": s.tokens_seen,
+                        "samples": s.consumed_samples}
+        self._hook_s = 0.0
+
+    def _read_metrics(self, m: StepMetrics) -> None:
+        """Bring a log step's numbers to the host: loss averaged over ranks, grad norm, window throughput."""
+        loss = m.loss.detach().double().reshape(1)
+        self.all_reduce_sum(loss)
+        m.loss = loss.item() / self.world_size
+        m.grad_norm = host_float(m.grad_norm)
+        if self.device.type == "cuda":   # kernels are asynchronous: read the clock after the device is done
+            torch.cuda.synchronize(self.device)
+        s, w = self.state, self._window
+        seconds = max(time.perf_counter() - w["t"] - self._hook_s, 1e-9)
+        m.step_ms = seconds * 1e3 / max(1, s.step - w["step"])
+        m.tokens_per_s = (s.tokens_seen - w["tokens"]) / seconds
+        m.samples_per_s = (s.consumed_samples - w["samples"]) / seconds
+        m.logged = True
+        self._start_window()
+
+    def _add_to_epoch(self, step_loss: torch.Tensor) -> None:
+        if self._epoch_loss is None:
+            self._epoch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._epoch_loss += step_loss.double()
+        self._epoch_steps += 1
 
     def _batches(self, loader: Iterable, epochs: int | None) -> Iterator[Any]:
         """Micro-batches across epochs as one stream (an accumulation window may span two epochs)."""
@@ -196,6 +248,16 @@ class Trainer:
 
     def _end_epoch(self) -> None:
         self._epoch_batches = None
+        s = self.state
+        total = torch.tensor([0.0, float(self._epoch_steps)], dtype=torch.float64, device=self.device)
+        if self._epoch_loss is not None:
+            total[0] += self._epoch_loss                    # (sum of step losses, steps) of this rank
+        self.all_reduce_sum(total)
+        loss_sum, steps = total.tolist()                    # one sync per epoch
+        s.epoch_metrics = EpochMetrics(s.epoch, loss_sum / steps if steps else None, self._epoch_steps)
+        self._epoch_loss, self._epoch_steps = None, 0
+        if self.lr_scheduler is not None and self.schedule_by_epoch:
+            self.lr_scheduler.step()
         self.fire("after_epoch")
         self.state.epoch += 1
         self.state.epoch_samples = 0
@@ -260,20 +322,27 @@ class Trainer:
 
     # ---------------------------------------------------------------- hooks and resume
     def fire(self, event: str, **kwargs: Any) -> None:
-        """Call `event` on every hook in priority order."""
+        """Call `event` on every hook in list order; the time spent is left out of the throughput window."""
         if event not in EVENTS:
             raise ValueError(f"unknown trainer event {event!r}; events are {', '.join(EVENTS)}")
-        for h in self.hooks:
-            getattr(h, event)(self, **kwargs)
+        t0, self._fire_depth = time.perf_counter(), self._fire_depth + 1
+        try:
+            for h in self.hooks:
+                getattr(h, event)(self, **kwargs)
+        finally:
+            self._fire_depth -= 1
+            if self._fire_depth == 0:   # an event fired inside a hook (eval's) is inside the outer one's time
+                self._hook_s += time.perf_counter() - t0
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything besides the engine that a resumed run needs (JSON-safe): counters, hook states."""
+        """Everything besides the engine that a resumed run needs (JSON-safe): counters, LR schedule, hooks."""
         hooks = {}
         for key, h in self._hook_keys():
             sd = h.state_dict()
             if sd:
                 hooks[key] = sd
-        return {"trainer": self.state.state_dict(), "hooks": hooks,
+        schedule = json_safe(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None
+        return {"trainer": self.state.state_dict(), "hooks": hooks, "lr_scheduler": schedule,
                 "data": {"epoch": self.state.epoch, "epoch_samples": self.state.epoch_samples,
                          "consumed_samples": self.state.consumed_samples, "world_size": self.world_size}}
 
@@ -284,6 +353,14 @@ class Trainer:
         for key, h in self._hook_keys():
             if key in saved:
                 h.load_state_dict(saved[key])
+        # Checkpoints written before the schedule moved into the loop kept it under the hook's name.
+        schedule = state.get("lr_scheduler") or saved.get("LRSchedulerHook")
+        if self.lr_scheduler is not None and schedule:
+            self.lr_scheduler.load_state_dict(schedule)
+            # The scheduler sets the optimizer's rates only when it steps: put the resumed rates in place now,
+            # whether or not the engine's checkpoint restored the param groups.
+            for group, lr in zip(self.lr_scheduler.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
         self._pending_data_state = state.get("data")
 
     def _hook_keys(self) -> list[tuple[str, Hook]]:

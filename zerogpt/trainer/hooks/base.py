@@ -1,7 +1,7 @@
 """Hook: the base class of every trainer hook (one level deep, no registry).
 
-A hook overrides the events it cares about; each gets the trainer and reads/writes `trainer.state`.
-Hooks do side effects (log, eval, checkpoint, plot), never the computation of a step.
+A hook overrides the events it cares about; each gets the trainer and reads `trainer.state`. Hooks do side
+effects (log, eval, checkpoint, plot), never the computation of a step, and run in the order they are listed.
 """
 from __future__ import annotations
 
@@ -12,19 +12,23 @@ if TYPE_CHECKING:
 
 
 class Hook:
-    """Base hook: every event is a no-op; lower `priority` runs first (ties keep list order).
+    """Base hook: every event is a no-op, and no step's numbers are needed on the host.
 
-    Built-in priorities: LossHook 10, LRSchedulerHook 20, Throughput/Memory 30, LogMetricByStep and
-    Tensorboard 50, NaNGuard 55, ProgressBar 60, Eval 70, SaveCheckpoint 80, Plot 90. A user hook
-    defaults to 50, so it sees this step's complete metrics.
+    A hook that reads a step's numbers says on which steps through `logs_at`; the loop copies them to the
+    host (one sync) only on steps where some hook asks, so `trainer.state.metrics.logged` is True there.
 
     Example:
         class PrintLoss(Hook):
+            def logs_at(self, step, max_steps):
+                return step % 100 == 0
             def after_step(self, trainer):
-                print(trainer.state.step, trainer.state.metrics["loss"])
+                if trainer.state.metrics.logged:
+                    print(trainer.state.step, trainer.state.metrics.loss)
     """
 
-    priority: int = 50
+    def logs_at(self, step: int, max_steps: int | None) -> bool:
+        """True on the steps whose numbers this hook reads; must give the same answer on every rank."""
+        return False
 
     def before_train(self, trainer: Trainer) -> None: ...
     def after_train(self, trainer: Trainer) -> None: ...
@@ -43,7 +47,7 @@ class Hook:
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(priority={self.priority})"
+        return f"{type(self).__name__}()"
 
 
 def every(step: int, interval: int | None, last_step: int | None = None) -> bool:

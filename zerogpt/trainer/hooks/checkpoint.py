@@ -39,13 +39,15 @@ class SaveCheckpointHook(Hook):
         save_interval: steps between checkpoints (None: only at the end).
         keep_last: checkpoints kept (older ones are deleted after a save; <= 0 keeps all).
         save_at_end: also save after the last step.
+        checkpoint_dir: the Colossal-AI form: checkpoints go to <checkpoint_dir>/step_<N>/ instead.
     """
 
-    priority = 80
-
-    def __init__(self, output_dir: str, save_interval: int | None = None, keep_last: int = 3,
-                 save_at_end: bool = True):
-        self.root = os.path.join(output_dir, "checkpoints")
+    def __init__(self, output_dir: str | None = None, save_interval: int | None = None, keep_last: int = 3,
+                 save_at_end: bool = True, checkpoint_dir: str | None = None):
+        if (output_dir is None) == (checkpoint_dir is None):
+            raise ValueError("SaveCheckpointHook needs output_dir (checkpoints go to <output_dir>/checkpoints) "
+                             "or checkpoint_dir, not both")
+        self.root = checkpoint_dir if checkpoint_dir is not None else os.path.join(output_dir, "checkpoints")
         self.save_interval = save_interval
         self.keep_last = keep_last
         self.save_at_end = save_at_end

@@ -21,7 +21,6 @@ class EvalHook(Hook):
         at_start: also evaluate before the first step (the untrained baseline).
     """
 
-    priority = 70
 
     def __init__(self, eval_interval: int | None = None, eval_iters: int = 10, eval_dataloader=None,
                  at_start: bool = False):

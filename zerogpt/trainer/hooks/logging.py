@@ -1,4 +1,5 @@
-"""LogMetricByStepHook: one console line per `log_interval` steps and the same numbers in metrics.jsonl.
+"""LogMetricByStepHook: one console line per `log_interval` steps and the same numbers in metrics.jsonl;
+LogMetricByEpochHook: one console line per epoch.
 
 metrics.jsonl (DESIGN §5) holds one JSON object per line, written by rank 0 only:
   train: {"split": "train", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
@@ -12,6 +13,8 @@ import json
 import math
 import os
 
+from dataclasses import asdict
+
 from zerogpt.trainer.hooks.base import Hook, every
 
 TRAIN_KEYS = ("split", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
@@ -20,9 +23,7 @@ VALID_KEYS = ("split", "step", "loss", "ppl")
 
 
 def _plain(v):
-    """JSON numbers: tensors -> floats, NaN/inf -> null (strict JSON has neither)."""
-    if hasattr(v, "item"):
-        v = v.item()
+    """JSON numbers: NaN/inf -> null (strict JSON has neither)."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
@@ -34,22 +35,23 @@ class LogMetricByStepHook(Hook):
     """Logs train metrics every `log_interval` steps (and the last) and every evaluation.
 
     Args:
-        output_dir: metrics.jsonl is written here (rank 0).
+        output_dir: metrics.jsonl is written here (rank 0); None logs to the console only.
         log_interval: steps between train lines.
 
     On a fresh run metrics.jsonl is started empty; on a resumed run the lines after the resumed step
     (written by the interrupted run after its last checkpoint) are dropped, so the file reads as one run.
     """
 
-    priority = 50
-
-    def __init__(self, output_dir: str, log_interval: int = 10):
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+    def __init__(self, output_dir: str | None = None, log_interval: int = 10):
+        self.path = os.path.join(output_dir, "metrics.jsonl") if output_dir is not None else None
         self.log_interval = log_interval
         self._started = False
 
+    def logs_at(self, step: int, max_steps: int | None) -> bool:
+        return every(step, self.log_interval, max_steps)
+
     def before_train(self, trainer) -> None:
-        if trainer.rank != 0:
+        if trainer.rank != 0 or self.path is None:
             return
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         kept = []
@@ -63,14 +65,13 @@ class LogMetricByStepHook(Hook):
 
     def after_step(self, trainer) -> None:
         s = trainer.state
-        if trainer.rank != 0 or not every(s.step, self.log_interval, s.max_steps):
+        if trainer.rank != 0 or not self.logs_at(s.step, s.max_steps):
             return
-        m = s.metrics
-        rec = {"split": "train", "step": s.step, "epoch": s.epoch, "loss": m.get("loss", s.loss)}
-        rec.update({k: m.get(k) for k in TRAIN_KEYS[4:]})
+        m = asdict(s.metrics)
+        rec = {"split": "train", "step": s.step, "epoch": s.epoch, **{k: m[k] for k in TRAIN_KEYS[3:]}}
         rec = {k: _plain(v) for k, v in rec.items()}
         self._write(rec)
-        trainer.logger.info(format_train_line(rec, s.max_steps, m.get("step_ms")))
+        trainer.logger.info(format_train_line(rec, s.max_steps, m["step_ms"]))
 
     def after_eval(self, trainer) -> None:
         if trainer.rank != 0:
@@ -81,7 +82,7 @@ class LogMetricByStepHook(Hook):
 
     def _write(self, rec: dict) -> None:
         # Open per line (a few per interval): the file is complete whenever PlotHook or a user reads it.
-        if self._started:
+        if self._started and self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
@@ -102,3 +103,23 @@ def format_train_line(rec: dict, max_steps: int | None, step_ms: float | None) -
         dev = mem.get("device_peak_mb")
         parts.append(("" if dev is None else f"dev {dev / 1024:.2f}G ") + f"host {mem['host_rss_mb'] / 1024:.2f}G")
     return " | ".join(parts)
+
+
+class LogMetricByEpochHook(Hook):
+    """Logs the epoch's mean loss (over its steps and all ranks) every `interval` epochs, on rank 0.
+
+    Args:
+        logger: defaults to the trainer's logger.
+        interval: epochs between lines.
+    """
+
+    def __init__(self, logger=None, interval: int = 1):
+        self.logger = logger
+        self.interval = interval
+
+    def after_epoch(self, trainer) -> None:
+        e = trainer.state.epoch_metrics
+        if trainer.rank != 0 or e is None or (e.epoch + 1) % self.interval:
+            return
+        loss = "-" if e.loss is None else f"{e.loss:.4f}"
+        (self.logger or trainer.logger).info(f"epoch {e.epoch + 1} | loss {loss} | {e.steps} steps")

@@ -1,8 +1,8 @@
-"""LRSchedulerHook: advances the learning-rate schedule once per optimizer step and saves its position.
+"""LRSchedulerHook: hands an LR schedule to the Trainer in the Colossal-AI form (the Trainer steps it).
 
-The schedule itself (warmup + cosine / linear / constant, min_lr) is built by
-`zerogpt.optim.lr_scheduler.build_lr_scheduler`; this hook only steps it and carries its state_dict in
-the checkpoint so a resumed run continues on the same curve.
+`Trainer(engine, hooks=[LRSchedulerHook(lr_scheduler=s, by_epoch=False)])` is the same as
+`Trainer(engine, lr_scheduler=s)`; the schedule is stepped inside `Trainer.fit` and saved in the
+trainer's state_dict. The schedule itself comes from `zerogpt.optim.build_lr_scheduler`.
 """
 from __future__ import annotations
 
@@ -12,44 +12,24 @@ from zerogpt.trainer.hooks.base import Hook
 
 
 class LRSchedulerHook(Hook):
-    """Steps `lr_scheduler` after every optimizer step that was applied.
-
-    An fp16 step skipped on overflow did not move the weights, so the schedule does not advance either
-    (as DeepSpeed does); `state.metrics["lr"]` is the rate the step used.
+    """Carries `lr_scheduler` to the Trainer.
 
     Args:
-        lr_scheduler: a torch LRScheduler (what zerogpt.initialize returns).
+        lr_scheduler: a torch LRScheduler.
+        by_epoch: step it once per epoch instead of once per optimizer step.
     """
 
-    priority = 20
-
-    def __init__(self, lr_scheduler: Any):
+    def __init__(self, lr_scheduler: Any, by_epoch: bool = False):
         self.lr_scheduler = lr_scheduler
-
-    def after_step(self, trainer) -> None:
-        m = trainer.state.metrics
-        if m.get("lr") is None:
-            m["lr"] = self.lr_scheduler.get_last_lr()[0]
-        if not m.get("skipped"):
-            self.lr_scheduler.step()
-
-    def state_dict(self) -> dict[str, Any]:
-        return _json_safe(self.lr_scheduler.state_dict())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.lr_scheduler.load_state_dict(state)
-        # The scheduler sets the optimizer's rates only when it steps: put the resumed rates in place now,
-        # whether or not the engine's checkpoint restored the param groups.
-        for group, lr in zip(self.lr_scheduler.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-            group["lr"] = lr
+        self.by_epoch = by_epoch
 
 
-def _json_safe(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """Keep numbers, strings, lists and dicts (a scheduler's state_dict may hold a config object)."""
     if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items() if _is_plain(v)}
+        return {str(k): json_safe(v) for k, v in obj.items() if _is_plain(v)}
     if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 

@@ -1,6 +1,6 @@
 """MemoryHook: model-state bytes from the engine's own accounting, device peak, host RSS.
 
-Numbers go to `state.metrics["mem"]` in MiB: the engine's params/grads/master/optimizer bytes summed
+Numbers go to `state.metrics.mem` in MiB: the engine's params/grads/master/optimizer bytes summed
 per place (device / host / disk), the device's peak allocation since the last report, and the
 process's resident host memory.
 """
@@ -20,10 +20,9 @@ class MemoryHook(Hook):
 
     Args:
         interval: measure every `interval` steps (and on the last); the peak counter is reset after
-            each measurement, so device_peak_mb is the peak over the interval.
+            each measurement, so device_peak_mb is the peak over the interval. Reading allocator
+            counters and RSS is host-side: it does not wait for the device.
     """
-
-    priority = 30
 
     def __init__(self, interval: int = 1):
         self.interval = interval
@@ -41,7 +40,7 @@ class MemoryHook(Hook):
             mem["device_peak_mb"] = torch.cuda.max_memory_allocated(trainer.device) / MIB
             torch.cuda.reset_peak_memory_stats(trainer.device)
         mem["host_rss_mb"] = host_rss_bytes() / MIB
-        s.metrics["mem"] = mem
+        s.metrics.mem = mem
 
 
 def host_rss_bytes() -> int:

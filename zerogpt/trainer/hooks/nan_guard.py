@@ -1,7 +1,8 @@
 """NaNGuardHook: stop a run whose loss stays non-finite instead of training on garbage.
 
-fp16 steps that the loss scaler skipped (metrics["skipped"]) are the scaler doing its job: they neither
-count towards the limit nor reset it.
+It looks at the loss of log steps only (the loop reads no number on other steps), so it stops after
+`max_bad_steps` consecutive logged non-finite losses. fp16 steps that the loss scaler skipped
+(metrics.skipped) are the scaler doing its job: they neither count towards the limit nor reset it.
 """
 from __future__ import annotations
 
@@ -11,13 +12,11 @@ from zerogpt.trainer.hooks.base import Hook
 
 
 class NaNGuardHook(Hook):
-    """Raises FloatingPointError after `max_bad_steps` consecutive non-finite losses, naming the steps.
+    """Raises FloatingPointError after `max_bad_steps` consecutive non-finite logged losses, naming the steps.
 
-    Runs after logging (so the bad step is in metrics.jsonl) and before checkpointing (so no checkpoint
-    is written from the step that trips it).
+    List it after the loggers (so the bad step is in metrics.jsonl) and before SaveCheckpointHook (so no
+    checkpoint is written from the step that trips it).
     """
-
-    priority = 55
 
     def __init__(self, max_bad_steps: int = 3):
         if max_bad_steps < 1:
@@ -27,16 +26,16 @@ class NaNGuardHook(Hook):
 
     def after_step(self, trainer) -> None:
         s = trainer.state
-        if s.metrics.get("skipped"):
+        if not s.metrics.logged or s.metrics.skipped:
             return
-        loss = s.metrics.get("loss", s.loss)
-        if loss is not None and math.isfinite(loss):
+        loss = s.metrics.loss
+        if math.isfinite(loss):
             self._bad = []
             return
         self._bad.append(s.step)
         if len(self._bad) >= self.max_bad_steps:
             raise FloatingPointError(
-                f"loss is {loss} at step {s.step}, non-finite for {len(self._bad)} consecutive steps "
+                f"loss is {loss} at step {s.step}, non-finite for {len(self._bad)} consecutive logged steps "
                 f"(steps {self._bad[0]}..{s.step}). Lower optimizer.lr or add warmup "
                 "(lr_scheduler.warmup_steps), set clip_grad_norm=1.0, or use precision='bf16'; then "
                 "restart from the last good checkpoint with --resume auto.")

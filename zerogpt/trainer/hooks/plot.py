@@ -51,7 +51,6 @@ def plot_losses(metrics_path: str, out_path: str, title: str = "") -> bool:
 class PlotHook(Hook):
     """Writes <output_dir>/loss.png from <output_dir>/metrics.jsonl (rank 0); needs LogMetricByStepHook."""
 
-    priority = 90
 
     def __init__(self, output_dir: str, title: str = ""):
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")

@@ -5,9 +5,7 @@ from zerogpt.trainer.hooks.base import Hook
 
 
 class ProgressBarHook(Hook):
-    """Shows step/max_steps, steps/s, ETA, loss and lr on rank 0 (tqdm, on stderr)."""
-
-    priority = 60
+    """Shows step/max_steps, steps/s, ETA, and the loss and lr of the latest log step on rank 0 (tqdm)."""
 
     def __init__(self, desc: str = "train"):
         self.desc = desc
@@ -23,10 +21,11 @@ class ProgressBarHook(Hook):
     def after_step(self, trainer) -> None:
         if self._bar is not None:
             m = trainer.state.metrics
-            post = {"loss": f"{m.get('loss', trainer.state.loss):.4f}"}
-            if m.get("lr") is not None:
-                post["lr"] = f"{m['lr']:.2e}"
-            self._bar.set_postfix(post, refresh=False)
+            if m.logged:
+                post = {"loss": f"{m.loss:.4f}"}
+                if m.lr is not None:
+                    post["lr"] = f"{m.lr:.2e}"
+                self._bar.set_postfix(post, refresh=False)
             self._bar.update(1)
 
     def after_train(self, trainer) -> None:

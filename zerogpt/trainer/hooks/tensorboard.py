@@ -18,14 +18,19 @@ class TensorboardHook(Hook):
     Args:
         log_dir: event files go here (train_gpt.py uses <output_dir>/tensorboard).
         log_interval: steps between train scalars.
+        ranks: the ranks that write (Colossal-AI's argument); only rank 0 is supported.
     """
 
-    priority = 50
-
-    def __init__(self, log_dir: str, log_interval: int = 10):
+    def __init__(self, log_dir: str, log_interval: int = 10, ranks: tuple[int, ...] = (0,)):
+        if tuple(ranks) != (0,):
+            raise ValueError(f"TensorboardHook(ranks={ranks!r}): only rank 0 writes (every rank logs the same "
+                             "global numbers); pass ranks=[0] or leave it out")
         self.log_dir = log_dir
         self.log_interval = log_interval
         self._writer = None
+
+    def logs_at(self, step: int, max_steps: int | None) -> bool:
+        return every(step, self.log_interval, max_steps)
 
     def before_train(self, trainer) -> None:
         if trainer.rank == 0:
@@ -34,13 +39,13 @@ class TensorboardHook(Hook):
 
     def after_step(self, trainer) -> None:
         s = trainer.state
-        if self._writer is None or not every(s.step, self.log_interval, s.max_steps):
+        if self._writer is None or not self.logs_at(s.step, s.max_steps):
             return
         for name in SCALARS:
-            v = s.metrics.get(name)
+            v = getattr(s.metrics, name)
             if v is not None and math.isfinite(float(v)):
                 self._writer.add_scalar(f"train/{name}", float(v), s.step)
-        for name, v in (s.metrics.get("mem") or {}).items():
+        for name, v in (s.metrics.mem or {}).items():
             if v is not None:
                 self._writer.add_scalar(f"mem/{name}", v, s.step)
 

@@ -1,4 +1,4 @@
-"""Tests for zerogpt/extend_vocab.py: a GPT-2 grown to a merge-tokenizers vocabulary keeps its old outputs exactly,
+"""Tests for zerogpt_tools/extend_vocab.py: a GPT-2 grown to a merge-tokenizers vocabulary keeps its old outputs exactly,
 new rows start at the mean (or zeros), files load with transformers, and the result trains as gpt2_tiny(pretrained=).
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 from data_pipeline.__main__ import main as pipeline  # noqa: E402
 from data_pipeline.tokenizer import save_tokenizer_dir  # noqa: E402
 from data_pipeline.train_tokenizer import train_byte_level_bpe  # noqa: E402
-from tests.data_pipeline.test_merge_tokenizers import prose_and_code  # noqa: E402
-from zerogpt.extend_vocab import extend_vocab, main  # noqa: E402
+from tests.corpus import prose_and_code  # noqa: E402
+from zerogpt_tools.extend_vocab import extend_vocab, main  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

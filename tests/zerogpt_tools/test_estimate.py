@@ -1,4 +1,4 @@
-"""zerogpt.estimate: ZeRO formulas against hand-computed numbers, activations, model table, CLI."""
+"""zerogpt_tools.estimate: ZeRO formulas against hand-computed numbers, activations, model table, CLI."""
 import json
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from zerogpt.estimate import MODELS, ModelShape, activation_bytes, estimate, main, model_state_bytes
+from zerogpt_tools.estimate import MODELS, ModelShape, activation_bytes, estimate, main, model_state_bytes
 
 PSI, N = 10**6, 4
 
@@ -106,7 +106,7 @@ def test_cli_fits_and_json(capsys):
 
 @pytest.mark.timeout(120)
 def test_cli_module_entry_point():
-    res = subprocess.run([sys.executable, "-m", "zerogpt.estimate", "--model", "gpt2_tiny", "--stage", "2",
+    res = subprocess.run([sys.executable, "-m", "zerogpt_tools.estimate", "--model", "gpt2_tiny", "--stage", "2",
                           "--world", "2", "--precision", "fp32", "--checkpoint"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "2Psi+14Psi/N" in res.stdout

@@ -1,4 +1,4 @@
-"""Tests for zerogpt/export.py: a real engine checkpoint (gpt2_tiny trained through zerogpt.initialize on 1 process
+"""Tests for zerogpt_tools/export.py: a real engine checkpoint (gpt2_tiny trained through zerogpt.initialize on 1 process
 and on 2 gloo ranks at stage 3) exports to a Hugging Face directory that transformers loads with the trained
 logits; generation from the checkpoint equals transformers' generate on the export; sharding, bf16, the memory
 bound (one shard, no model built), HF-class checkpoints, and errors.
@@ -19,8 +19,8 @@ from data_pipeline.tokenizer import save_tokenizer_dir  # noqa: E402
 from data_pipeline.train_tokenizer import train_byte_level_bpe  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 from tests.corpus import stdlib_docstrings  # noqa: E402
-from tests.test_generate import hf_greedy  # noqa: E402
-from zerogpt.export import ShardWriter, export_checkpoint, main, parse_size  # noqa: E402
+from tests.zerogpt_tools.hf_reference import hf_greedy  # noqa: E402
+from zerogpt_tools.export import ShardWriter, export_checkpoint, main  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -124,7 +124,7 @@ def test_export_two_ranks_stage3(tmp_path, tok_dir):
 
 
 def test_checkpoint_generates_like_its_export(run1, tmp_path):
-    from zerogpt.generate import SamplingConfig, generate_text, load_model
+    from zerogpt_tools.generate import SamplingConfig, generate_text, load_model
 
     run_dir, _, _ = run1
     export_checkpoint(str(run_dir), str(tmp_path / "hf"))
@@ -258,11 +258,7 @@ def test_no_tokenizer_flag_exports_weights_only(run1, tmp_path):
         torch.testing.assert_close(load_hf(tmp_path / "hf")(probe_ids()).logits, logits, rtol=0, atol=1e-5)
 
 
-def test_parse_size_and_shard_writer(tmp_path):
-    assert parse_size("1GB") == 10**9 and parse_size("500MB") == 5 * 10**8 and parse_size("2GiB") == 2 * 2**30
-    assert parse_size("64KiB") == 65536 and parse_size("1234") == 1234
-    with pytest.raises(ValueError, match="not a size"):
-        parse_size("1 parsec")
+def test_shard_writer(tmp_path):
     writer = ShardWriter(str(tmp_path), max_shard_bytes=100)
     writer.add("a", torch.zeros(10))    # 40 bytes
     writer.add("b", torch.zeros(10))    # 80: same shard
@@ -281,7 +277,7 @@ def test_export_refuses_a_tokenizer_other_than_the_datas(run1, tmp_path, tok_dir
     """Issue 18.1: the run's data was tokenized with another vocabulary than data.tokenizer (its stats say 320 ids,
     the tokenizer has 300): export refuses instead of pairing the model with the wrong tokenizer."""
     import shutil
-    from zerogpt.export import main
+    from zerogpt_tools.export import main
 
     run_dir, _, _ = run1
     copy = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Tests for zerogpt/generate.py: greedy = transformers' generate on the same (exported) model, the KV cache = a
+"""Tests for zerogpt_tools/generate.py: greedy = transformers' generate on the same (exported) model, the KV cache = a
 full recompute, a checkpoint / run dir generates as its export, seeded sampling, top-k / top-p, clear errors.
 
 Everything is local: a byte-level BPE trained on stdlib docstrings and tiny random GPT-2s.
@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 from data_pipeline.tokenizer import save_tokenizer_dir  # noqa: E402
 from data_pipeline.train_tokenizer import train_byte_level_bpe  # noqa: E402
 from tests.corpus import stdlib_docstrings  # noqa: E402
-from zerogpt.generate import SamplingConfig, generate_ids, generate_text, load_model, main, next_token  # noqa: E402
+from tests.zerogpt_tools.hf_reference import hf_greedy  # noqa: E402
+from zerogpt_tools.generate import SamplingConfig, generate_ids, generate_text, load_model, main, next_token  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,12 +32,6 @@ def hf_dir(tmp_path_factory):
                                      initializer_range=0.3, bos_token_id=0, eos_token_id=0)
     transformers.GPT2LMHeadModel(config).save_pretrained(root / "hf")
     return root / "hf"
-
-
-def hf_greedy(model, ids, max_new_tokens):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def test_greedy_matches_transformers_generate(hf_dir):

@@ -1,20 +1,11 @@
 """Export a zerogpt checkpoint as a Hugging Face model directory, streaming one tensor at a time.
 
-    python -m zerogpt.export runs/demo_cpu --out exports/demo_cpu [--dtype bf16] [--tokenizer DIR]
+    python -m zerogpt_tools.export runs/demo_cpu --out exports/demo_cpu [--dtype bf16] [--tokenizer DIR]
 
-The output (config.json, model.safetensors or model-0000i-of-0000n.safetensors + model.safetensors.index.json,
-generation_config.json, the run's tokenizer files) loads with `AutoModelForCausalLM.from_pretrained(DIR)` and
-`AutoTokenizer.from_pretrained(DIR)`. Peak memory is one safetensors shard (--max-shard-size) plus one fp32
-tensor: neither the whole trained model nor an HF model is ever built.
-
-zerogpt imports no model code (DESIGN §1), so it finds the conversion through the model class the checkpoint
-records. A transformers class ("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel") is written as is.
-Any other class "pkg.mod.Cls" plugs in through module-level functions of "pkg.mod" (model_zoo/gpt.py has them):
-    hf_config(config: dict) -> transformers.PretrainedConfig
-    to_hf_tensor(name, tensor, config: dict) -> (hf_name, tensor) or None to leave the tensor out
-    model_from_config(config: dict) -> nn.Module          (used by zerogpt.generate to rebuild the model)
-This module also owns the small HF-side helpers that generate.py and extend_vocab.py share: the sharded
-safetensors writer and reader, and finding and loading the run's tokenizer.
+The output loads with `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`.
+Peak memory is one safetensors shard plus one tensor. The conversion is found through the model class the
+checkpoint records: a transformers class is written as is; any other "pkg.mod.Cls" plugs in through
+`hf_config`, `to_hf_tensor` and `model_from_config` in "pkg.mod" (model_zoo/gpt.py has them; see ModelPlugin).
 """
 from __future__ import annotations
 
@@ -23,33 +14,25 @@ import contextlib
 import importlib
 import json
 import os
-import re
 import shutil
 import sys
 from typing import Any, Callable, Iterator
 
 import torch
 
+from data_pipeline.io import parse_size
+from data_pipeline.tokenizer import load_tokenizer
+from model_zoo.hf import check_safetensors
 from zerogpt.cli import HelpFormatter
 
 __all__ = ["export_checkpoint", "ShardWriter", "iter_hf_weights", "ModelPlugin", "find_tokenizer",
-           "load_tokenizer", "save_tokenizer", "atomic_output_dir", "main"]
+           "save_tokenizer", "atomic_output_dir", "main"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _TOKENIZER_HINT = ("pass --tokenizer DIR (the tokenizer the model was trained with, e.g. the run's data.tokenizer "
                    "or a `python -m data_pipeline train-tokenizer` output)")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '1GB', '500MB', '64KiB' or a plain integer (decimal units as HF's max_shard_size, binary *iB)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise ValueError(f"--max-shard-size {text!r} is not a size; use e.g. 1GB, 500MB or 2GiB")
-    number, unit, binary = match.groups()
-    base = 1024 if binary else 1000
-    return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
 
 
 @contextlib.contextmanager
@@ -130,27 +113,6 @@ class ShardWriter:
         return names
 
 
-def check_safetensors(paths: list[str], model_dir: str) -> None:
-    """Each file opens as safetensors: a corrupt or truncated one is named here, not deep in transformers' loader."""
-    from safetensors import safe_open
-
-    for path in paths:
-        try:
-            with safe_open(path, framework="pt") as f:
-                f.keys()
-        except Exception as e:  # safetensors raises its own SafetensorError, or OSError for a missing file
-            raise ValueError(f"{path} is corrupt, truncated or missing ({type(e).__name__}: {e}); export the "
-                             f"checkpoint again: python -m zerogpt.export RUN_DIR --out {model_dir}") from None
-
-
-def check_hf_dir(model_dir: str) -> None:
-    """Before transformers loads `model_dir`: its safetensors weights (if it has any) open."""
-    if not os.path.isdir(model_dir):
-        return  # the loader's own error names the missing directory
-    names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
-    check_safetensors([os.path.join(model_dir, n) for n in names], model_dir)
-
-
 def hf_weight_files(model_dir: str) -> list[str]:
     """The safetensors files of an HF model directory (single file or index), each checked to open."""
     index = os.path.join(model_dir, INDEX_FILE)
@@ -161,7 +123,7 @@ def hf_weight_files(model_dir: str) -> list[str]:
         files = [SINGLE_FILE]
     else:
         raise ValueError(f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; point at a directory written by "
-                         f"`python -m zerogpt.export` or save_pretrained(..., safe_serialization=True)")
+                         f"`python -m zerogpt_tools.export` or save_pretrained(..., safe_serialization=True)")
     paths = [os.path.join(model_dir, fname) for fname in files]
     check_safetensors(paths, model_dir)
     return paths
@@ -255,32 +217,6 @@ def find_tokenizer(explicit: str | None, reader: Any = None, model_dir: str | No
                              f"{_TOKENIZER_HINT}")
         return path
     return None
-
-
-def load_tokenizer(path: str) -> Any:
-    """A transformers fast tokenizer from a HF tokenizer dir, a tokenizer.json file, or vocab.json + merges.txt.
-
-    Like data_pipeline's loader (which zerogpt must not import): `<|endoftext|>` becomes EOS when none is set.
-    """
-    from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerFast
-
-    try:
-        if os.path.isfile(path):
-            tok = PreTrainedTokenizerFast(tokenizer_file=path)
-        elif {"tokenizer.json", "tokenizer_config.json"} & set(os.listdir(path)):
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        elif {"vocab.json", "merges.txt"} <= set(os.listdir(path)):
-            tok = GPT2TokenizerFast(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"))
-        else:
-            raise ValueError(f"tokenizer {path} holds no tokenizer.json, tokenizer_config.json or "
-                             f"vocab.json + merges.txt; {_TOKENIZER_HINT}")
-    except ValueError:
-        raise
-    except Exception as e:  # OSError, json errors, tokenizers' bare Exception
-        raise ValueError(f"tokenizer {path} does not load: {type(e).__name__}: {e}; {_TOKENIZER_HINT}") from e
-    if tok.eos_token is None and "<|endoftext|>" in tok.get_vocab():
-        tok.eos_token = "<|endoftext|>"
-    return tok
 
 
 def save_tokenizer(tok: Any, out_dir: str, model_max_length: int | None = None) -> None:
@@ -397,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        stats = export_checkpoint(args.checkpoint, args.out, args.dtype, args.tokenizer,
-                                  parse_size(args.max_shard_size), with_tokenizer=not args.no_tokenizer)
+        max_shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
+        stats = export_checkpoint(args.checkpoint, args.out, args.dtype, args.tokenizer, max_shard_bytes,
+                                  with_tokenizer=not args.no_tokenizer)
     except (ValueError, KeyError) as e:  # CheckpointError is a ValueError
         raise SystemExit(f"error: {e}")
     print(f"[export] {stats['checkpoint']} -> {stats['out']}: {stats['tensors']} tensors, "

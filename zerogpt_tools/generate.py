@@ -1,15 +1,11 @@
 """Generate text from an exported Hugging Face directory or a zerogpt checkpoint / run directory, with a KV cache.
 
-    python -m zerogpt.generate --model exports/demo_cpu --prompt "The json module" --max-new-tokens 50
-    python -m zerogpt.generate --model runs/demo_cpu --prompt "def " --top-p 0.9 --seed 1 --tokenizer runs/tok
-    python -m zerogpt.generate --model runs/demo_cpu --prompt "Return" --greedy
+    python -m zerogpt_tools.generate --model exports/demo_cpu --prompt "The json module" --max-new-tokens 50
+    python -m zerogpt_tools.generate --model runs/demo_cpu --prompt "Return" --greedy
 
-An HF directory (config.json) is loaded with transformers; a checkpoint is rebuilt through the model class it
-records (`model_from_config` of that class's module, see zerogpt/export.py) and filled tensor by tensor. Both
-are driven by one decoding loop: prefill the prompt once, then feed one token at a time with the cache
-(`model(ids, past_key_values=..., use_cache=True)`, the call our GPT and HF's share). Greedy decoding gives the
-same tokens as `transformers` `generate(do_sample=False)` on the exported model; sampling is reproducible for
-a --seed. Generation stops at --max-new-tokens or at the tokenizer's EOS (unless --ignore-eos).
+One decoding loop for both (prefill once, then one token at a time with the cache); a checkpoint is rebuilt
+through the model class it records (see zerogpt_tools/export.py). Greedy decoding gives the same tokens as
+transformers' `generate(do_sample=False)` on the export; sampling is reproducible for a --seed.
 """
 from __future__ import annotations
 
@@ -111,7 +107,7 @@ def generate_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: 
 
 def _load_checkpoint_model(reader: Any) -> torch.nn.Module:
     """Rebuild the recorded model class and fill it from the checkpoint, one tensor at a time."""
-    from zerogpt.export import ModelPlugin
+    from zerogpt_tools.export import ModelPlugin
 
     model = ModelPlugin(reader.meta["model"]).build()
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -134,8 +130,10 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
     The tokenizer is `tokenizer` if given, else an HF dir's own tokenizer files, else the run config's
     data.tokenizer; ValueError naming the fix when there is none.
     """
-    from zerogpt.export import check_hf_dir, find_tokenizer, load_tokenizer
+    from data_pipeline.tokenizer import load_tokenizer
+    from model_zoo.hf import check_hf_dir
     from zerogpt.preflight import check_vocab, run_data_vocab
+    from zerogpt_tools.export import find_tokenizer
 
     if not os.path.isdir(path):
         raise ValueError(f"--model {path}: no such directory (an exported HF dir, a run dir or a checkpoint dir)")
@@ -197,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zerogpt.export import DTYPES
+    from zerogpt_tools.export import DTYPES
 
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:

@@ -1,15 +1,10 @@
 """Grow a Hugging Face GPT-2's vocabulary to a bigger tokenizer that keeps the old ids (merge-tokenizers output).
 
-    python -m data_pipeline merge-tokenizers runs/tok_web runs/tok_code --out runs/tok_web_code
-    python -m zerogpt.extend_vocab --model exports/web --tokenizer runs/tok_web_code --out exports/web_code
+    python -m zerogpt_tools.extend_vocab --model exports/web --tokenizer runs/tok_web_code --out exports/web_code
 
-The embedding (and the head: tied in GPT-2, grown too if saved untied) gets len(tokenizer) rows rounded up to
---divisible-by (128 by default, for matmul speed). Old rows are copied unchanged, so a text of old tokens gives
-the same outputs; new rows start at the mean of the old embeddings (the new tokens begin as an "average token"
-rather than noise, so the initial loss stays close to the old model's: J. Hewitt, "Initializing New Word
-Embeddings for Pretrained Language Models", 2021) or at zeros. config.json and the tokenizer files are
-rewritten; the result continues pretraining with `model = dict(type=gpt2_small, pretrained="exports/web_code")`.
-Tensors stream one at a time.
+The embedding (and an untied head) gets len(tokenizer) rows rounded up to --divisible-by; old rows are copied,
+so old-token inputs give the same outputs, and new rows start at the mean of the old ones (J. Hewitt,
+"Initializing New Word Embeddings for Pretrained Language Models", 2021) or at zeros. Tensors stream one at a time.
 """
 from __future__ import annotations
 
@@ -60,7 +55,7 @@ def _check_model(model_dir: str) -> dict:
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--model {model_dir}: no config.json there; point at a Hugging Face GPT-2 directory "
-                         f"(e.g. `python -m zerogpt.export RUN --out DIR` output)")
+                         f"(e.g. `python -m zerogpt_tools.export RUN --out DIR` output)")
     with open(config_path) as f:
         config = json.load(f)
     if config.get("model_type") != "gpt2":
@@ -79,8 +74,8 @@ def extend_vocab(model_dir: str, tokenizer: str, out_dir: str, divisible_by: int
     """
     from transformers import AutoConfig
 
-    from zerogpt.export import (ShardWriter, atomic_output_dir, find_tokenizer, iter_hf_weights, load_tokenizer,
-                                save_tokenizer)
+    from data_pipeline.tokenizer import load_tokenizer
+    from zerogpt_tools.export import ShardWriter, atomic_output_dir, find_tokenizer, iter_hf_weights, save_tokenizer
 
     if divisible_by < 1:
         raise ValueError(f"--divisible-by must be >= 1, got {divisible_by}")
@@ -135,7 +130,7 @@ def extend_vocab(model_dir: str, tokenizer: str, out_dir: str, divisible_by: int
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerogpt-extend-vocab", description=__doc__,
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True, help="Hugging Face GPT-2 directory (e.g. a zerogpt.export output)")
+    p.add_argument("--model", required=True, help="Hugging Face GPT-2 directory (e.g. a zerogpt_tools.export output)")
     p.add_argument("--tokenizer", required=True, help="the bigger tokenizer (keeps the model's ids: merge-tokenizers)")
     p.add_argument("--out", required=True, help="output directory; replaced atomically")
     p.add_argument("--divisible-by", type=int, default=128, help="round the rows up to a multiple of this (128)")
@@ -145,12 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zerogpt.export import parse_size
+    from data_pipeline.io import parse_size
 
     args = build_parser().parse_args(argv)
     try:
         stats = extend_vocab(args.model, args.tokenizer, args.out, args.divisible_by, args.init,
-                             parse_size(args.max_shard_size))
+                             parse_size(args.max_shard_size, "--max-shard-size"))
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     print(f"[extend-vocab] {stats['old_vocab_size']} -> {stats['vocab_size']} rows (tokenizer {stats['tokenizer_size']}"

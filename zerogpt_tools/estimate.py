@@ -1,27 +1,22 @@
 """Will it fit? Bytes per rank on GPU, host and disk for a GPT trained with zerogpt, before you launch.
 
-Owns the memory plan as pure functions of ints (no torch.distributed, no model build): model states
-(`model_state_bytes`, the ZeRO-paper accounting as our engine actually holds it), activations
-(Korthikanti et al. 2022) and chunk buffers in flight. The engine's `memory_stats()` measures the same
-categories from live tensors; tests compare the two. It does not import model_zoo: sizes are in MODELS.
+    python -m zerogpt_tools.estimate --model gpt2_xl --stage 3 --offload cpu --world 1 --gpu-mem 80GiB
 
-    python -m zerogpt.estimate --model gpt2_xl --stage 3 --offload cpu --world 1 --gpu-mem 80GB --host-mem 128GB
-
-Versus DeepSpeed's `estimate_zero2_model_states_mem_needs_all_live` / `estimate_zero3_..._all_live`:
-those cover model states only, for fp16 mixed precision with Adam, with a flat 1.5x "buffer factor" on
-host RAM and (ZeRO-3) the largest layer's fp32 params on the GPU; they ignore activations, NVMe/disk
-offload, fp32 vs mixed precision, prefetch/chunk buffers and the loss head, and never say whether the
-run fits. This module counts each of those separately, per device kind, and compares with capacities.
+Pure functions of ints: model states (`model_state_bytes`, the ZeRO-paper accounting as the engine holds
+it), activations (Korthikanti et al. 2022) and chunk buffers in flight; the engine's `memory_stats()`
+measures the same categories and tests compare the two. Unlike DeepSpeed's estimators it also counts
+activations, disk offload, precision and buffers, and compares the totals with the capacities given.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import re
 import sys
 from dataclasses import asdict, dataclass
 
+from data_pipeline.io import parse_size
+from model_zoo.gpt import SIZES, GPTConfig
 from zerogpt.cli import HelpFormatter
 
 __all__ = ["MODELS", "ModelShape", "model_state_bytes", "activation_bytes", "estimate", "main"]
@@ -58,14 +53,14 @@ class ModelShape:
         return max(self.padded_vocab * self.hidden, 4 * self.hidden * self.hidden)
 
 
-# Same shapes as model_zoo.gpt's factories (checked by tests/test_estimate.py).
-MODELS: dict[str, ModelShape] = {
-    "gpt2_tiny": ModelShape(layers=2, hidden=64, heads=2, vocab=1024, positions=256),
-    "gpt2_small": ModelShape(layers=12, hidden=768, heads=12),   # 124M
-    "gpt2_medium": ModelShape(layers=24, hidden=1024, heads=16),  # 355M
-    "gpt2_large": ModelShape(layers=36, hidden=1280, heads=20),   # 774M
-    "gpt2_xl": ModelShape(layers=48, hidden=1600, heads=25),      # 1.5B
-}
+def _shape(size: dict) -> ModelShape:
+    c = GPTConfig(**size)
+    return ModelShape(layers=c.n_layer, hidden=c.n_embd, heads=c.n_head, vocab=c.vocab_size,
+                      positions=c.max_position_embeddings, pad_vocab_multiple=c.pad_vocab_multiple)
+
+
+MODELS: dict[str, ModelShape] = {name: _shape(size) for name, size in SIZES.items()}
+"""model_zoo's GPT sizes (gpt2_tiny ... gpt2_xl) as shapes."""
 
 
 def _check_choice(name: str, value: str, valid) -> None:
@@ -213,18 +208,6 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
 
 # -- CLI -------------------------------------------------------------------------------------------
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'80GB' -> 80e9 (SI), '80GiB' or '80G' -> 80 * 2**30."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size; write e.g. 80GB, 80GiB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
 def _fmt(n: int) -> str:
     if n == 0:
         return "-"
@@ -275,7 +258,7 @@ def format_report(est: dict, shape: ModelShape, args: argparse.Namespace) -> str
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zerogpt.estimate", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m zerogpt_tools.estimate", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     # model
     p.add_argument("--model", default="gpt2_small", choices=sorted(MODELS), help="size from the table")
@@ -300,10 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager-attention", action="store_true", help="attention that stores s x s scores")
     p.add_argument("--dropout", action="store_true", help="dropout > 0 (1-byte masks are stored)")
     # capacities
-    p.add_argument("--gpu-mem", type=parse_bytes, help="e.g. 80GB (SI) or 80GiB")
-    p.add_argument("--host-mem", type=parse_bytes, help="host RAM per node, e.g. 128GB")
-    p.add_argument("--disk", dest="disk_space", type=parse_bytes, help="free space at the offload path")
-    p.add_argument("--gpu-overhead", type=parse_bytes, default=2**30, help="CUDA context + workspaces")
+    p.add_argument("--gpu-mem", type=parse_size, help="e.g. 80GiB or 80G (2**30), 80GB (10**9)")
+    p.add_argument("--host-mem", type=parse_size, help="host RAM per node, e.g. 128GB")
+    p.add_argument("--disk", dest="disk_space", type=parse_size, help="free space at the offload path")
+    p.add_argument("--gpu-overhead", type=parse_size, default=2**30, help="CUDA context + workspaces")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
