@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
-PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0}  # dense bf16 without sparsity, by device name
 VOCAB = 50257
 
 @dataclass
@@ -143,21 +142,22 @@ def measure(spec: Spec) -> dict:
     from torch.profiler import record_function
 
     from model_zoo.gpt import GPTLMLoss
-    from zerogpt.trainer import flops_per_token
+    from zerogpt.trainer.hooks.throughput import device_peak_tflops
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     precision = "bf16" if cuda else "fp32"
     make = dict(zerogpt=_make_zerogpt, deepspeed=_make_deepspeed, torch=_make_torch)[spec.system]
     with torch.device("meta"):
-        num_params = sum(p.numel() for p in _build_model(spec, device).parameters())  # tied head counted once
+        meta_model = _build_model(spec, device)
+        num_params = sum(p.numel() for p in meta_model.parameters())  # tied head counted once
+        flops_per_token = meta_model.flops_per_token(spec.seq)
     forward, backward, step, optimizer, close = make(spec, device, precision)
     # peaks from here on: the training steps, not the model's construction
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     _reset_host_peak()
     loss_fn = GPTLMLoss(shift=False)
-    n_layer, _, n_embd = spec.shape
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g).to(device) for _ in range(2)]
 
@@ -184,8 +184,8 @@ def measure(spec: Spec) -> dict:
     seconds = time.perf_counter() - t0
     losses.append(loss.item())
     tokens_per_s = spec.batch * spec.seq * spec.steps / seconds
-    tflops = tokens_per_s * flops_per_token(num_params, n_layer, n_embd, spec.seq) / 1e12
-    peak = next((v for k, v in PEAK_TFLOPS_BF16.items() if cuda and k in torch.cuda.get_device_name(0)), None)
+    tflops = tokens_per_s * flops_per_token / 1e12
+    peak = device_peak_tflops(device)
     out = dict(spec=asdict(spec), params=num_params, step_s=seconds / spec.steps, tokens_per_s=tokens_per_s,
                tflops=tflops, mfu=tflops / peak if peak else None, losses=losses,
                peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
