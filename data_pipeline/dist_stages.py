@@ -22,7 +22,7 @@ from collections import Counter
 import numpy as np
 
 from data_pipeline import dist_dedup
-from data_pipeline.executor import Job, num_tasks, run_jobs
+from data_pipeline.executor import Job, executor_session, num_tasks, run_jobs
 from data_pipeline.io import (BadLineReporter, atomic_write, dumps, parse_jsonl_line, parse_size,
                               write_stats)
 from data_pipeline.shards import concat, count_lines, file_size, first_line, iter_shard, read_json, write_json
@@ -130,16 +130,18 @@ def cleanup_task(rank: int, world: int, work: str, sargs: argparse.Namespace, to
     counts: Counter = Counter(kept=0, empty=0, too_short=0, wrong_lang=0, lang_detect_failed=0, malformed=0)
     languages: Counter = Counter()
     total_length = 0
-    report = BadLineReporter(sargs.input, sargs.strict)
+    report = BadLineReporter(sargs.input, sargs.strict, action=f"recorded in {sargs.output}.rejected.jsonl")
     with atomic_write(part(work, "out", rank)) as out, atomic_write(part(work, "rejected", rank)) as rej:
         for batch in dist_dedup.batches(lines, cleanup.BATCH_LINES):
             for lineno, kind, reason, payload in cleanup._process_batch(
                     (batch, sargs.lang, sargs.min_tokens, sargs.quality)):
                 if kind == "blank":
                     counts["blank_lines"] += 1
-                elif kind == "malformed":
+                elif kind == "malformed":  # as cleanup.run: recorded whole in the rejects
                     counts["malformed"] += 1
                     report(lineno, reason)
+                    rej.write(dumps({"line": lineno, "url": None, "reason": "malformed", "detail": reason,
+                                     "raw": payload}))
                 elif kind == "keep":
                     record, length, detected = payload
                     out.write(dumps(record))
@@ -407,6 +409,18 @@ def one_task_jobs(stage: str):
 JOBS = {"blacklist": blacklist_jobs, "cleanup": cleanup_jobs, "find-duplicates": find_duplicates_jobs,
         "group-duplicates": one_task_jobs("group-duplicates"), "remove-duplicates": remove_duplicates_jobs,
         "shuffle": shuffle_jobs, "tokenize": tokenize_jobs}
+
+
+def run_on_executor(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -> int:
+    """Run `stage` as tasks on args.executor: what `all` and the stage's own command with
+    --executor do. A single stage (sargs is args) without --workdir keeps its task files in
+    the folder of its output."""
+    if args.workdir is None:
+        output = getattr(sargs, "output", None) or sargs.output_prefix
+        args.workdir = os.path.dirname(output) or "."
+    with executor_session(args):
+        run_stage(stage, sargs, args)
+    return 0
 
 
 def run_stage(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -> dict[str, int]:

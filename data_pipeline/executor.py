@@ -13,10 +13,11 @@ completion marker per finished task: a killed run that is re-run skips finished 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from datatrove.pipeline.base import PipelineStep
 
@@ -60,9 +61,15 @@ class TaskStep(PipelineStep):
         return iter(())
 
 
-def add_executor_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--executor", choices=EXECUTORS, default="local",
-                   help="where the CPU stages' tasks run: local processes (default), Ray, or Slurm job arrays")
+def add_executor_args(p: argparse.ArgumentParser, single_stage: bool = False) -> None:
+    """The executor flags of `all` and, with `single_stage`, of each CPU stage's own command.
+
+    A single stage runs in this process (its --workers processes) unless --executor is given: that
+    path needs no task folder and is the reference the task path is tested against.
+    """
+    p.add_argument("--executor", choices=EXECUTORS, default=None if single_stage else "local",
+                   help="where the CPU stages' tasks run: local processes, Ray, or Slurm job arrays" +
+                        (" (default: none, the stage runs in this process)" if single_stage else ""))
     p.add_argument("--ray-address", help="Ray cluster to join (e.g. ray://head:10001 or auto); "
                                          "without it --executor ray starts a local Ray")
     p.add_argument("--tasks", type=int, help="shards per stage (default: input size / --shard-size, "
@@ -70,6 +77,16 @@ def add_executor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", default="256M", help="target input bytes per task; bounds a task's memory")
     p.add_argument("--slurm-partition", help="--executor slurm: partition for the job arrays")
     p.add_argument("--slurm-time", default="4:00:00", help="--executor slurm: time limit per task")
+    if not single_stage:
+        return
+    p.add_argument("--workdir", help="with --executor: task files go to WORKDIR/.tasks/STAGE "
+                                     "(default: the output's folder)")
+    # stages that have their own --workers / --force keep them
+    with contextlib.suppress(argparse.ArgumentError):
+        p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                       help="with --executor: tasks run at once (local and Ray)")
+    with contextlib.suppress(argparse.ArgumentError):
+        p.add_argument("--force", action="store_true", help="with --executor: redo finished tasks too")
 
 
 def num_tasks(args: argparse.Namespace, input_size: int) -> int:
@@ -83,17 +100,24 @@ def num_tasks(args: argparse.Namespace, input_size: int) -> int:
     return max(args.workers, -(-input_size // parse_size(args.shard_size)), 1)
 
 
-def start_ray(address: str | None, num_cpus: int) -> bool:
-    """Connect to Ray at `address`, or start a local one with `num_cpus`; True if this call started it."""
+@contextlib.contextmanager
+def executor_session(args: argparse.Namespace) -> Iterator[None]:
+    """For --executor ray: join --ray-address, or start a local Ray for the block and stop it after."""
+    if args.executor != "ray":
+        yield
+        return
     import ray
 
-    if ray.is_initialized():
-        return False
-    if address:
-        ray.init(address=address)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
-    return True
+    started = not ray.is_initialized()
+    if started and args.ray_address:
+        ray.init(address=args.ray_address)
+    elif started:
+        ray.init(num_cpus=args.workers, include_dashboard=False)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def _executor(args: argparse.Namespace, job: Job, logging_dir: str, depends=None):

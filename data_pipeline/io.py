@@ -27,7 +27,10 @@ STATS_SUFFIX = ".stats.json"
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: mkstemp creates 0600 files, outputs should get the usual mode
 NON_SEMANTIC_ARGS = frozenset({"workers", "strict", "quiet", "stage", "func", "progress", "extract_workers",
-                               "memory_limit", "force", "retry_failed", "log_interval"})
+                               "memory_limit", "force", "retry_failed", "log_interval",
+                               # where a stage runs (executor.add_executor_args), not what it writes
+                               "executor", "ray_address", "tasks", "shard_size", "slurm_partition",
+                               "slurm_time", "workdir"})
 # A JSON escape of a UTF-16 surrogate. Paired ones decode to one character; a lone one gives a str
 # that cannot be encoded (UTF-8 output, the Rust tokenizer), so such records are rejected as bad lines.
 _SURROGATE_ESCAPE_RE = re.compile(r"\\u[dD][89a-fA-F]")

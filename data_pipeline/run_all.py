@@ -132,25 +132,16 @@ def run_stage(stage: str, module, stage_args: argparse.Namespace, args: argparse
     train-tokenizer run in this process."""
     if stage not in DIST_JOBS:
         return module.run(stage_args)
-    from data_pipeline.dist_stages import run_stage as run_tasks
+    from data_pipeline.dist_stages import run_on_executor
 
-    run_tasks(stage, stage_args, args)
-    return 0
+    return run_on_executor(stage, stage_args, args)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.executor != "ray":
-        return run_chain(args)
-    from data_pipeline.executor import start_ray
+    from data_pipeline.executor import executor_session
 
-    started_ray = start_ray(args.ray_address, args.workers)
-    try:
+    with executor_session(args):  # one Ray for the whole chain
         return run_chain(args)
-    finally:
-        if started_ray:
-            import ray
-
-            ray.shutdown()
 
 
 def run_chain(args: argparse.Namespace) -> int:

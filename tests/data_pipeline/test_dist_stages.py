@@ -154,6 +154,25 @@ def test_cleanup_and_tokenize_tasks_give_the_single_process_outputs(tmp_path):
         assert counts[0] == counts[1], name
 
 
+def test_single_stage_commands_on_the_local_executor_give_todays_output(tmp_path):
+    """`python -m data_pipeline STAGE ... --executor local` runs the stage as tasks (one shared flag
+    set and dispatch) and writes what the stage's default in-process run writes."""
+    docs = str(dup_corpus(tmp_path / "docs.jsonl"))
+    one, many = tmp_path / "one", tmp_path / "many"
+    (tmp_path / "groups.jsonl").write_text(json.dumps({"remove": [{"source": "docs.jsonl", "line": 7}]}) + "\n")
+    for d, extra in ((one, ["--workers", "1"]), (many, ["--executor", "local", "--tasks", "3", "--workers", "2"])):
+        assert main(["cleanup", docs, "--output", str(d / "c.jsonl"), "--min-tokens", "100", *extra]) == 0
+        assert main(["shuffle", docs, "--output", str(d / "s.jsonl"), "--seed", "5", *extra]) == 0
+        assert main(["remove-duplicates", str(tmp_path / "groups.jsonl"), docs, "--output", str(d / "r.jsonl"),
+                     *extra]) == 0
+    for name in ("c.jsonl", "c.jsonl.rejected.jsonl", "s.jsonl", "r.jsonl"):
+        assert (many / name).read_bytes() == (one / name).read_bytes(), name
+    assert len(read_lines(many / "r.jsonl")) == len(read_lines(docs)) - 2  # the removed line and the broken one
+    stats = json.loads((many / "c.jsonl.stats.json").read_text())
+    assert stats["shards"] == 3 and "executor" not in stats["params"]  # where it ran is not a parameter
+    assert not os.listdir(many / ".tasks")  # task files (in the output's folder) are removed
+
+
 def _peak_bytes(fn, *args, **kwargs) -> int:
     tracemalloc.start()
     try:
@@ -259,6 +278,15 @@ def test_all_on_ray_gives_the_local_executors_documents(tmp_path, site, ray_clus
                              ("clean.jsonl", "pairs.jsonl", "groups.jsonl", "dedup.jsonl", "webtext.jsonl")}
     assert outputs["ray"] == outputs["local"]
     assert len(outputs["ray"]["webtext.jsonl"].splitlines()) == 6
+
+
+def test_single_stage_on_ray_gives_the_in_process_output(tmp_path, ray_cluster):
+    docs = str(dup_corpus(tmp_path / "docs.jsonl"))
+    assert main(["shuffle", docs, "--output", str(tmp_path / "one.jsonl"), "--seed", "9"]) == 0
+    assert main(["shuffle", docs, "--output", str(tmp_path / "ray.jsonl"), "--seed", "9", "--executor", "ray",
+                 "--tasks", "2", "--workers", "2", "--workdir", str(tmp_path / "w")]) == 0
+    assert (tmp_path / "ray.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+    assert ray_cluster.is_initialized()  # a Ray the command did not start is left running
 
 
 def test_slurm_stage_is_a_datatrove_job_array_chain(tmp_path, monkeypatch):
