@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from datatrove.pipeline.base import PipelineStep
+
+from data_pipeline.io import remove_tree
 
 EXECUTORS = ("local", "ray", "slurm")
 
@@ -149,7 +150,7 @@ def run_jobs(args: argparse.Namespace, stage_dir: str, jobs: list[Job]) -> None:
     wait forever on a failed task); Slurm submits the chain as dependent arrays and returns.
     """
     if getattr(args, "force", False):
-        shutil.rmtree(stage_dir, ignore_errors=True)
+        remove_tree(stage_dir)
     previous = None
     for job in jobs:
         job.rss_dir = job.rss_dir or os.path.join(stage_dir, "rss")

@@ -139,6 +139,14 @@ def run_stage(stage: str, module, stage_args: argparse.Namespace, args: argparse
 
 def run(args: argparse.Namespace) -> int:
     from data_pipeline.executor import executor_session
+    from data_pipeline.io import local_path
+
+    workdir = local_path(args.workdir)
+    if workdir is None:
+        raise ValueError(f"all --workdir {args.workdir!r}: must be a local path or file:// URL (download, "
+                         f"find-duplicates' signature store and tokenize write local files); run the single "
+                         f"stages with --executor to write their outputs to fsspec URLs")
+    args.workdir = workdir
 
     with executor_session(args):  # one Ray for the whole chain
         return run_chain(args)

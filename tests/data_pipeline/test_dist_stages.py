@@ -173,6 +173,42 @@ def test_single_stage_commands_on_the_local_executor_give_todays_output(tmp_path
     assert not os.listdir(many / ".tasks")  # task files (in the output's folder) are removed
 
 
+def test_stage_outputs_and_workdir_may_be_fsspec_urls(tmp_path, capsys):
+    """With --executor, inputs, outputs and task files may be fsspec URLs (memory:// here: one
+    worker, so the tasks share this process's memory filesystem; file:// with two processes), and
+    give the local files' bytes; paths that must be local are refused naming their flag."""
+    import fsspec
+
+    docs = str(dup_corpus(tmp_path / "docs.jsonl"))
+    (tmp_path / "groups.jsonl").write_text(json.dumps({"remove": [{"source": "docs.jsonl", "line": 4}]}) + "\n")
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/in/docs.jsonl", open(docs, "rb").read())
+    remote = {"memory": ("memory://in/docs.jsonl", "memory://out", ["--workers", "1", "--workdir", "memory://work"]),
+              "file": ("file://" + docs, "file://" + str(tmp_path / "url"),
+                       ["--workers", "2", "--workdir", "file://" + str(tmp_path / "w")])}
+    for kind, (src, out, extra) in remote.items():
+        for d, inp, more in ((str(tmp_path / "one"), docs, []), (out, src, ["--executor", "local", "--tasks", "3",
+                                                                             *extra])):
+            assert main(["cleanup", inp, "--output", f"{d}/c.jsonl", "--min-tokens", "100", "--workers", "1",
+                         *more]) == 0
+            assert main(["shuffle", inp, "--output", f"{d}/s.jsonl", "--seed", "2", *more]) == 0
+            assert main(["remove-duplicates", str(tmp_path / "groups.jsonl"), inp, "--output", f"{d}/r.jsonl",
+                         *more]) == 0
+        for name in ("c.jsonl", "c.jsonl.rejected.jsonl", "s.jsonl", "r.jsonl"):
+            with fsspec.open(f"{out}/{name}", "rb") as f:
+                assert f.read() == (tmp_path / "one" / name).read_bytes(), (kind, name)
+        with fsspec.open(f"{out}/c.jsonl.stats.json") as f:
+            stats = json.load(f)
+        assert stats["complete"] and stats["inputs"][0]["size"] == os.path.getsize(docs)
+    assert not [p for p in fs.find("/") if p.endswith(".tmp")]  # atomic writes left no temporary file
+    capsys.readouterr()
+    for argv, flag in [(["tokenize", docs, "--tokenizer", "t", "--output-prefix", "memory://out/t"], "--output-prefix"),
+                       (["find-duplicates", docs, "--output", "memory://out/p.jsonl"], "--workdir"),
+                       (["all", "--urls", docs, "--workdir", "memory://w"], "--workdir")]:
+        assert main([*argv, "--executor", "local"]) == 2
+        assert f"{flag} 'memory://" in capsys.readouterr().err, argv
+
+
 def _peak_bytes(fn, *args, **kwargs) -> int:
     tracemalloc.start()
     try:
