@@ -340,14 +340,24 @@ def test_slurm_stage_is_a_datatrove_job_array_chain(tmp_path, monkeypatch):
             arrays.append((field["job-name"], field["array"], field["partition"], dep))
         return str(100 + len(arrays))
 
+    from datatrove.utils import jobs
+
+    queue = []  # job names squeue lists as pending or running
     monkeypatch.setattr(slurm, "launch_slurm_job", fake_sbatch)
+    monkeypatch.setattr(jobs, "get_running_slurm_jobs", lambda partition=None: list(queue))
     docs = str(dup_corpus(tmp_path / "docs.jsonl"))
     args = executor_args(tmp_path / "w", executor="slurm", tasks=3)
     with pytest.raises(ValueError, match="--slurm-partition"):
         dist_stages.run_stage("find-duplicates", stage_args("find-duplicates", [docs, "--output", "p"]), args)
     args.slurm_partition = "cpu"
     dist_stages.run_stage("find-duplicates", stage_args("find-duplicates", [docs, "--output", "p"]), args)
-    assert [a[:3] for a in arrays] == [(f"zerogpt-{name}", f"0-{n - 1}", "cpu") for name, n in
-                                       [("lines", 3), ("signatures", 3), ("buckets", 3), ("verify", 3), ("merge", 1)]]
+    names = [a[0] for a in arrays]
+    assert [a[1:3] for a in arrays] == [(f"0-{n - 1}", "cpu") for n in (3, 3, 3, 3, 1)]
+    assert [n.rsplit("-", 1)[0] for n in names] == [f"zerogpt-find-duplicates-{job}" for job in
+                                                    ("lines", "signatures", "buckets", "verify", "merge")]
     # each array waits for the one before it
     assert arrays[0][3] is None and [a[3] for a in arrays[1:]] == [f"afterok:{101 + i}" for i in range(4)]
+    queue += names[2:] + ["zerogpt-find-duplicates-lines-0000beef"]  # another folder's job: not ours
+    with pytest.raises(ValueError, match="still queued or running"):  # a re-run now would submit them twice
+        dist_stages.run_stage("find-duplicates", stage_args("find-duplicates", [docs, "--output", "p"]), args)
+    assert len(arrays) == 5
