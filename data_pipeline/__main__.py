@@ -14,7 +14,6 @@ import argparse
 import importlib
 import sys
 
-from data_pipeline.executor import add_executor_args
 from data_pipeline.run_all import DIST_JOBS
 
 # stage name -> (module, one-line help). Order is the order of the chain.
@@ -67,6 +66,8 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
             stage_parser = load_stage(name).add_parser(sub)
             stage_parser.formatter_class = HelpFormatter
             if name in DIST_JOBS:  # the CPU stages can also run as tasks on an executor
+                from data_pipeline.executor import add_executor_args
+
                 add_executor_args(stage_parser, single_stage=True)
         else:
             sub.add_parser(name, help=help_text, add_help=False)

@@ -1,4 +1,5 @@
-"""The CPU stages as sharded tasks (see executor.py); `all --executor ...` runs them.
+"""The CPU stages as sharded tasks (see executor.py): `all` runs them, and so does each stage's
+own command given `--executor` (both through `run_on_executor`).
 
 Every stage that works line by line (blacklist's URL checks, cleanup, find-duplicates' signatures,
 remove-duplicates, shuffle's scatter, tokenize) runs one task per byte-range shard of its input

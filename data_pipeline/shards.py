@@ -2,10 +2,10 @@
 
 Shard `rank` of `world` holds the lines that start in bytes [rank * size / world, (rank + 1) * size
 / world), so every task finds its own lines with one seek and a partial line read, and no task
-reads the whole input. Paths may be local or fsspec URLs (s3://, gs://, with their fsspec
-backend installed), and so may the task files' folder (--workdir) of the stages that allow it. Line numbers are the documents' identity in find/remove-duplicates; a task
-that needs them adds the line counts of the shards before it, which a cheap first pass writes
-(`count_lines`).
+reads the whole input. Paths, the task files' included, may be local or fsspec URLs (s3://,
+gs://, with their fsspec backend installed). Line numbers are the documents' identity in
+find/remove-duplicates; a task that needs them adds the line counts of the shards before it,
+which a cheap first pass writes (`count_lines`).
 """
 from __future__ import annotations
 
