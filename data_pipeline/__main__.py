@@ -5,6 +5,7 @@ only when their stage is chosen, so a missing or broken optional stage never bre
 Bad input data ends in a one-line `error:` message and exit code 2, never a traceback.
 
     python -m data_pipeline blacklist urls.txt --output clean_urls.txt
+    python -m data_pipeline cleanup raw.jsonl --output clean.jsonl --executor ray   # as sharded tasks
     python -m data_pipeline all --urls urls.txt --workdir data/webtext
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from data_pipeline.run_all import DIST_JOBS
 
 # stage name -> (module, one-line help). Order is the order of the chain.
 STAGES: dict[str, tuple[str, str]] = {
@@ -60,7 +63,12 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     sub.required = True
     for name, (_, help_text) in STAGES.items():
         if name == stage:
-            load_stage(name).add_parser(sub).formatter_class = HelpFormatter
+            stage_parser = load_stage(name).add_parser(sub)
+            stage_parser.formatter_class = HelpFormatter
+            if name in DIST_JOBS:  # the CPU stages can also run as tasks on an executor
+                from data_pipeline.executor import add_executor_args
+
+                add_executor_args(stage_parser, single_stage=True)
         else:
             sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -72,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     stage = argv[0] if argv and argv[0] in STAGES else None
     try:
         args = build_parser(stage).parse_args(argv)
+        if getattr(args, "executor", None) and args.stage in DIST_JOBS:
+            from data_pipeline.dist_stages import run_on_executor
+
+            return run_on_executor(args.stage, args, args)
         return int(load_stage(args.stage).run(args) or 0)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

@@ -32,7 +32,7 @@ from typing import Iterator
 import numpy as np
 
 from data_pipeline import find_duplicates as fd
-from data_pipeline.io import BadLineReporter, atomic_write, dumps, write_stats
+from data_pipeline.io import BadLineReporter, abspath, atomic_write, dumps, write_stats
 from data_pipeline.shards import first_line, iter_shard, read_json, write_json
 
 BAND_RECORD = np.dtype([("key", "V16"), ("line", "<i8"), ("set", "V8")])
@@ -235,14 +235,17 @@ def merge_task(rank: int, world: int, work: str, shards: int, partitions: int, a
               "scheme": fd.SCHEME, "normalization": fd.NORMALIZATION}
     write_stats(args.output, "find-duplicates", counts, args, [args.input], started,
                 lsh={"bands": bands, "rows": rows, "weights": list(fd.LSH_WEIGHTS)},
-                sources=[{"source": os.path.basename(args.input), "input": os.path.abspath(args.input)}],
+                sources=[{"source": os.path.basename(args.input), "input": abspath(args.input)}],
                 shingles=params, shards=shards, peak_rss_kb_per_task=peak_rss(work))
 
 
 def peak_rss(work: str) -> dict:
     """Peak RSS (KiB) of each task kind, as the tasks recorded it."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(os.path.join(work, "rss"))
     out = {}
-    root = os.path.join(work, "rss")
-    for kind in sorted(os.listdir(root)) if os.path.isdir(root) else ():
-        out[kind] = max(read_json(os.path.join(root, kind, f))["kb"] for f in os.listdir(os.path.join(root, kind)))
+    for kind in sorted(fs.ls(root, detail=False)) if fs.isdir(root) else ():
+        name = kind.rstrip("/").rsplit("/", 1)[-1]
+        out[name] = max(json.loads(fs.cat_file(f))["kb"] for f in fs.ls(kind, detail=False))
     return out

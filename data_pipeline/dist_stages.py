@@ -1,4 +1,5 @@
-"""The CPU stages as sharded tasks (see executor.py); `all --executor ...` runs them.
+"""The CPU stages as sharded tasks (see executor.py): `all` runs them, and so does each stage's
+own command given `--executor` (both through `run_on_executor`).
 
 Every stage that works line by line (blacklist's URL checks, cleanup, find-duplicates' signatures,
 remove-duplicates, shuffle's scatter, tokenize) runs one task per byte-range shard of its input
@@ -14,17 +15,17 @@ import argparse
 import json
 import math
 import os
-import shutil
 import struct
 import time
 from collections import Counter
 
+import fsspec
 import numpy as np
 
 from data_pipeline import dist_dedup
-from data_pipeline.executor import Job, num_tasks, run_jobs
-from data_pipeline.io import (BadLineReporter, atomic_write, dumps, parse_jsonl_line, parse_size,
-                              write_stats)
+from data_pipeline.executor import Job, executor_session, num_tasks, run_jobs
+from data_pipeline.io import (BadLineReporter, abspath, atomic_write, dumps, exists, local_path, parse_jsonl_line,
+                              parse_size, remove_tree, write_stats)
 from data_pipeline.shards import concat, count_lines, file_size, first_line, iter_shard, read_json, write_json
 
 SHUFFLE_RECORD = struct.Struct("<QQI")  # key, line index, byte length (as shuffle.py's bucket files)
@@ -85,7 +86,7 @@ def blacklist_merge(rank: int, world: int, files: list[str], work: str, shards: 
         for i, path in enumerate(files):
             report = BadLineReporter(path, sargs.strict)
             for r in range(shards):
-                with open(part(work, f"file{i:05d}", r), encoding="utf-8") as f:
+                with fsspec.open(part(work, f"file{i:05d}", r), "r", encoding="utf-8") as f:
                     for rec in map(json.loads, f):
                         counts["input"] += 1
                         url, reason = rec["url"], rec["reason"]
@@ -130,16 +131,18 @@ def cleanup_task(rank: int, world: int, work: str, sargs: argparse.Namespace, to
     counts: Counter = Counter(kept=0, empty=0, too_short=0, wrong_lang=0, lang_detect_failed=0, malformed=0)
     languages: Counter = Counter()
     total_length = 0
-    report = BadLineReporter(sargs.input, sargs.strict)
+    report = BadLineReporter(sargs.input, sargs.strict, action=f"recorded in {sargs.output}.rejected.jsonl")
     with atomic_write(part(work, "out", rank)) as out, atomic_write(part(work, "rejected", rank)) as rej:
         for batch in dist_dedup.batches(lines, cleanup.BATCH_LINES):
             for lineno, kind, reason, payload in cleanup._process_batch(
                     (batch, sargs.lang, sargs.min_tokens, sargs.quality)):
                 if kind == "blank":
                     counts["blank_lines"] += 1
-                elif kind == "malformed":
+                elif kind == "malformed":  # as cleanup.run: recorded whole in the rejects
                     counts["malformed"] += 1
                     report(lineno, reason)
+                    rej.write(dumps({"line": lineno, "url": None, "reason": "malformed", "detail": reason,
+                                     "raw": payload}))
                 elif kind == "keep":
                     record, length, detected = payload
                     out.write(dumps(record))
@@ -320,7 +323,7 @@ def sort_task(rank: int, world: int, work: str, shards: int) -> None:
     """Bucket `rank`: its lines from every shard, sorted by (key, line index)."""
     records = []
     for s in range(shards):
-        with open(os.path.join(work, "scatter", f"{rank:05d}", f"{s:05d}.bin"), "rb") as f:
+        with fsspec.open(os.path.join(work, "scatter", f"{rank:05d}", f"{s:05d}.bin"), "rb") as f:
             data = f.read()
         pos = 0
         while pos < len(data):
@@ -387,7 +390,7 @@ def tokenize_merge(rank: int, world: int, work: str, shards: int, sargs: argpars
     write_stats(sargs.output_prefix, "tokenize", counts, inputs=[sargs.input, sargs.tokenizer], started=started,
                 params=ts._params(sargs.tokenizer, sargs.json_key), shards=shards,
                 output_signatures=[file_signature(p) for p in ts._outputs(sargs.output_prefix)],
-                tokenizer=os.path.abspath(sargs.tokenizer), dtype=parts[0].dtype.name)
+                tokenizer=abspath(sargs.tokenizer), dtype=parts[0].dtype.name)
 
 
 def tokenize_jobs(args, sargs, work, started) -> list[Job]:
@@ -409,6 +412,39 @@ JOBS = {"blacklist": blacklist_jobs, "cleanup": cleanup_jobs, "find-duplicates":
         "shuffle": shuffle_jobs, "tokenize": tokenize_jobs}
 
 
+# What must stay a local path (or file:// URL), and why; every other path may be an fsspec URL.
+LOCAL_ONLY = {
+    "blacklist": {"input": ("IN", "a folder of URL files is walked locally")},
+    "find-duplicates": {"workdir": ("--workdir", "the signature store is memory-mapped")},
+    "group-duplicates": {"pairs": ("PAIRS", "union-find reads it in one process")},
+    "remove-duplicates": {"groups": ("GROUPS", "every task reads it whole")},
+    "tokenize": {"output_prefix": ("--output-prefix", "the .bin/.idx writer needs local files"),
+                 "workdir": ("--workdir", "the tokenizer reads its shard from a local file")},
+}
+
+
+def check_paths(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -> None:
+    """ValueError naming the flag when a path that must be local is a remote URL."""
+    for key, (flag, why) in LOCAL_ONLY.get(stage, {}).items():
+        path = getattr(args if key == "workdir" else sargs, key)
+        if path is not None and local_path(path) is None:
+            raise ValueError(f"{stage} {flag} {path!r}: must be a local path or file:// URL ({why}); "
+                             f"fsspec URLs work for its other inputs and outputs")
+
+
+def run_on_executor(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -> int:
+    """Run `stage` as tasks on args.executor: what `all` and the stage's own command with
+    --executor do. A single stage (sargs is args) without --workdir keeps its task files in
+    the folder of its output."""
+    if args.workdir is None:
+        output = getattr(sargs, "output", None) or sargs.output_prefix
+        args.workdir = output.rsplit("/", 1)[0] if "/" in output else "."
+    check_paths(stage, sargs, args)
+    with executor_session(args):
+        run_stage(stage, sargs, args)
+    return 0
+
+
 def run_stage(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -> dict[str, int]:
     """Run `stage` (parsed as `sargs`) as tasks on args.executor, in WORKDIR/.tasks/STAGE; the task
     files are deleted once the stage's output and stats are in place. Returns the peak RSS (KiB)
@@ -417,16 +453,16 @@ def run_stage(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -
 
     work = os.path.join(args.workdir, ".tasks", stage)
     inputs = [getattr(sargs, k) for k in ("input", "groups", "pairs") if isinstance(getattr(sargs, k, None), str)]
-    identity = {"params": stage_params(sargs), "inputs": [file_signature(p) for p in inputs if os.path.isfile(p)]}
+    identity = {"params": stage_params(sargs), "inputs": [file_signature(p) for p in inputs if exists(p)]}
     identity = json.loads(json.dumps(identity, default=str))
     marker = os.path.join(work, "identity.json")
-    if os.path.exists(marker) and read_json(marker) != identity:  # tasks of another input or parameters
-        shutil.rmtree(work)
-    if not os.path.exists(marker):
+    if exists(marker) and read_json(marker) != identity:  # tasks of another input or parameters
+        remove_tree(work)
+    if not exists(marker):
         write_json(marker, identity)
     run_jobs(args, work, JOBS[stage](args, sargs, work, time.time()))
     if args.executor == "slurm":
         return {}
     peaks = dist_dedup.peak_rss(work)
-    shutil.rmtree(work, ignore_errors=True)
+    remove_tree(work)
     return peaks

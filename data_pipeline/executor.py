@@ -4,7 +4,8 @@ A stage is a list of `Job`s: a function `fn(rank, world, **kwargs)` run as `task
 tasks. Each job has its own logging folder under WORKDIR/.tasks/, where datatrove writes a
 completion marker per finished task: a killed run that is re-run skips finished tasks, and
 `--force` deletes the folder. Jobs run in order; each waits for all the tasks of the one before
-(on Slurm, as a job array with an `afterok` dependency). bench/README.md says why datatrove.
+(on Slurm, as a job array with an `afterok` dependency; a re-run while a stage's jobs are still
+queued is refused rather than submitting them twice). bench/README.md says why datatrove.
 
     python -m data_pipeline all --urls urls.txt --workdir data/webtext                   # local
     python -m data_pipeline all --urls urls.txt --workdir data/webtext --executor ray    # local Ray
@@ -13,12 +14,15 @@ completion marker per finished task: a killed run that is re-run skips finished 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import os
-import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from datatrove.pipeline.base import PipelineStep
+
+from data_pipeline.io import abspath, remove_tree
 
 EXECUTORS = ("local", "ray", "slurm")
 
@@ -60,9 +64,15 @@ class TaskStep(PipelineStep):
         return iter(())
 
 
-def add_executor_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--executor", choices=EXECUTORS, default="local",
-                   help="where the CPU stages' tasks run: local processes (default), Ray, or Slurm job arrays")
+def add_executor_args(p: argparse.ArgumentParser, single_stage: bool = False) -> None:
+    """The executor flags of `all` and, with `single_stage`, of each CPU stage's own command.
+
+    A single stage runs in this process (its --workers processes) unless --executor is given: that
+    path needs no task folder and is the reference the task path is tested against.
+    """
+    p.add_argument("--executor", choices=EXECUTORS, default=None if single_stage else "local",
+                   help="where the CPU stages' tasks run: local processes, Ray, or Slurm job arrays" +
+                        (" (default: none, the stage runs in this process)" if single_stage else ""))
     p.add_argument("--ray-address", help="Ray cluster to join (e.g. ray://head:10001 or auto); "
                                          "without it --executor ray starts a local Ray")
     p.add_argument("--tasks", type=int, help="shards per stage (default: input size / --shard-size, "
@@ -70,6 +80,16 @@ def add_executor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", default="256M", help="target input bytes per task; bounds a task's memory")
     p.add_argument("--slurm-partition", help="--executor slurm: partition for the job arrays")
     p.add_argument("--slurm-time", default="4:00:00", help="--executor slurm: time limit per task")
+    if not single_stage:
+        return
+    p.add_argument("--workdir", help="with --executor: task files go to WORKDIR/.tasks/STAGE "
+                                     "(default: the output's folder)")
+    # stages that have their own --workers / --force keep them
+    with contextlib.suppress(argparse.ArgumentError):
+        p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                       help="with --executor: tasks run at once (local and Ray)")
+    with contextlib.suppress(argparse.ArgumentError):
+        p.add_argument("--force", action="store_true", help="with --executor: redo finished tasks too")
 
 
 def num_tasks(args: argparse.Namespace, input_size: int) -> int:
@@ -83,20 +103,47 @@ def num_tasks(args: argparse.Namespace, input_size: int) -> int:
     return max(args.workers, -(-input_size // parse_size(args.shard_size)), 1)
 
 
-def start_ray(address: str | None, num_cpus: int) -> bool:
-    """Connect to Ray at `address`, or start a local one with `num_cpus`; True if this call started it."""
+@contextlib.contextmanager
+def executor_session(args: argparse.Namespace) -> Iterator[None]:
+    """For --executor ray: join --ray-address, or start a local Ray for the block and stop it after."""
+    if args.executor != "ray":
+        yield
+        return
     import ray
 
-    if ray.is_initialized():
-        return False
-    if address:
-        ray.init(address=address)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
-    return True
+    started = not ray.is_initialized()
+    if started and args.ray_address:
+        ray.init(address=args.ray_address)
+    elif started:
+        ray.init(num_cpus=args.workers, include_dashboard=False)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
-def _executor(args: argparse.Namespace, job: Job, logging_dir: str, depends=None):
+def slurm_job_name(stage_dir: str, job: Job) -> str:
+    """zerogpt-STAGE-JOB-TAG, TAG from the stage's folder: a re-run finds its own queued jobs by name."""
+    tag = hashlib.sha1(abspath(stage_dir).encode()).hexdigest()[:8]
+    return f"zerogpt-{os.path.basename(stage_dir.rstrip('/'))}-{job.name}-{tag}"
+
+
+def check_not_queued(args: argparse.Namespace, stage_dir: str, jobs: list[Job]) -> None:
+    """ValueError when Slurm jobs of this stage are still queued or running: datatrove's completion
+    markers only know finished tasks, so submitting again would run the pending ones twice."""
+    from datatrove.utils.jobs import get_running_slurm_jobs
+
+    if not args.slurm_partition:
+        raise ValueError("--executor slurm needs --slurm-partition")
+    queued = set(get_running_slurm_jobs(args.slurm_partition)) & {slurm_job_name(stage_dir, j) for j in jobs}
+    if queued:
+        raise ValueError(f"Slurm jobs {sorted(queued)} of {stage_dir} are still queued or running (squeue --me); "
+                         f"re-run when they are done (finished tasks are skipped), or scancel them first")
+
+
+def _executor(args: argparse.Namespace, job: Job, stage_dir: str, depends=None):
+    logging_dir = os.path.join(stage_dir, "logs", job.name)
     pipeline = [TaskStep(job)]
     if args.executor == "local":
         from datatrove.executor import LocalPipelineExecutor
@@ -111,10 +158,8 @@ def _executor(args: argparse.Namespace, job: Job, logging_dir: str, depends=None
                                    logging_dir=logging_dir, cpus_per_task=1, mem_per_cpu_gb=1)
     from datatrove.executor import SlurmPipelineExecutor
 
-    if not args.slurm_partition:
-        raise ValueError("--executor slurm needs --slurm-partition")
     return SlurmPipelineExecutor(pipeline, tasks=job.tasks, time=args.slurm_time, partition=args.slurm_partition,
-                                 logging_dir=logging_dir, depends=depends, job_name=f"zerogpt-{job.name}",
+                                 logging_dir=logging_dir, depends=depends, job_name=slurm_job_name(stage_dir, job),
                                  venv_path=os.environ.get("VIRTUAL_ENV"))
 
 
@@ -124,12 +169,14 @@ def run_jobs(args: argparse.Namespace, stage_dir: str, jobs: list[Job]) -> None:
     Local and Ray wait for each job and raise if a task failed (datatrove's own `depends` would
     wait forever on a failed task); Slurm submits the chain as dependent arrays and returns.
     """
+    if args.executor == "slurm":
+        check_not_queued(args, stage_dir, jobs)
     if getattr(args, "force", False):
-        shutil.rmtree(stage_dir, ignore_errors=True)
+        remove_tree(stage_dir)
     previous = None
     for job in jobs:
         job.rss_dir = job.rss_dir or os.path.join(stage_dir, "rss")
-        executor = _executor(args, job, os.path.join(stage_dir, "logs", job.name), depends=previous)
+        executor = _executor(args, job, stage_dir, depends=previous)
         if args.executor == "slurm":
             previous = executor
             continue

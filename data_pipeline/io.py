@@ -27,7 +27,10 @@ STATS_SUFFIX = ".stats.json"
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: mkstemp creates 0600 files, outputs should get the usual mode
 NON_SEMANTIC_ARGS = frozenset({"workers", "strict", "quiet", "stage", "func", "progress", "extract_workers",
-                               "memory_limit", "force", "retry_failed", "log_interval"})
+                               "memory_limit", "force", "retry_failed", "log_interval",
+                               # where a stage runs (executor.add_executor_args), not what it writes
+                               "executor", "ray_address", "tasks", "shard_size", "slurm_partition",
+                               "slurm_time", "workdir"})
 # A JSON escape of a UTF-16 surrogate. Paired ones decode to one character; a lone one gives a str
 # that cannot be encoded (UTF-8 output, the Rust tokenizer), so such records are rejected as bad lines.
 _SURROGATE_ESCAPE_RE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -142,19 +145,41 @@ def dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, ensure_ascii=False) + "\n"
 
 
+def local_path(path: str) -> str | None:
+    """The absolute local path of `path` (a path or a file:// URL), or None for a remote fsspec URL."""
+    if "://" not in path:
+        return os.path.abspath(path)
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, p = fsspec.core.url_to_fs(path)
+    return p if isinstance(fs, LocalFileSystem) else None
+
+
+def abspath(path: str) -> str:
+    """os.path.abspath for a local path; a URL as it is (what the stats record)."""
+    return path if "://" in path else os.path.abspath(path)
+
+
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
     """Open a temporary file next to `path`; on success fsync and rename it over `path`.
 
     Readers never see a half-written output, and a killed stage leaves the old output (or
     none) plus a `.tmp` file that the next run ignores. On an exception the temp file is removed.
+    `path` may be an fsspec URL (s3://, gs://, memory://): the temporary file is moved over it.
 
     Example:
         >>> with atomic_write("out.jsonl") as f: f.write(dumps({"text": "hi"}))
     """
-    directory = os.path.dirname(os.path.abspath(path))
+    local = local_path(path)
+    if local is None:
+        with _atomic_write_url(path, mode, encoding) as f:
+            yield f
+        return
+    directory = os.path.dirname(local)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(local) + ".", suffix=".tmp", dir=directory)
     try:
         os.chmod(tmp, 0o666 & ~_UMASK)
         kwargs = {"encoding": encoding} if "b" not in mode else {}
@@ -162,17 +187,66 @@ def atomic_write(path: str, mode: str = "w", encoding: str | None = "utf-8") -> 
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, local)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
 
 
+@contextlib.contextmanager
+def _atomic_write_url(url: str, mode: str, encoding: str | None) -> Iterator[IO]:
+    """atomic_write for a remote URL: write `.NAME.RANDOM.tmp` beside it, then move it into place
+    (on object stores an upload only appears once complete, so the move is the commit)."""
+    import uuid
+
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    directory, name = path.rsplit("/", 1) if "/" in path else ("", path)
+    tmp = f"{directory}/.{name}.{uuid.uuid4().hex}.tmp" if directory else f".{name}.{uuid.uuid4().hex}.tmp"
+    if directory:
+        fs.makedirs(directory, exist_ok=True)
+    try:
+        with fs.open(tmp, mode, **({"encoding": encoding} if "b" not in mode else {})) as f:
+            yield f
+        fs.mv(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(tmp)
+        raise
+
+
 def file_signature(path: str) -> dict[str, Any]:
-    """Path, size and mtime of a file: what `all` compares to decide an output is stale."""
-    st = os.stat(path)
-    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    """Path, size and mtime of a file: what `all` compares to decide an output is stale (a URL's
+    modification time is what its filesystem reports, if any)."""
+    local = local_path(path)
+    if local is None:
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(path)
+        info = fs.info(p)
+        mtime = next((info[k] for k in ("mtime", "LastModified", "updated", "created") if info.get(k)), None)
+        return {"path": path, "size": info["size"], "mtime": str(mtime)}
+    st = os.stat(local)
+    return {"path": local, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def exists(path: str) -> bool:
+    """os.path.exists for a path or an fsspec URL."""
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    return fs.exists(p)
+
+
+def remove_tree(path: str) -> None:
+    """shutil.rmtree(path, ignore_errors=True) for a path or an fsspec URL."""
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(p, recursive=True)
 
 
 def stage_params(args: Any) -> dict[str, Any]:
@@ -196,12 +270,12 @@ def write_stats(output: str, stage: str, counts: dict[str, Any], args: Any = Non
     Written last, after the output is renamed into place, so its presence with
     `"complete": true` means the output is whole (what `all` checks).
     """
-    stats: dict[str, Any] = {"stage": stage, "output": os.path.abspath(output), "complete": True,
+    stats: dict[str, Any] = {"stage": stage, "output": abspath(output), "complete": True,
                              "counts": dict(sorted(counts.items()))}
     if args is not None:
         stats["params"] = stage_params(args)
     stats["inputs"] = [file_signature(p) for p in inputs]
-    if os.path.exists(output):
+    if exists(output):
         stats["output_signature"] = file_signature(output)
     if started is not None:
         stats["seconds"] = round(time.time() - started, 3)
@@ -216,8 +290,10 @@ def write_stats(output: str, stage: str, counts: dict[str, Any], args: Any = Non
 
 def read_stats(output: str) -> dict | None:
     """The stats of `output`, or None when missing or unreadable (a partial run)."""
+    import fsspec
+
     try:
-        with open(stats_path(output), encoding="utf-8") as f:
+        with fsspec.open(stats_path(output), "r", encoding="utf-8") as f:
             stats = json.load(f)
     except (OSError, json.JSONDecodeError):
         return None

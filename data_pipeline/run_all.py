@@ -132,25 +132,24 @@ def run_stage(stage: str, module, stage_args: argparse.Namespace, args: argparse
     train-tokenizer run in this process."""
     if stage not in DIST_JOBS:
         return module.run(stage_args)
-    from data_pipeline.dist_stages import run_stage as run_tasks
+    from data_pipeline.dist_stages import run_on_executor
 
-    run_tasks(stage, stage_args, args)
-    return 0
+    return run_on_executor(stage, stage_args, args)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.executor != "ray":
-        return run_chain(args)
-    from data_pipeline.executor import start_ray
+    from data_pipeline.executor import executor_session
+    from data_pipeline.io import local_path
 
-    started_ray = start_ray(args.ray_address, args.workers)
-    try:
-        return run_chain(args)
-    finally:
-        if started_ray:
-            import ray
+    workdir = local_path(args.workdir)
+    if workdir is None:
+        raise ValueError(f"all --workdir {args.workdir!r}: must be a local path or file:// URL (download, "
+                         f"find-duplicates' signature store and tokenize write local files); run the single "
+                         f"stages with --executor to write their outputs to fsspec URLs")
+    args.workdir = workdir
 
-            ray.shutdown()
+    with executor_session(args):  # one Ray for the whole chain
+        return run_chain(args)
 
 
 def run_chain(args: argparse.Namespace) -> int:

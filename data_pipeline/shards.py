@@ -2,10 +2,10 @@
 
 Shard `rank` of `world` holds the lines that start in bytes [rank * size / world, (rank + 1) * size
 / world), so every task finds its own lines with one seek and a partial line read, and no task
-reads the whole input. Paths may be local or fsspec URLs (s3://, gs://, with their fsspec
-backend installed). Line numbers are the documents' identity in find/remove-duplicates; a task
-that needs them adds the line counts of the shards before it, which a cheap first pass writes
-(`count_lines`).
+reads the whole input. Paths, the task files' included, may be local or fsspec URLs (s3://,
+gs://, with their fsspec backend installed). Line numbers are the documents' identity in
+find/remove-duplicates; a task that needs them adds the line counts of the shards before it,
+which a cheap first pass writes (`count_lines`).
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def write_json(path: str, obj) -> None:
 
 
 def read_json(path: str):
-    with open(path, encoding="utf-8") as f:
+    with fsspec.open(path, "r", encoding="utf-8") as f:
         return json.load(f)
 
 
@@ -83,5 +83,5 @@ def concat(parts: list[str], out: IO[bytes]) -> None:
     import shutil
 
     for part in parts:
-        with open(part, "rb") as f:
+        with fsspec.open(part, "rb") as f:
             shutil.copyfileobj(f, out, READ_BLOCK)

@@ -154,6 +154,61 @@ def test_cleanup_and_tokenize_tasks_give_the_single_process_outputs(tmp_path):
         assert counts[0] == counts[1], name
 
 
+def test_single_stage_commands_on_the_local_executor_give_todays_output(tmp_path):
+    """`python -m data_pipeline STAGE ... --executor local` runs the stage as tasks (one shared flag
+    set and dispatch) and writes what the stage's default in-process run writes."""
+    docs = str(dup_corpus(tmp_path / "docs.jsonl"))
+    one, many = tmp_path / "one", tmp_path / "many"
+    (tmp_path / "groups.jsonl").write_text(json.dumps({"remove": [{"source": "docs.jsonl", "line": 7}]}) + "\n")
+    for d, extra in ((one, ["--workers", "1"]), (many, ["--executor", "local", "--tasks", "3", "--workers", "2"])):
+        assert main(["cleanup", docs, "--output", str(d / "c.jsonl"), "--min-tokens", "100", *extra]) == 0
+        assert main(["shuffle", docs, "--output", str(d / "s.jsonl"), "--seed", "5", *extra]) == 0
+        assert main(["remove-duplicates", str(tmp_path / "groups.jsonl"), docs, "--output", str(d / "r.jsonl"),
+                     *extra]) == 0
+    for name in ("c.jsonl", "c.jsonl.rejected.jsonl", "s.jsonl", "r.jsonl"):
+        assert (many / name).read_bytes() == (one / name).read_bytes(), name
+    assert len(read_lines(many / "r.jsonl")) == len(read_lines(docs)) - 2  # the removed line and the broken one
+    stats = json.loads((many / "c.jsonl.stats.json").read_text())
+    assert stats["shards"] == 3 and "executor" not in stats["params"]  # where it ran is not a parameter
+    assert not os.listdir(many / ".tasks")  # task files (in the output's folder) are removed
+
+
+def test_stage_outputs_and_workdir_may_be_fsspec_urls(tmp_path, capsys):
+    """With --executor, inputs, outputs and task files may be fsspec URLs (memory:// here: one
+    worker, so the tasks share this process's memory filesystem; file:// with two processes), and
+    give the local files' bytes; paths that must be local are refused naming their flag."""
+    import fsspec
+
+    docs = str(dup_corpus(tmp_path / "docs.jsonl"))
+    (tmp_path / "groups.jsonl").write_text(json.dumps({"remove": [{"source": "docs.jsonl", "line": 4}]}) + "\n")
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/in/docs.jsonl", open(docs, "rb").read())
+    remote = {"memory": ("memory://in/docs.jsonl", "memory://out", ["--workers", "1", "--workdir", "memory://work"]),
+              "file": ("file://" + docs, "file://" + str(tmp_path / "url"),
+                       ["--workers", "2", "--workdir", "file://" + str(tmp_path / "w")])}
+    for kind, (src, out, extra) in remote.items():
+        for d, inp, more in ((str(tmp_path / "one"), docs, []), (out, src, ["--executor", "local", "--tasks", "3",
+                                                                             *extra])):
+            assert main(["cleanup", inp, "--output", f"{d}/c.jsonl", "--min-tokens", "100", "--workers", "1",
+                         *more]) == 0
+            assert main(["shuffle", inp, "--output", f"{d}/s.jsonl", "--seed", "2", *more]) == 0
+            assert main(["remove-duplicates", str(tmp_path / "groups.jsonl"), inp, "--output", f"{d}/r.jsonl",
+                         *more]) == 0
+        for name in ("c.jsonl", "c.jsonl.rejected.jsonl", "s.jsonl", "r.jsonl"):
+            with fsspec.open(f"{out}/{name}", "rb") as f:
+                assert f.read() == (tmp_path / "one" / name).read_bytes(), (kind, name)
+        with fsspec.open(f"{out}/c.jsonl.stats.json") as f:
+            stats = json.load(f)
+        assert stats["complete"] and stats["inputs"][0]["size"] == os.path.getsize(docs)
+    assert not [p for p in fs.find("/") if p.endswith(".tmp")]  # atomic writes left no temporary file
+    capsys.readouterr()
+    for argv, flag in [(["tokenize", docs, "--tokenizer", "t", "--output-prefix", "memory://out/t"], "--output-prefix"),
+                       (["find-duplicates", docs, "--output", "memory://out/p.jsonl"], "--workdir"),
+                       (["all", "--urls", docs, "--workdir", "memory://w"], "--workdir")]:
+        assert main([*argv, "--executor", "local"]) == 2
+        assert f"{flag} 'memory://" in capsys.readouterr().err, argv
+
+
 def _peak_bytes(fn, *args, **kwargs) -> int:
     tracemalloc.start()
     try:
@@ -261,6 +316,15 @@ def test_all_on_ray_gives_the_local_executors_documents(tmp_path, site, ray_clus
     assert len(outputs["ray"]["webtext.jsonl"].splitlines()) == 6
 
 
+def test_single_stage_on_ray_gives_the_in_process_output(tmp_path, ray_cluster):
+    docs = str(dup_corpus(tmp_path / "docs.jsonl"))
+    assert main(["shuffle", docs, "--output", str(tmp_path / "one.jsonl"), "--seed", "9"]) == 0
+    assert main(["shuffle", docs, "--output", str(tmp_path / "ray.jsonl"), "--seed", "9", "--executor", "ray",
+                 "--tasks", "2", "--workers", "2", "--workdir", str(tmp_path / "w")]) == 0
+    assert (tmp_path / "ray.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+    assert ray_cluster.is_initialized()  # a Ray the command did not start is left running
+
+
 def test_slurm_stage_is_a_datatrove_job_array_chain(tmp_path, monkeypatch):
     """--executor slurm submits a stage's jobs as sbatch arrays, each after the one before (sbatch
     is faked: no Slurm here)."""
@@ -276,14 +340,24 @@ def test_slurm_stage_is_a_datatrove_job_array_chain(tmp_path, monkeypatch):
             arrays.append((field["job-name"], field["array"], field["partition"], dep))
         return str(100 + len(arrays))
 
+    from datatrove.utils import jobs
+
+    queue = []  # job names squeue lists as pending or running
     monkeypatch.setattr(slurm, "launch_slurm_job", fake_sbatch)
+    monkeypatch.setattr(jobs, "get_running_slurm_jobs", lambda partition=None: list(queue))
     docs = str(dup_corpus(tmp_path / "docs.jsonl"))
     args = executor_args(tmp_path / "w", executor="slurm", tasks=3)
     with pytest.raises(ValueError, match="--slurm-partition"):
         dist_stages.run_stage("find-duplicates", stage_args("find-duplicates", [docs, "--output", "p"]), args)
     args.slurm_partition = "cpu"
     dist_stages.run_stage("find-duplicates", stage_args("find-duplicates", [docs, "--output", "p"]), args)
-    assert [a[:3] for a in arrays] == [(f"zerogpt-{name}", f"0-{n - 1}", "cpu") for name, n in
-                                       [("lines", 3), ("signatures", 3), ("buckets", 3), ("verify", 3), ("merge", 1)]]
+    names = [a[0] for a in arrays]
+    assert [a[1:3] for a in arrays] == [(f"0-{n - 1}", "cpu") for n in (3, 3, 3, 3, 1)]
+    assert [n.rsplit("-", 1)[0] for n in names] == [f"zerogpt-find-duplicates-{job}" for job in
+                                                    ("lines", "signatures", "buckets", "verify", "merge")]
     # each array waits for the one before it
     assert arrays[0][3] is None and [a[3] for a in arrays[1:]] == [f"afterok:{101 + i}" for i in range(4)]
+    queue += names[2:] + ["zerogpt-find-duplicates-lines-0000beef"]  # another folder's job: not ours
+    with pytest.raises(ValueError, match="still queued or running"):  # a re-run now would submit them twice
+        dist_stages.run_stage("find-duplicates", stage_args("find-duplicates", [docs, "--output", "p"]), args)
+    assert len(arrays) == 5
