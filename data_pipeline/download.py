@@ -419,7 +419,8 @@ async def _download(args, todo: list[str], counts: Counter) -> None:
                 if not inflight:
                     break
                 # Commit strictly in input order: the output is the same however fast hosts answer.
-                ok, failed, replaced = await inflight.popleft()
+                ok, failed, replaced = await inflight[0]  # stays in the deque (and the progress line) until done
+                inflight.popleft()
                 if ok is not None:
                     append_line(out_fd, ok)
                     counts["ok"] += 1

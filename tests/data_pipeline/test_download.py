@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -309,6 +310,11 @@ def test_progress_lines_without_a_terminal(tmp_path, server, capsys):
                  "--retries", "0", "--extract-workers", "1", "--allow-private"]) == 0
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "URLs done" in ln]
     assert len(lines) >= 3, lines
-    assert lines[0].startswith("[download] 0/2 URLs done (ok=0, failed=0), 1 in flight"), lines[0]
+    pattern = re.compile(r"^\[download\] (\d)/2 URLs done \(ok=\d, failed=\d\), (\d) in flight")
+    counts = [pattern.match(ln) for ln in lines]
+    assert all(counts), lines
+    # while /hang waits for its timeout, the lines keep coming with it in flight (how soon /article/0 is done
+    # depends on the machine's load, so which line shows it is not asserted)
+    assert any(int(m[1]) < 2 and int(m[2]) >= 1 for m in counts), lines
     assert [r["reason"] for r in read_jsonl(str(out) + ".failed.jsonl")] == ["timeout"]
     assert main(["download", str(urls), "--output", str(out), "--log-interval", "0"]) == 2
