@@ -197,8 +197,10 @@ def setup(cfg, train, data, ctx, resume):
         else:
             trainer.load_state_dict(engine.load_checkpoint(ckpt))
             ctx.logger.info(f"resumed from {ckpt} at step {trainer.state.step}")
-            if train.max_steps is not None and trainer.state.step >= train.max_steps:
-                ctx.logger.info(preflight.finished_message(ckpt, trainer.state.step, train.max_steps, lr_scheduler))
+            last_step = train.max_steps or (cfg.NUM_EPOCHS or 1) * len(train_dl) // accum
+            if trainer.state.step >= last_step:
+                epochs = None if train.max_steps else cfg.NUM_EPOCHS or 1
+                ctx.logger.info(preflight.finished_message(ckpt, trainer.state.step, last_step, lr_scheduler, epochs))
                 return None, None, None
     return trainer, train_dl, valid_dl
 

@@ -120,6 +120,8 @@ def test_finished_message_says_how_to_extend_and_what_the_lr_does():
     msg = finished_message("runs/x/checkpoints/step_300", 300, 300, cosine)
     assert "train.max_steps=600" in msg and "not stretched" in msg and "lr_scheduler.min_lr" in msg
     assert "not stretched" not in finished_message("c", 300, 300, None)
+    by_epochs = finished_message("c", 120, 120, cosine, epochs=2)   # a run sized by NUM_EPOCHS, not max_steps
+    assert "NUM_EPOCHS=2 (120 steps)" in by_epochs and "--set NUM_EPOCHS=4" in by_epochs, by_epochs
 
 
 def test_cpu_threads_per_rank(monkeypatch):

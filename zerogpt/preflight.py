@@ -199,10 +199,18 @@ def check_run_vocab(dataset: Any, data: Any, model: Any) -> None:
                 data_key=(data.vocab_size, "data.vocab_size") if data.vocab_size else None)
 
 
-def finished_message(ckpt: str, step: int, max_steps: int, lr_scheduler: Any = None) -> str:
-    """--resume auto on a run that is done: say so, how to extend it, and what that does to the LR."""
-    msg = (f"nothing to do: {ckpt} is at step {step} and train.max_steps={max_steps}. To train further, raise "
-           f"it: --resume auto --set train.max_steps={2 * step}.")
+def finished_message(ckpt: str, step: int, max_steps: int, lr_scheduler: Any = None,
+                     epochs: int | None = None) -> str:
+    """--resume auto on a run that is done: say so, how to extend it, and what that does to the LR.
+
+    `epochs` is given when the run's length came from NUM_EPOCHS (no train.max_steps): `max_steps` is then
+    the step those epochs end at."""
+    if epochs is None:
+        msg = (f"nothing to do: {ckpt} is at step {step} and train.max_steps={max_steps}. To train further, raise "
+               f"it: --resume auto --set train.max_steps={2 * step}.")
+    else:
+        msg = (f"nothing to do: {ckpt} is at step {step}, the end of NUM_EPOCHS={epochs} ({max_steps} steps). To "
+               f"train further, raise it: --resume auto --set NUM_EPOCHS={2 * epochs} (or set train.max_steps).")
     schedule = lr_scheduler.lr_lambdas[0] if lr_scheduler is not None else None
     if getattr(schedule, "kind", "constant") != "constant":
         msg += (f" The LR schedule comes back from the checkpoint and is not stretched: its {schedule.kind} decay "
