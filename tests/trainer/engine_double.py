@@ -56,18 +56,21 @@ class EngineDouble:
     def backward(self, loss):
         (loss / self.gradient_accumulation).backward()
 
-    def step(self) -> dict:
+    def step(self) -> torch.Tensor | None:
         boundary = self.is_accumulation_boundary
         self.micro_step += 1
         if not boundary:
-            return {}
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), float("inf")).item()
-        skipped = (self.global_step + 1) in self.skip_steps
-        if not skipped:
+            return None
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), float("inf"))
+        self.last_step_skipped = (self.global_step + 1) in self.skip_steps
+        if not self.last_step_skipped:
             self.optimizer.step()
         self.global_step += 1
-        return dict(grad_norm=grad_norm, skipped=skipped, loss_scale=self.loss_scale,
-                    lr=self.optimizer.param_groups[0]["lr"])
+        return grad_norm
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)

@@ -160,7 +160,7 @@ class Trainer:
                 out = engine(inputs)                                # (B, T, vocab) logits
                 loss = engine.criterion(getattr(out, "logits", out), labels)  # scalar mean over B*T
                 engine.backward(loss)                               # scales by 1/accum (and fp16 scale)
-                stats = engine.step()                               # {} before the boundary
+                grad_norm = engine.step()                           # None before the boundary
                 micro_losses.append(loss.detach())
                 s.micro_step += 1
                 s.consumed_samples += inputs.shape[0] * self.world_size
@@ -172,7 +172,9 @@ class Trainer:
             # ------------------------------ TRAINING SECTION END --------------------------------
             s.step += 1
             s.loss = torch.stack(micro_losses).float().mean().item()   # one host sync per step
-            s.metrics.update(stats)
+            if grad_norm is not None:
+                s.metrics.update(grad_norm=float(grad_norm), skipped=engine.last_step_skipped,
+                                 loss_scale=engine.loss_scale, lr=engine.lr)
             self.fire("after_step")
         self._finish_epoch_if_complete(train_dataloader)
         self.fire("after_train")

@@ -77,8 +77,8 @@ class ZeroHooks:
         self.in_backward = False
         self._next_to_reduce = len(chunks) - 1  # reductions go in descending chunk order
         self._launched: list[Chunk] = []
-        self._receive: Callable[[Chunk], None] | None = None
-        self._receive_eagerly = False
+        self._hand_over: Callable[[Chunk], None] | None = None
+        self._hand_over_at_launch = False
         self._install_grad_hooks()
         if stage == 3:
             self._install_param_hooks()
@@ -113,13 +113,13 @@ class ZeroHooks:
         if self.reduce_this_step:
             self._launch_ready_reductions()
 
-    def begin_backward(self, reduce: bool, receive: Callable[[Chunk], None], eagerly: bool = False) -> None:
-        """Start a backward pass. `receive(chunk)` finishes a chunk's launched reduction and takes the
-        result: right after the launch when `eagerly` (stream-ordered waits on CUDA: the host does not
-        block), else for every chunk at the end of backward (gloo's waits block the host)."""
+    def begin_backward(self, reduce: bool, hand_over: Callable[[Chunk], None], at_launch: bool = False) -> None:
+        """Start a backward pass. `hand_over(chunk)` finishes a chunk's launched reduction and hands the
+        result to the optimizer side: right after the launch when `at_launch` (stream-ordered waits on CUDA:
+        the host does not block), else for every chunk at the end of backward (gloo's waits block the host)."""
         self.in_backward = True
         self.reduce_this_step = reduce
-        self._receive, self._receive_eagerly = receive, eagerly
+        self._hand_over, self._hand_over_at_launch = hand_over, at_launch
         self._next_to_reduce = len(self.chunks) - 1
         for chunk in self.chunks:
             chunk.slots_ready.clear()
@@ -131,8 +131,8 @@ class ZeroHooks:
                 if not (force or chunk.grads_complete):
                     return
                 chunk.launch_reduce()
-                if self._receive_eagerly:
-                    self._receive(chunk)
+                if self._hand_over_at_launch:
+                    self._hand_over(chunk)
                 else:
                     self._launched.append(chunk)
             self._next_to_reduce -= 1
@@ -142,7 +142,7 @@ class ZeroHooks:
         if self.reduce_this_step:
             self._launch_ready_reductions(force=True)
             for chunk in self._launched:
-                self._receive(chunk)
+                self._hand_over(chunk)
             self._launched.clear()
         self.in_backward = False
         if self.stage == 3:
