@@ -109,7 +109,7 @@ class _ListLogger:
 
 def _local_state(engine) -> list[torch.Tensor]:
     """This rank's fp32 master shards and compute-dtype param shards (what a step would change)."""
-    return [t.clone() for t in list(engine.sharded_optim.masters.values()) + [c.shard for c in engine.chunks]]
+    return [t.clone() for t in [s.master for s in engine.sharded_optim.states.values()] + [c.shard for c in engine.chunks]]
 
 
 def _poison_grad_on(steps: tuple[int, ...], state: dict):

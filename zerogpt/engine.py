@@ -16,7 +16,8 @@ from zerogpt.config import EngineConfig
 from zerogpt.zero.chunk import Chunk
 from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.offload import HOMES, Placement, start_d2h
-from zerogpt.zero.sharded_model import ZeroHooks
+from zerogpt.zero.gather_hooks import Stage3GatherHooks
+from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.sharded_optim import ShardedOptimizer
 from zerogpt.zero.shm import close_transport
 
@@ -26,13 +27,14 @@ CATEGORIES = ("params", "grads", "master", "optimizer")
 class Engine:
     """A model trained with ZeRO. Call it like the model; then backward(loss), step(), zero_grad()."""
 
-    def __init__(self, module: nn.Module, sharded_optim: ShardedOptimizer, hooks: ZeroHooks, chunks: list[Chunk],
-                 placement: Placement, config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None,
+    def __init__(self, module: nn.Module, sharded_optim: ShardedOptimizer, chunks: list[Chunk],
+                 grad_hooks: GradReduceHooks, gather_hooks: Stage3GatherHooks | None, placement: Placement, config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None,
                  run_config: Any = None, host_settings: dict[str, bool] | None = None) -> None:
         self.module = module
         self.sharded_optim = sharded_optim
         self.optimizer = sharded_optim.optimizer
-        self.hooks = hooks
+        self.grad_hooks = grad_hooks
+        self.gather_hooks = gather_hooks  # stage 3 only
         self.chunks = chunks
         self.placement = placement
         self.config = config
@@ -89,13 +91,16 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; "
                              f"reduce it first (e.g. loss.mean())")
         reduce = self.stage >= 2 or self.is_accumulation_boundary
-        self.hooks.begin_backward(reduce, self._hand_over, at_launch=self.hand_over_at_launch)
+        self.grad_hooks.begin_backward(reduce, self._hand_over, at_launch=self.hand_over_at_launch)
+        if self.gather_hooks is not None:
+            self.gather_hooks.in_backward = True
         try:
             scaled = loss.float() * (self.loss_scale / self.gradient_accumulation)
             scaled.backward()
         finally:
-            self.hooks.end_backward()
-        self.hooks.end_backward_pass_order()
+            self.grad_hooks.end_backward()
+            if self.gather_hooks is not None:
+                self.gather_hooks.end_backward()
         self.micro_step += 1
         self._pending_backward = True
 
@@ -312,7 +317,9 @@ class Engine:
 
     def close(self) -> None:
         """Remove hooks and any disk-offload files; close the shared-memory transport (and its thread)."""
-        self.hooks.remove()
+        self.grad_hooks.remove()
+        if self.gather_hooks is not None:
+            self.gather_hooks.remove()
         self.placement.close()
         if self.host_settings.get("shm_collectives"):
             close_transport(self.ctx.group)

@@ -29,7 +29,8 @@ from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.init_ctx import give_storage, recorded_init
 from zerogpt.zero.offload import Placement, check_disk_path
 from zerogpt.zero.shm import open_transport
-from zerogpt.zero.sharded_model import ZeroHooks
+from zerogpt.zero.gather_hooks import Stage3GatherHooks
+from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.sharded_optim import ShardedOptimizer
 
 
@@ -235,7 +236,8 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     for chunk in chunks:
         for slot_index, p in enumerate(chunk.params):
             param_to_chunk[id(p)] = (chunk.plan.index, slot_index)
-    hooks = ZeroHooks(model, chunks, param_to_chunk, stage=zero.stage, prefetch=zero.prefetch)
+    grad_hooks = GradReduceHooks(model, chunks, param_to_chunk, stage=zero.stage)
+    gather_hooks = Stage3GatherHooks(model, chunks, param_to_chunk, prefetch=zero.prefetch) if zero.stage == 3 else None
 
     scaler_cfg = zero.loss_scale
     loss_scaler = DynamicLossScaler(scaler_cfg.initial_scale, scaler_cfg.growth_factor, scaler_cfg.backoff_factor,
@@ -246,7 +248,7 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
                                      loss_scaler=loss_scaler, clip_grad_norm=ecfg.clip_grad_norm,
                                      no_decay=no_decay)
     shm = open_transport(ctx.group) if host.shm_collectives and _shares_host_memory(ctx) else None
-    engine = Engine(model, sharded_optim, hooks, chunks, placement, ecfg, ctx, logger, criterion, run_config,
+    engine = Engine(model, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx, logger, criterion, run_config,
                     host_settings=dict(keep_freed_memory=keeps_freed_memory, shm_collectives=shm is not None))
     logger.info(engine.describe())
     return engine, train_dataloader, eval_dataloader, lr_scheduler

@@ -3,7 +3,7 @@
 The plan half (`ParamSlot`, `ChunkPlan`, `plan_chunks`) is pure arithmetic on sizes and is tested
 without a process group. The runtime half (`Chunk`) owns the buffers of one chunk on one rank and
 moves bytes: all-gather of param shards, reduce(-scatter) of gradients. It knows nothing about
-modules or optimizers; `sharded_model.py` and `sharded_optim.py` drive it.
+modules or optimizers; `grad_hooks.py`, `gather_hooks.py` and the engine drive it.
 """
 from __future__ import annotations
 

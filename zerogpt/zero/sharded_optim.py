@@ -224,6 +224,9 @@ class ShardedOptimizer:
         elif scale != 1.0:
             factor = torch.tensor(1.0 / scale, device=grad_norm.device)
         self._step_chunks(factor)
+        # The user's optimizer holds no tensors: this step moves nothing, but runs its step hooks once and
+        # tells LR schedulers bound to it that a step happened.
+        self.optimizer.step()
         self.loss_scaler.update(False)
         self.zero_grad()
         return grad_norm, False
