@@ -336,3 +336,25 @@ def test_training_after_the_context_matches_plain_construction():
         for n, t in plain_params.items():
             torch.testing.assert_close(ctx_params[n], t, rtol=1e-6, atol=0,
                                        msg=lambda m: f"stage={stage} {precision} {n}: {m}")
+
+
+def test_the_private_torch_apis_it_relies_on_still_exist():
+    """ZeroInitContext rests on private torch APIs (zero/init_modes.py lists them). A torch upgrade that removes
+    one fails here, by name, rather than somewhere inside a model's initialisation."""
+    import importlib
+
+    from zerogpt.zero.init_modes import PRIVATE_TORCH_APIS
+
+    missing = []
+    for module, name, purpose in PRIVATE_TORCH_APIS:
+        owner: object
+        try:
+            owner = importlib.import_module(module)
+        except ImportError:
+            head, _, cls = module.rpartition(".")
+            owner = getattr(importlib.import_module(head), cls, None)
+        if owner is None or not hasattr(owner, name):
+            missing.append(f"{module}.{name} (used to {purpose})")
+    assert not missing, (f"torch {torch.__version__} no longer has: " + "; ".join(missing)
+                         + ". Update zerogpt/zero/init_modes.py / init_record.py, or build the model without "
+                           "ZeroInitContext")
