@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerogpt.config import EngineConfig
@@ -28,8 +27,8 @@ class Engine:
     """A model trained with ZeRO. Call it like the model; then backward(loss), step(), zero_grad()."""
 
     def __init__(self, module: nn.Module, sharded_optim: ShardedOptimizer, chunks: list[Chunk],
-                 grad_hooks: GradReduceHooks, gather_hooks: Stage3GatherHooks | None, placement: Placement, config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None,
-                 run_config: Any = None, host_settings: dict[str, bool] | None = None) -> None:
+                 grad_hooks: GradReduceHooks, gather_hooks: Stage3GatherHooks | None, placement: Placement,
+                 config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None, run_config: Any = None, host_settings: dict[str, bool] | None = None) -> None:
         self.module = module
         self.sharded_optim = sharded_optim
         self.optimizer = sharded_optim.optimizer

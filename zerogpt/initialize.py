@@ -1,13 +1,15 @@
 """`initialize()`: turn a model + optimizer + config into a ZeRO `Engine`, in one stated order.
 
 Order and why:
-  1. resolve the config and distributed context (everything below depends on stage and world size);
-  2. resolve the optimizer and map every parameter to its param group (chunks never mix groups);
+  1. resolve the config and distributed context (everything below depends on stage and world size), and
+     apply the process-wide `host.*` settings (malloc);
+  2. resolve the optimizer and map every parameter to its param group (chunks never mix groups; a dict
+     optimizer's no-decay parameters share chunks with the weights, see sharded_optim.py);
   3. plan chunks (pure: sizes only) and pack the parameters into them, in the compute dtype;
   4. register hooks (grad hooks at every stage; gather/release/prefetch at stage 3) - after packing,
      because hooks refer to chunk slots;
-  5. place state (device / host / disk) and build the sharded optimizer on the master shards;
-  6. the loss scaler (fp16 only).
+  5. place state (device / host / disk) and build the sharded optimizer: one ChunkState per chunk;
+  6. the loss scaler (fp16 only), then the shared-memory transport (host.shm_collectives) and the Engine.
 """
 from __future__ import annotations
 
@@ -248,8 +250,8 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
                                      loss_scaler=loss_scaler, clip_grad_norm=ecfg.clip_grad_norm,
                                      no_decay=no_decay)
     shm = open_transport(ctx.group) if host.shm_collectives and _shares_host_memory(ctx) else None
-    engine = Engine(model, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx, logger, criterion, run_config,
-                    host_settings=dict(keep_freed_memory=keeps_freed_memory, shm_collectives=shm is not None))
+    engine = Engine(model, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx, logger, criterion,
+                    run_config, host_settings=dict(keep_freed_memory=keeps_freed_memory, shm_collectives=shm is not None))
     logger.info(engine.describe())
     return engine, train_dataloader, eval_dataloader, lr_scheduler
 
