@@ -186,6 +186,7 @@ def run(cfg, train, data, ctx, resume) -> None:
             trainer.load_state_dict(engine.load_checkpoint(ckpt))
             ctx.logger.info(f"resumed from {ckpt} at step {trainer.state.step}")
     state = trainer.fit(train_dl, epochs=cfg.NUM_EPOCHS, max_steps=train.max_steps, eval_dataloader=valid_dl)
+    engine.close()  # hooks off, offload files removed, the shared-memory transport and its thread closed
 
     ctx.logger.info(f"done: {state.step} steps, {state.tokens_seen:,} tokens"
                     + (f", valid loss {state.eval_results['loss']:.4f}" if state.eval_results else "")
