@@ -28,7 +28,7 @@ from zerogpt.engine import Engine
 from zerogpt.host_memory import keep_freed_host_memory
 from zerogpt.zero.chunk import Chunk, plan_chunks
 from zerogpt.zero.comm import all_gather_flat
-from zerogpt.zero.init_ctx import give_storage, recorded_init
+from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
 from zerogpt.zero.offload import Placement, check_disk_path
 from zerogpt.zero.shm import open_transport
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
@@ -169,7 +169,7 @@ def _build_chunks(params, plans, ecfg: EngineConfig, ctx, placement: Placement, 
                       pin_memory=ecfg.zero.offload_param.pin_memory, shard_home=param_home)
         if init_values is not None:  # ZeroInitContext: this rank replays only its shard; params leave meta
             chunk.load_shard(init_values.chunk_shard(plan, chunk.shard_index, dtype))
-            give_storage(chunk_params)
+            swap_meta_for_empty(chunk_params)
         else:
             chunk.load_full(torch.cat([p.detach().reshape(-1).to(ctx.device, dtype) for p in chunk_params]))
         chunk.bind_params()

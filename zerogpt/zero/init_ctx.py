@@ -27,7 +27,7 @@ from zerogpt.zero.chunk import ChunkPlan
 from zerogpt.zero.init_modes import _CpuFacade, _is_meta, _Recorder
 from zerogpt.zero.init_record import _key, _Recording, _Ref
 
-__all__ = ["ZeroInitContext", "RecordedInit", "recorded_init", "give_storage"]
+__all__ = ["ZeroInitContext", "RecordedInit", "recorded_init", "swap_meta_for_empty"]
 
 
 def _recording_now() -> bool:
@@ -192,7 +192,7 @@ def recorded_init(model: nn.Module) -> RecordedInit | None:
     return RecordedInit(params, buffers)
 
 
-def give_storage(params: Iterable[nn.Parameter]) -> None:
+def swap_meta_for_empty(params: Iterable[nn.Parameter]) -> None:
     """Give each meta parameter an empty CPU tensor in place, so a chunk can bind it to its slot.
 
     `param.data = ...` cannot move a tensor off the meta device, so the contents are swapped: the Parameter object
