@@ -145,7 +145,7 @@ class Engine:
 
         Returns the global gradient norm (before clipping, unscaled) as a 0-dim tensor on the device, not
         read back to the host: a caller that logs it pays the sync then. An fp16 step skipped on overflow
-        returns the non-finite norm and sets `last_step_skipped` (the loss scale has backed off).
+        returns a nan norm and sets `last_step_skipped` (the loss scale has backed off).
         """
         if not self._pending_backward:
             raise RuntimeError("engine.step() called without engine.backward(loss) since the last step; "

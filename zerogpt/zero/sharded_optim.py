@@ -207,7 +207,7 @@ class ShardedOptimizer:
         return local
 
     def step(self) -> tuple[torch.Tensor, bool]:
-        """One optimizer step on the shards. Returns (grad norm as a 0-dim device tensor, skipped).
+        """One optimizer step on the shards. Returns (grad norm as a 0-dim device tensor, skipped); nan if skipped.
 
         Only fp16 reads the norm back to the host (is the step an overflow to skip?). Clipping multiplies
         by min(1, max_norm / (norm + eps)) computed on the device: no branch on the norm's value.
@@ -217,7 +217,7 @@ class ShardedOptimizer:
         if self.loss_scaler.enabled and not torch.isfinite(grad_norm).item():
             self.loss_scaler.update(True)
             self.zero_grad()
-            return grad_norm, True
+            return torch.full_like(grad_norm, float("nan")), True
         factor = None
         if self.clip_grad_norm is not None:
             factor = torch.clamp(self.clip_grad_norm / (grad_norm + CLIP_EPS), max=1.0) / scale
