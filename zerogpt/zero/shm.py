@@ -103,6 +103,7 @@ class SharedMemoryTransport:
             if job is None:
                 return
             future, fn, args = job
+            del job  # the tuple holds the job's tensors too (see below)
             error = None
             try:
                 with torch.no_grad():
