@@ -109,7 +109,8 @@ class _ListLogger:
 
 def _local_state(engine) -> list[torch.Tensor]:
     """This rank's fp32 master shards and compute-dtype param shards (what a step would change)."""
-    return [t.clone() for t in [s.master for s in engine.sharded_optim.states.values()] + [c.shard for c in engine.chunks]]
+    masters = [s.master for s in engine.sharded_optim.states.values()]
+    return [t.clone() for t in masters + [c.shard for c in engine.chunks]]
 
 
 def _poison_grad_on(steps: tuple[int, ...], state: dict):

@@ -28,7 +28,8 @@ class Engine:
 
     def __init__(self, module: nn.Module, sharded_optim: ShardedOptimizer, chunks: list[Chunk],
                  grad_hooks: GradReduceHooks, gather_hooks: Stage3GatherHooks | None, placement: Placement,
-                 config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None, run_config: Any = None, host_settings: dict[str, bool] | None = None) -> None:
+                 config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None, run_config: Any = None,
+                 host_settings: dict[str, bool] | None = None) -> None:
         self.module = module
         self.sharded_optim = sharded_optim
         self.optimizer = sharded_optim.optimizer

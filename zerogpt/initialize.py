@@ -251,7 +251,8 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
                                      no_decay=no_decay)
     shm = open_transport(ctx.group) if host.shm_collectives and _shares_host_memory(ctx) else None
     engine = Engine(model, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx, logger, criterion,
-                    run_config, host_settings=dict(keep_freed_memory=keeps_freed_memory, shm_collectives=shm is not None))
+                    run_config, host_settings=dict(keep_freed_memory=keeps_freed_memory,
+                                                   shm_collectives=shm is not None))
     logger.info(engine.describe())
     return engine, train_dataloader, eval_dataloader, lr_scheduler
 
