@@ -1,9 +1,10 @@
 """Where a chunk's tensors live: the accelerator, (pinned) host RAM, or memory-mapped files on disk.
 
 `Placement` allocates; each owner (Chunk, ChunkState) records where its own tensors live. It owns the
-disk files of optimizer-state offload: one file per tensor under `<path>/zerogpt-rank<r>-<pid>-<random>/`, memory-mapped so the OS streams pages through RAM,
-with `prefetch()` (read-ahead via madvise WILLNEED) and `evict()` (unmap after use) so a
-step touches one chunk's state at a time and optimizer state can exceed host RAM.
+disk files of optimizer-state offload: one file per tensor under `<path>/zerogpt-rank<r>-<pid>-<random>/`,
+memory-mapped so the OS streams pages through RAM, with `prefetch()` (read-ahead via madvise WILLNEED) and
+`evict()` (unmap after use) so a step touches one chunk's state at a time and optimizer state can exceed
+host RAM.
 """
 from __future__ import annotations
 
