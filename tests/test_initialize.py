@@ -12,7 +12,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.zero.reference import (EPS, LR, Recipe, assert_params_close, assert_run_matches, cpu_ctx, engine_run,
-                                  reference_run)
+                                  reference_run, step_stats)
 from tests.zero.test_parity import lm_loss, tiny_gpt, token_batches, zero_config
 
 WORLD = 2
@@ -196,7 +196,7 @@ def _protocol(rank: int, world: int) -> dict:
         for j in range(accum):
             before = [c.shard.clone() for c in engine.chunks]
             engine.backward(lm_loss(engine, data[step, j, rank], step))
-            out = engine.step()
+            out = step_stats(engine, engine.step())
             engine.zero_grad()
             returned.append(out)
             shard_changed.append(any(not torch.equal(a, c.shard) for a, c in zip(before, engine.chunks)))

@@ -257,6 +257,13 @@ SHARDINGS = [(stage, "bucket") for stage in (0, 1, 2, 3)] + [(3, "tensor"), (2, 
 
 
 def _sharded_init(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from zerogpt.zero import shm
+
+    # Opened once for the process: the engines below share it, so its staging buffer (communication, not
+    # model state) is not allocated inside the watched construction.
+    transport_opened = dist.is_initialized() and shm.open_transport(None) is not None
     out = {}
     for name in MODELS:
         for stage, kind in SHARDINGS:
@@ -272,6 +279,8 @@ def _sharded_init(rank: int, world: int) -> dict:
                                             num_chunks=len(engine.chunks),
                                             params_bytes=sum(engine.memory_stats()["params"].values()))
             engine.close()
+    if transport_opened:
+        shm.close_transport(None)
     return out
 
 
