@@ -146,7 +146,7 @@ class ShardedOptimizer:
         # rest on the host (stage-3 param offload): the master must live with the optimizer and grad
         # shards on the device (a host master would get a device grad).
         self.master_is_param_shard = precision == "fp32" and optim_home == "device" and all(
-            c.shard.device == placement.device for c in chunks if c.plan.trainable)
+            c.shard_home == "device" for c in chunks if c.plan.trainable)
         if optim_home == "disk" and not _is_adam_family(optimizer):
             raise ValueError(f"disk offload keeps Adam state (exp_avg, exp_avg_sq) in memory-mapped files; "
                              f"{type(optimizer).__name__} is not an Adam-family optimizer. Use "
