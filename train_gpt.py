@@ -208,6 +208,7 @@ def setup(cfg, train, data, ctx, resume):
 def fit(trainer, cfg, train, train_dl, valid_dl, ctx) -> None:
     out = train.output_dir
     state = trainer.fit(train_dl, epochs=cfg.NUM_EPOCHS, max_steps=train.max_steps, eval_dataloader=valid_dl)
+    engine.close()  # hooks off, offload files removed, the shared-memory transport and its thread closed
 
     ctx.logger.info(f"done: {state.step} steps, {state.tokens_seen:,} tokens"
                     + (f", valid loss {state.eval_results['loss']:.4f}" if state.eval_results else "")

@@ -14,8 +14,8 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
+import uuid
 from collections import Counter
 from typing import IO, Any, Iterable, Iterator
 
@@ -24,8 +24,6 @@ MAX_REPORTS_PER_FILE = 20
 STATS_SUFFIX = ".stats.json"
 # Args that never change a stage's output (determinism does not depend on them), so `all`
 # ignores them when deciding whether an existing output is still valid.
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # read once: mkstemp creates 0600 files, outputs should get the usual mode
 NON_SEMANTIC_ARGS = frozenset({"workers", "strict", "quiet", "stage", "func", "progress", "extract_workers",
                                "memory_limit", "force", "retry_failed", "log_interval",
                                # where a stage runs (executor.add_executor_args), not what it writes
@@ -179,9 +177,11 @@ def atomic_write(path: str, mode: str = "w", encoding: str | None = "utf-8") -> 
         return
     directory = os.path.dirname(local)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(local) + ".", suffix=".tmp", dir=directory)
+    # Created like open() creates a file (mode 0666 less the umask), unlike mkstemp's 0600; O_EXCL and a
+    # random name keep mkstemp's safety. The umask is applied by the kernel: nothing reads or sets it.
+    tmp = os.path.join(directory, f".{os.path.basename(local)}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        os.chmod(tmp, 0o666 & ~_UMASK)
         kwargs = {"encoding": encoding} if "b" not in mode else {}
         with os.fdopen(fd, mode, **kwargs) as f:
             yield f

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.zero.reference import cpu_ctx, single_thread
+from tests.zero.reference import cpu_ctx, single_thread, step_stats
 from tests.zero.recipes import GPT_RECIPE
 from zerogpt.amp import DynamicLossScaler
 
@@ -109,7 +109,8 @@ class _ListLogger:
 
 def _local_state(engine) -> list[torch.Tensor]:
     """This rank's fp32 master shards and compute-dtype param shards (what a step would change)."""
-    return [t.clone() for t in list(engine.sharded_optim.masters.values()) + [c.shard for c in engine.chunks]]
+    masters = [s.master for s in engine.sharded_optim.states.values()]
+    return [t.clone() for t in masters + [c.shard for c in engine.chunks]]
 
 
 def _poison_grad_on(steps: tuple[int, ...], state: dict):
@@ -154,7 +155,7 @@ def _fp16_run(rank: int, world: int, stage: int, accum: int, overflow_steps: tup
             if where == "loss" and step in overflow_steps and rank == INFECTED_RANK and j == accum - 1:
                 loss = loss * float("inf")  # inf/nan gradients on this rank only
             engine.backward(loss)
-            out = engine.step()
+            out = step_stats(engine, engine.step())
             engine.zero_grad()
         stats.append(out)
         changed.append(any(not torch.equal(a, b) for a, b in zip(before, _local_state(engine))))

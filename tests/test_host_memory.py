@@ -1,4 +1,4 @@
-"""keep_freed_host_memory: a training-like loop stops page-faulting once warm; the opt-out leaves malloc as is.
+"""keep_freed_host_memory (config key host.keep_freed_memory): a training-like loop stops page-faulting once warm; the opt-out leaves malloc as is.
 
 Each case runs in a fresh interpreter: the malloc setting is process-wide and cannot be undone.
 """
@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 # size, so which free block fits depends on where the heap happened to start), the steady state must not.
 PROBE = textwrap.dedent("""
     import json, resource, torch
+    from zerogpt.config import HostConfig
     from zerogpt.host_memory import keep_freed_host_memory
-    applied = keep_freed_host_memory()
+    applied = HostConfig().with_env_overrides().keep_freed_memory and keep_freed_host_memory()
     sizes = [64 * 2**20, 16 * 2**20, 40 * 2**20, 9 * 2**20]  # fp32 elements: 256, 64, 160, 36 MiB
     def step():
         blocks = [torch.empty(n).fill_(1.0) for n in sizes]  # allocate and touch every page, all alive at once

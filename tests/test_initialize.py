@@ -12,7 +12,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.zero.reference import (EPS, LR, Recipe, assert_params_close, assert_run_matches, cpu_ctx, engine_run,
-                                  reference_run)
+                                  reference_run, step_stats)
 from tests.zero.recipes import lm_loss, tiny_gpt, token_batches, zero_config
 
 WORLD = 2
@@ -33,19 +33,18 @@ TWO_GROUPS = Recipe(build=tiny_gpt, data=token_batches, loss=lm_loss, optimizer=
 def inspect_optimizer(engine, step: int) -> dict:
     """The optimizer as the engine left it: class, groups, and the size of every state tensor."""
     opt = engine.optimizer
-    shard_of = {id(engine.sharded_optim.masters[c.plan.index]): c for c in engine.chunks if c.plan.trainable}
     groups = []
     for g, group in enumerate(opt.param_groups):
-        chunks = [shard_of[id(p)] for p in group["params"]]
+        states = [s for s in engine.sharded_optim.states.values() if s.group_index == g]
+        chunks = [s.chunk for s in states]
         groups.append({
             "hyper": {k: v for k, v in group.items() if k != "params"},
             "chunk_groups": sorted({c.plan.group_index for c in chunks}),
             "param_names": sorted(s.name for c in chunks for s in c.plan.slots),
-            "state_numels": [sorted({t.numel() for t in opt.state[p].values() if t.dim() > 0})
-                             for p in group["params"]],
+            "state_numels": [sorted({t.numel() for t in s.state_tensors().values()}) for s in states],
             "shard_numels": [c.plan.shard_numel for c in chunks],
         })
-    return {"type": type(opt).__name__, "groups": groups,
+    return {"type": type(opt).__name__, "groups": groups, "chunks": len(engine.chunks),
             "total_numel": sum(c.plan.numel for c in engine.chunks)}
 
 
@@ -95,7 +94,8 @@ def test_optimizer_keeps_class_groups_and_holds_only_this_ranks_shard(two_group_
 def _dict_forms(rank: int, world: int) -> dict:
     out = {}
     forms = {"object": adamw_object, "class": adamw_dict_class, "name": adamw_dict_name,
-             "hybrid_class": hybrid_adam_dict_class, "hybrid_name": hybrid_adam_dict_name}
+             "hybrid_class": hybrid_adam_dict_class, "hybrid_name": hybrid_adam_dict_name,
+             "default_groups": adamw_dict_default_groups, "two_group_object": adamw_two_group_object}
     for form, make in forms.items():
         recipe = Recipe(build=tiny_gpt, data=token_batches, loss=lm_loss, optimizer=make, steps=4)
         out[form] = engine_run(rank, world, recipe, zero_config(2), inspect=inspect_optimizer)
@@ -106,27 +106,43 @@ def adamw_object(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
 
 
-def adamw_dict_class(model):
-    return dict(type=torch.optim.AdamW, lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
+def adamw_dict_class(model):  # no_decay_1d=False: every parameter decays, as the object form
+    return dict(type=torch.optim.AdamW, lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS, no_decay_1d=False)
 
 
 def adamw_dict_name(model):
-    return dict(type="AdamW", lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
+    return dict(type="AdamW", lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS, no_decay_1d=False)
 
 
 def hybrid_adam_dict_class(model):  # the seed tutorial's form: optimizer = dict(type=HybridAdam, ...)
     from zerogpt.optim import HybridAdam
 
-    return dict(type=HybridAdam, lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
+    return dict(type=HybridAdam, lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS, no_decay_1d=False)
 
 
 def hybrid_adam_dict_name(model):
-    return dict(type="HybridAdam", lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
+    return dict(type="HybridAdam", lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS, no_decay_1d=False)
 
 
-@pytest.mark.timeout(200)
-def test_optimizer_dict_forms_build_the_same_optimizer():
-    runs = run_distributed(_dict_forms, WORLD, timeout=180)[0]
+def adamw_dict_default_groups(model):  # the default: biases and LayerNorm take no decay
+    return dict(type="AdamW", lr=LR, weight_decay=0.1, eps=EPS, betas=BETAS)
+
+
+def adamw_two_group_object(model):  # the same split as two param groups, the way nanoGPT writes it
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=LR, eps=EPS, betas=BETAS)
+
+
+@pytest.fixture(scope="module")
+def dict_form_runs() -> dict:
+    return run_distributed(_dict_forms, WORLD, timeout=280)[0]
+
+
+@pytest.mark.timeout(300)
+def test_optimizer_dict_forms_build_the_same_optimizer(dict_form_runs):
+    runs = dict_form_runs
     for form in ("class", "name"):
         assert runs[form]["inspect"][-1]["type"] == "AdamW"
         assert runs[form]["inspect"][-1]["groups"][0]["hyper"] == runs["object"]["inspect"][-1]["groups"][0]["hyper"]
@@ -138,6 +154,23 @@ def test_optimizer_dict_forms_build_the_same_optimizer():
         torch.testing.assert_close(torch.tensor(runs[form]["losses"]), torch.tensor(runs["object"]["losses"]),
                                    rtol=1e-5, atol=1e-5, msg=lambda m: f"{form}: {m}")
         assert_params_close(runs[form]["params"], runs["object"]["params"], 1e-5, 1e-4, form)
+
+
+@pytest.mark.timeout(300)
+def test_default_decay_groups_skip_1d_params_in_large_chunks(dict_form_runs):
+    """dict(type=..., weight_decay=w) decays only the >= 2-D weights, exactly as two param groups would, but
+    keeps the chunks of one group: weights, biases and norms alternate, and two groups would cut a chunk at
+    each switch."""
+    runs = dict_form_runs
+    default, two_groups, every = runs["default_groups"], runs["two_group_object"], runs["object"]
+    assert default["losses"] == two_groups["losses"]  # bit for bit: elementwise the same update
+    for k, v in two_groups["params"].items():
+        assert torch.equal(default["params"][k], v), k
+    assert any(not torch.equal(default["params"][k], v) for k, v in every["params"].items() if v.dim() < 2), \
+        "decaying the 1-D parameters too must change them"
+    assert default["inspect"][-1]["chunks"] == every["inspect"][-1]["chunks"], "decay groups split chunks"
+    assert two_groups["inspect"][-1]["chunks"] > default["inspect"][-1]["chunks"], \
+        (two_groups["inspect"][-1]["chunks"], default["inspect"][-1]["chunks"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,7 +196,7 @@ def _protocol(rank: int, world: int) -> dict:
         for j in range(accum):
             before = [c.shard.clone() for c in engine.chunks]
             engine.backward(lm_loss(engine, data[step, j, rank], step))
-            out = engine.step()
+            out = step_stats(engine, engine.step())
             engine.zero_grad()
             returned.append(out)
             shard_changed.append(any(not torch.equal(a, c.shard) for a, c in zip(before, engine.chunks)))

@@ -95,11 +95,6 @@ def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    state_keys = set(module.state_dict(keep_vars=True))
-    return {n: b for n, b in module.named_buffers() if n in state_keys}
-
-
 # ------------------------------------------------------------------------------------------------
 # RNG
 
@@ -150,17 +145,12 @@ def _chunk_pieces(chunk: Any, sources: dict[str, torch.Tensor]) -> tuple[dict[st
     return tensors, index
 
 
-def _optimizer_meta(engine: Any) -> dict:
+def _optimizer_meta(optimizer: Any, chunks: list, state: dict) -> dict:
     """Hyperparameters per param group and the scalar state (Adam's step), which is the same for every shard."""
-    optimizer = engine.optimizer
-    groups = []
-    for group in optimizer.param_groups:
-        groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"})
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
     scalars: dict[str, dict[str, float]] = {}
-    for chunk in engine.chunks:
-        master = engine.sharded_optim.masters.get(chunk.plan.index)
-        state = optimizer.state.get(master, {}) if master is not None else {}
-        for key, value in state.items():
+    for chunk in chunks:
+        for key, value in state["chunks"].get(chunk.plan.index, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() == 0 or isinstance(value, (int, float)):
                 scalars.setdefault(str(chunk.plan.group_index), {})[key] = float(value)
     return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
@@ -187,11 +177,16 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
     _barrier(ctx)
 
     files: dict[str, list[list]] = {}
-    optimizer_state = engine.sharded_optim.state_tensors_by_chunk()  # {chunk index: {kind: shard}}, trainable
+    state = engine.state_dict()
+    optimizer_state = state["optimizer"]["chunks"]  # {chunk index: {kind: shard or scalar}}, trainable
     for chunk in engine.chunks:
         if chunk.plan.num_shards == 1 and ctx.rank != 0:  # stage 0: every rank holds the same state
             continue
-        sources = optimizer_state[chunk.plan.index] if chunk.plan.trainable else {"param": chunk.shard}
+        if chunk.plan.trainable:
+            sources = {k: v for k, v in optimizer_state[chunk.plan.index].items()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0}
+        else:
+            sources = {"param": state["frozen"][chunk.plan.index]}
         tensors, index = _chunk_pieces(chunk, sources)
         if tensors:
             fname = f"r{ctx.rank:05d}_c{chunk.plan.index:05d}.safetensors"
@@ -200,7 +195,7 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
     rng_tensors, rng_plain = _rng_state()
     _save_safetensors_atomic(rng_tensors, os.path.join(tmp, f"rng_r{ctx.rank:05d}.safetensors"))
     if ctx.rank == 0:
-        buffers = {n: b.detach().cpu().clone() for n, b in _persistent_buffers(engine.module).items()}
+        buffers = {n: b.detach().cpu().clone() for n, b in state["buffers"].items()}
         _save_safetensors_atomic(buffers, os.path.join(tmp, BUFFERS))
 
     gathered = _all_gather_objects({"files": files, "rng": rng_plain}, ctx)
@@ -212,15 +207,15 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
         meta = {
             "format": FORMAT, "version": VERSION,
             "world_size": ctx.world_size, "stage": engine.stage, "precision": engine.config.precision,
-            "global_step": engine.global_step,
+            "global_step": state["global_step"],
             "params": {slot.name: {"shape": list(slot.shape), "trainable": chunk.plan.trainable}
                        for chunk in engine.chunks for slot in chunk.plan.slots},
-            "buffers": sorted(_persistent_buffers(engine.module)),
+            "buffers": sorted(state["buffers"]),
             "tied": _tied_aliases(engine.module),
             "model": _model_description(engine.module),
             "files": all_files,
-            "optimizer": _optimizer_meta(engine),
-            "loss_scaler": engine.sharded_optim.loss_scaler.state_dict(),
+            "optimizer": _optimizer_meta(engine.optimizer, engine.chunks, state["optimizer"]),
+            "loss_scaler": state["optimizer"]["loss_scaler"],
             "rng": [part["rng"] for part in gathered],
             "extra_state": extra_json,
         }
@@ -419,72 +414,49 @@ def _read_shard(reader: CheckpointReader, chunk: Any, kind: str) -> torch.Tensor
     return out
 
 
-def _load_optimizer_meta(engine: Any, reader: CheckpointReader) -> None:
-    saved = reader.meta["optimizer"]
-    groups = engine.optimizer.param_groups
-    if len(saved["param_groups"]) != len(groups):
-        raise CheckpointError(f"checkpoint {reader.directory} has {len(saved['param_groups'])} optimizer param "
-                              f"groups, the optimizer has {len(groups)}; build the optimizer as the run did")
-    for group, hyper in zip(groups, saved["param_groups"]):
-        for key, value in hyper.items():
-            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
-
-
 def load_engine(engine: Any, directory: str) -> dict:
     """Load a checkpoint written at any world size, stage or shard strategy (all ranks call).
 
+    The engine's own `state_dict()` names what to read: each rank reads its shard ranges straight into
+    the live tensors (peak extra memory: one chunk's piece), then `engine.load_state_dict()` puts it in force.
     Returns the extra_state saved with it. RNG states are restored when the world size is the same
     (exact resume); at another world size each rank keeps the seed it was launched with.
     """
     ctx = engine.ctx
     reader = CheckpointReader(directory)
     _check_compatible(engine, reader)
-    _load_optimizer_meta(engine, reader)
-    optim = engine.sharded_optim
+    state = engine.state_dict()
+    optim_state = state["optimizer"]
+    saved_groups = reader.meta["optimizer"]["param_groups"]
+    if len(saved_groups) != len(optim_state["param_groups"]):
+        raise CheckpointError(f"checkpoint {reader.directory} has {len(saved_groups)} optimizer param "
+                              f"groups, the optimizer has {len(optim_state['param_groups'])}; build the "
+                              f"optimizer as the run did")
+    optim_state["param_groups"] = saved_groups
+    optim_state["loss_scaler"] = reader.meta["loss_scaler"]
     scalars = reader.meta["optimizer"]["scalars"]
     with torch.no_grad():
         for chunk in engine.chunks:
             index = chunk.plan.index
             if not chunk.plan.trainable:
-                chunk.shard.copy_(_read_shard(reader, chunk, "param"))
+                state["frozen"][index].copy_(_read_shard(reader, chunk, "param"))
                 continue
-            master = optim.masters[index]
-            master.copy_(_read_shard(reader, chunk, "master"))
-            state = optim.optimizer.state[master]
+            live = optim_state["chunks"][index]
             for kind in reader.kinds(chunk.plan.slots[0].name):
-                if kind == "master":
-                    continue
                 values = _read_shard(reader, chunk, kind)
-                if kind in state and isinstance(state[kind], torch.Tensor) and state[kind].shape == values.shape:
-                    state[kind].copy_(values)  # keep its home (pinned host, memory-mapped disk)
+                target = live.get(kind)
+                if isinstance(target, torch.Tensor) and target.shape == values.shape:
+                    target.copy_(values)  # in place: keeps its home (pinned host, memory-mapped disk)
                 else:
-                    state[kind] = optim.placement.empty(values.numel(), torch.float32, optim.optim_home,
-                                                        f"{kind}{index}")
-                    state[kind].copy_(values)
-            group = optim.optimizer.param_groups[chunk.plan.group_index]
-            on_device = group.get("fused") or group.get("capturable")  # torch keeps their step on the param's device
+                    live[kind] = values
             for key, value in scalars.get(str(chunk.plan.group_index), {}).items():
-                state[key] = torch.tensor(value, dtype=torch.float32, device=master.device if on_device else "cpu")
-        for chunk in engine.chunks:  # masters -> param shards -> (stages 0-2) the full chunks
-            if chunk.plan.trainable and not optim.aliased:
-                chunk.shard.copy_(optim.masters[chunk.plan.index])
-            if chunk.persistent_full:
-                chunk.all_gather_full()
-    engine.micro_step = 0
-    engine.zero_grad()
-    optim.loss_scaler.load_state_dict(reader.meta["loss_scaler"])
-    engine.global_step = reader.meta["global_step"]
-    _load_buffers(engine, reader)
+                live[key] = torch.tensor(value, dtype=torch.float32)
+        for name in reader.meta["buffers"]:
+            if name in state["buffers"]:
+                state["buffers"][name] = reader.tensor(name)
+    state["global_step"] = reader.meta["global_step"]
+    engine.load_state_dict(state)
     if reader.meta["world_size"] == ctx.world_size:
         _set_rng_state(reader.rng_tensors(ctx.rank), reader.meta["rng"][ctx.rank])
     _barrier(ctx)
     return reader.meta["extra_state"]
-
-
-def _load_buffers(engine: Any, reader: CheckpointReader) -> None:
-    if not reader.meta["buffers"]:
-        return
-    buffers = _persistent_buffers(engine.module)
-    for name in reader.meta["buffers"]:
-        if name in buffers:
-            buffers[name].copy_(reader.tensor(name))

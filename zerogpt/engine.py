@@ -9,15 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerogpt.config import EngineConfig
 from zerogpt.zero.chunk import Chunk
 from zerogpt.zero.comm import all_gather_flat
-from zerogpt.zero.offload import HOMES, Placement
-from zerogpt.zero.sharded_model import ZeroHooks
+from zerogpt.zero.offload import HOMES, Placement, start_d2h
+from zerogpt.zero.gather_hooks import Stage3GatherHooks
+from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.sharded_optim import ShardedOptimizer
+from zerogpt.zero.shm import close_transport
 
 CATEGORIES = ("params", "grads", "master", "optimizer")
 
@@ -25,13 +26,15 @@ CATEGORIES = ("params", "grads", "master", "optimizer")
 class Engine:
     """A model trained with ZeRO. Call it like the model; then backward(loss), step(), zero_grad()."""
 
-    def __init__(self, module: nn.Module, sharded_optim: ShardedOptimizer, hooks: ZeroHooks, chunks: list[Chunk],
-                 placement: Placement, config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None,
-                 run_config: Any = None) -> None:
+    def __init__(self, module: nn.Module, sharded_optim: ShardedOptimizer, chunks: list[Chunk],
+                 grad_hooks: GradReduceHooks, gather_hooks: Stage3GatherHooks | None, placement: Placement,
+                 config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None, run_config: Any = None,
+                 host_settings: dict[str, bool] | None = None) -> None:
         self.module = module
         self.sharded_optim = sharded_optim
         self.optimizer = sharded_optim.optimizer
-        self.hooks = hooks
+        self.grad_hooks = grad_hooks
+        self.gather_hooks = gather_hooks  # stage 3 only
         self.chunks = chunks
         self.placement = placement
         self.config = config
@@ -39,11 +42,21 @@ class Engine:
         self.logger = logger
         self.criterion = criterion
         self.run_config = run_config  # the whole Config when built from one: checkpoints record it as config.py
+        # what initialize() applied to the process (host.* keys after their environment overrides)
+        self.host_settings = host_settings or dict(keep_freed_memory=False, shm_collectives=False)
         self.gradient_accumulation = config.gradient_accumulation
         self.stage = config.zero.stage
         self.micro_step = 0  # backward() calls since the last optimizer step
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
+        self.last_step_skipped = False  # the last optimizer step was an fp16 overflow, skipped
         self._pending_backward = False
+        # Offloaded grads on CUDA: each chunk's reduced shard is copied to the host on a side stream as
+        # soon as its reduction is launched, so the copies run under the rest of backward.
+        offload_grads = placement.device.type == "cuda" and sharded_optim.grad_home != "device"
+        self._copy_stream = torch.cuda.Stream(placement.device) if offload_grads else None
+        self.hand_over_at_launch = offload_grads
+        # Reduced grad shards still being copied device->host: (fp32 host shard, staging copy, event).
+        self._pending_d2h: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
 
     # -- forward / backward / step ------------------------------------------------------------
 
@@ -65,8 +78,10 @@ class Engine:
         return (self.micro_step + 1) % self.gradient_accumulation == 0
 
     @property
-    def loss_scale(self) -> float:
-        return self.sharded_optim.loss_scaler.scale
+    def loss_scale(self) -> float | None:
+        """fp16's current dynamic loss scale; None when there is none (fp32, bf16)."""
+        scaler = self.sharded_optim.loss_scaler
+        return scaler.scale if scaler.enabled else None
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (a scalar), scaled for fp16 and averaged over accumulation steps.
@@ -78,36 +93,84 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; "
                              f"reduce it first (e.g. loss.mean())")
         reduce = self.stage >= 2 or self.is_accumulation_boundary
-        self.hooks.begin_backward(reduce, self.sharded_optim.receive, eagerly=self.sharded_optim.receive_eagerly)
+        self.grad_hooks.begin_backward(reduce, self._hand_over, at_launch=self.hand_over_at_launch)
+        if self.gather_hooks is not None:
+            self.gather_hooks.in_backward = True
         try:
-            scaled = loss.float() * (self.loss_scale / self.gradient_accumulation)
+            scaled = loss.float() * (self.sharded_optim.loss_scaler.scale / self.gradient_accumulation)
             scaled.backward()
         finally:
-            self.hooks.end_backward()
-        self.hooks.end_backward_pass_order()
+            self.grad_hooks.end_backward()
+            if self.gather_hooks is not None:
+                self.gather_hooks.end_backward()
         self.micro_step += 1
         self._pending_backward = True
 
-    def step(self) -> dict:
-        """Optimizer step at the accumulation boundary; {} on other micro-steps.
+    # -- reduce -> hand-over ----------------------------------------------------------------------
 
-        Returns dict(grad_norm, skipped, loss_scale, lr); a skipped (fp16 overflow) step is logged
-        with the new scale.
+    def _hand_over(self, chunk: Chunk) -> None:
+        """Finish a chunk's launched reduction and add the result into its fp32 grad shard.
+
+        On CUDA with offloaded grads this runs on the copy stream: waiting for the collective makes that
+        stream (not the host) wait, and the device->host copy is queued behind it.
+        """
+        state = self.sharded_optim.states[chunk.plan.index]
+        if self._copy_stream is None:
+            state.add_grad(chunk.finish_reduce(), self.placement)
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream())  # grads written by backward (world 1)
+        with torch.cuda.stream(self._copy_stream):
+            reduced = chunk.finish_reduce()
+            reduced.record_stream(self._copy_stream)  # not reused by backward until the copy has read it
+            grad = state.add_grad(reduced, self.placement)
+            if reduced.device != grad.device:
+                # Start this chunk's device->host copy, then add the copies that have landed into their
+                # host shards, never blocking the host on one still in flight (backward keeps queueing
+                # work meanwhile). A plain non-blocking .to('cpu') then add_ would read the bytes too early.
+                self._pending_d2h.append((grad, *start_d2h(reduced)))
+                self._finish_d2h(landed_only=True)
+
+    def _finish_d2h(self, landed_only: bool = False) -> None:
+        """Add pending grad copies into their shards, in order: all of them (waiting), or those landed."""
+        while self._pending_d2h:
+            shard, staging, event = self._pending_d2h[0]
+            if event is not None:
+                if landed_only and not event.query():
+                    return
+                event.synchronize()
+            shard.add_(staging)
+            self._pending_d2h.pop(0)
+
+    # -- step -----------------------------------------------------------------------------------
+
+    def step(self) -> torch.Tensor | None:
+        """Optimizer step at the accumulation boundary; None on other micro-steps.
+
+        Returns the global gradient norm (before clipping, unscaled) as a 0-dim tensor on the device, not
+        read back to the host: a caller that logs it pays the sync then. An fp16 step skipped on overflow
+        returns a nan norm and sets `last_step_skipped` (the loss scale has backed off).
         """
         if not self._pending_backward:
             raise RuntimeError("engine.step() called without engine.backward(loss) since the last step; "
                                "call engine.backward(loss) first (loss.backward() bypasses the engine's "
                                "gradient reduction)")
         if self.micro_step % self.gradient_accumulation != 0:
-            return {}
-        stats = self.sharded_optim.step()
+            return None
+        self._finish_d2h()
+        grad_norm, self.last_step_skipped = self.sharded_optim.step()
         self.global_step += 1
         self.micro_step = 0
         self._pending_backward = False
-        if stats["skipped"]:
+        if self.last_step_skipped:
             self.logger.warning(f"step {self.global_step}: fp16 gradient overflow, step skipped; "
-                                f"loss scale now {stats['loss_scale']:g}")
-        return stats
+                                f"loss scale now {self.loss_scale:g}")
+        return grad_norm
+
+    @property
+    def lr(self) -> float:
+        """The first param group's learning rate (what the LR schedule sets)."""
+        groups = self.optimizer.param_groups
+        return groups[0]["lr"] if groups else 0.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients at the accumulation boundary; a no-op mid-accumulation.
@@ -121,6 +184,7 @@ class Engine:
             p.grad = None
         for chunk in self.chunks:
             chunk.reset_grads()
+        self._pending_d2h.clear()
         self.sharded_optim.zero_grad()
 
     # -- accounting ---------------------------------------------------------------------------
@@ -134,38 +198,42 @@ class Engine:
         stats = {c: {h: 0 for h in HOMES} for c in CATEGORIES}
         seen: set[int] = set()
 
-        def add(category: str, tensor: torch.Tensor | None) -> None:
+        def add(category: str, tensor: torch.Tensor | None, home: str) -> None:
             if tensor is None or tensor.numel() == 0:
                 return
             ptr = tensor.untyped_storage().data_ptr()
             if ptr in seen:
                 return
             seen.add(ptr)
-            stats[category][self.placement.home_of(tensor)] += tensor.untyped_storage().nbytes()
+            stats[category][home] += tensor.untyped_storage().nbytes()
 
         for chunk in self.chunks:
-            add("params", chunk.full_buffer)  # in-flight prefetches included
-            add("params", chunk.shard)
-            add("grads", chunk.grad_full)
-        for index, grad in self.sharded_optim.grad_shards.items():
-            add("grads", grad)
-        for index, entry in self.sharded_optim.state_tensors_by_chunk().items():
-            add("master", entry.pop("master"))
-            for tensor in entry.values():
-                add("optimizer", tensor)
+            add("params", chunk.full_buffer, "device")  # in-flight prefetches included
+            add("params", chunk.shard, chunk.shard_home)
+            add("grads", chunk.grad_full, "device")
+        for state in self.sharded_optim.states.values():
+            add("grads", state.grad, state.grad_home)
+            add("master", state.master, state.home)
+            for tensor in state.state_tensors().values():
+                add("optimizer", tensor, state.home)
         return stats
 
     def num_params(self) -> int:
         return sum(chunk.plan.numel for chunk in self.chunks)
 
     def describe(self) -> str:
-        """One startup line: stage, chunks, and this rank's model-state bytes."""
+        """One startup line: stage, chunks, this rank's model-state bytes, and the process-wide host settings."""
         stats = self.memory_stats()
         total = {h: sum(stats[c][h] for c in CATEGORIES) for h in HOMES}
+        on = {True: "on", False: "off"}
+        kernel = getattr(self.optimizer, "backend", None)  # CPUAdam/HybridAdam's host kernel
         return (f"zerogpt engine: stage {self.stage}, precision {self.config.precision}, "
                 f"{len(self.chunks)} chunks, {self.num_params() / 1e6:.2f}M params, world {self.ctx.world_size}, "
                 f"accumulation {self.gradient_accumulation}; model state on this rank: "
-                + ", ".join(f"{h} {total[h] / 2**20:.1f} MiB" for h in HOMES if total[h]))
+                + ", ".join(f"{h} {total[h] / 2**20:.1f} MiB" for h in HOMES if total[h])
+                + f"; host: keep_freed_memory {on[self.host_settings['keep_freed_memory']]}, "
+                f"shm_collectives {on[self.host_settings['shm_collectives']]}"
+                + (f", cpu_adam {kernel}" if kernel else ""))
 
     # -- consolidated state -------------------------------------------------------------------
 
@@ -174,8 +242,8 @@ class Engine:
 
         Every rank must call this (it all-gathers when the chunk is sharded).
         """
-        master = self.sharded_optim.masters.get(chunk.plan.index)
-        shard = master if master is not None else chunk.shard
+        state = self.sharded_optim.states.get(chunk.plan.index)
+        shard = state.master if state is not None else chunk.shard
         shard = shard.to(self.ctx.device, torch.float32)
         if chunk.plan.num_shards == 1:
             full = shard
@@ -200,6 +268,41 @@ class Engine:
                 out[name] = buf.detach().cpu().clone()
         return out
 
+    # -- state (torch's Stateful protocol) -----------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's training state as live tensors (not copies): what a checkpoint maps to files.
+
+        {"global_step": int, "optimizer": ShardedOptimizer.state_dict(),
+         "frozen": {chunk index: param shard}, "buffers": {name: tensor}}
+        """
+        state_keys = set(self.module.state_dict(keep_vars=True))
+        return {
+            "global_step": self.global_step,
+            "optimizer": self.sharded_optim.state_dict(),
+            "frozen": {c.plan.index: c.shard for c in self.chunks if not c.plan.trainable},
+            "buffers": {n: b for n, b in self.module.named_buffers() if n in state_keys},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a `state_dict()` (tensors may be the live ones, filled in place); all ranks call."""
+        with torch.no_grad():
+            self.sharded_optim.load_state_dict(state["optimizer"])  # masters -> param shards
+            for index, shard in state["frozen"].items():
+                if shard is not self.chunks[index].shard:
+                    self.chunks[index].shard.copy_(shard)
+            for chunk in self.chunks:  # param shards -> (stages 0-2) the full chunks
+                if chunk.persistent_full:
+                    chunk.all_gather_full()
+            buffers = dict(self.module.named_buffers())
+            for name, value in state["buffers"].items():
+                if value is not buffers[name]:
+                    buffers[name].copy_(value)
+        self.global_step = int(state["global_step"])
+        self.micro_step = 0
+        self._pending_backward = False
+        self.zero_grad()
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str, extra_state: dict | None = None) -> str:
@@ -215,6 +318,11 @@ class Engine:
         return load_engine(self, directory)
 
     def close(self) -> None:
-        """Remove hooks and any disk-offload files."""
-        self.hooks.remove()
+        """Remove hooks and any disk-offload files; close the shared-memory transport (and its thread)."""
+        self.grad_hooks.remove()
+        if self.gather_hooks is not None:
+            self.gather_hooks.remove()
         self.placement.close()
+        if self.host_settings.get("shm_collectives"):
+            close_transport(self.ctx.group)
+            self.host_settings["shm_collectives"] = False  # closing twice must not close another engine's

@@ -11,14 +11,14 @@ by preloading jemalloc or tcmalloc), with glibc's own knobs: blocks come from th
 (no per-block mmap) and the heap is never trimmed. The process keeps its peak host memory (what it
 already needed once) until it exits, which is what a training process wants.
 
-`ZEROGPT_KEEP_HOST_MEMORY=0` leaves malloc as it is (e.g. a process that must hand memory back to the
-OS between phases). Only glibc has these knobs; elsewhere this is a no-op.
+`initialize()` applies it when the config key `host.keep_freed_memory` is on (the default; ZEROGPT_KEEP_HOST_MEMORY=0
+overrides it) and the compute runs on the host; turn it off for a process that must hand memory back to the OS
+between phases. Nothing changes at import. Only glibc has these knobs; elsewhere this is a no-op.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 
 # glibc <malloc.h>
@@ -37,7 +37,7 @@ def keep_freed_host_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if os.environ.get("ZEROGPT_KEEP_HOST_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         return False
     libc = _glibc()
     if libc is None:

@@ -1,13 +1,15 @@
 """`initialize()`: turn a model + optimizer + config into a ZeRO `Engine`, in one stated order.
 
 Order and why:
-  1. resolve the config and distributed context (everything below depends on stage and world size);
-  2. resolve the optimizer and map every parameter to its param group (chunks never mix groups);
+  1. resolve the config and distributed context (everything below depends on stage and world size), and
+     apply the process-wide `host.*` settings (malloc);
+  2. resolve the optimizer and map every parameter to its param group (chunks never mix groups; a dict
+     optimizer's no-decay parameters share chunks with the weights, see sharded_optim.py);
   3. plan chunks (pure: sizes only) and pack the parameters into them, in the compute dtype;
   4. register hooks (grad hooks at every stage; gather/release/prefetch at stage 3) - after packing,
      because hooks refer to chunk slots;
-  5. place state (device / host / disk) and build the sharded optimizer on the master shards;
-  6. the loss scaler (fp16 only).
+  5. place state (device / host / disk) and build the sharded optimizer: one ChunkState per chunk;
+  6. the loss scaler (fp16 only), then the shared-memory transport (host.shm_collectives) and the Engine.
 """
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ from zerogpt.engine import Engine
 from zerogpt.host_memory import keep_freed_host_memory
 from zerogpt.zero.chunk import Chunk, plan_chunks
 from zerogpt.zero.comm import all_gather_flat
-from zerogpt.zero.init_ctx import give_storage, recorded_init
+from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
 from zerogpt.zero.offload import Placement, check_disk_path
-from zerogpt.zero.sharded_model import ZeroHooks
+from zerogpt.zero.shm import open_transport
+from zerogpt.zero.gather_hooks import Stage3GatherHooks
+from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.sharded_optim import ShardedOptimizer
 
 
@@ -61,13 +65,31 @@ def _logger(ctx: Any):
     return get_logger(ctx.rank)
 
 
-def _resolve_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
+def _resolve_optimizer(optimizer: Any, model: nn.Module, cpu_adam: str = "auto"
+                       ) -> tuple[torch.optim.Optimizer, set[str]]:
+    """The optimizer, and the names of the parameters that take no weight decay whatever their group says.
+
+    With dict(type=..., weight_decay=w), parameters under 2 dimensions (biases, LayerNorm) take no decay, as
+    in nanoGPT, Megatron and Hugging Face; `no_decay_1d=False` in the dict decays them too. They stay in the
+    one param group (and share chunks with the weights): the step skips their decay slot by slot. An
+    optimizer object is used as built.
+    """
     if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
+        return optimizer, set()
     if isinstance(optimizer, dict):
         kwargs = dict(optimizer)
+        no_decay_1d = kwargs.pop("no_decay_1d", True)
+        if not isinstance(no_decay_1d, bool):
+            raise TypeError(f"optimizer.no_decay_1d must be True (biases and norms take no weight decay) or "
+                            f"False (every parameter decays), got {no_decay_1d!r}")
         cls = optimizer_class(kwargs.pop("type", None))
-        return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+        from zerogpt.optim import CPUAdam
+
+        if issubclass(cls, CPUAdam):
+            kwargs.setdefault("backend", cpu_adam)
+        built = cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+        under_2d = {n for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2}
+        return built, under_2d if no_decay_1d else set()
     raise TypeError(f"optimizer must be a torch.optim.Optimizer built on model.parameters() or a "
                     f"dict(type=..., **kwargs), got {type(optimizer).__name__}")
 
@@ -133,13 +155,12 @@ def _build_chunks(params, plans, ecfg: EngineConfig, ctx, placement: Placement, 
         chunk_params = [by_name[s.name] for s in plan.slots]
         chunk = Chunk(plan, chunk_params, dtype=dtype, device=ctx.device, rank=ctx.rank, group=ctx.group,
                       persistent_full=stage < 3, shard_device=placement.torch_device(param_home),
-                      pin_memory=ecfg.zero.offload_param.pin_memory)
+                      pin_memory=ecfg.zero.offload_param.pin_memory, shard_home=param_home)
         if init_values is not None:  # ZeroInitContext: this rank replays only its shard; params leave meta
             chunk.load_shard(init_values.chunk_shard(plan, chunk.shard_index, dtype))
-            give_storage(chunk_params)
+            swap_meta_for_empty(chunk_params)
         else:
             chunk.load_full(torch.cat([p.detach().reshape(-1).to(ctx.device, dtype) for p in chunk_params]))
-        placement.record(chunk.shard, "device" if stage < 3 else param_home)
         chunk.bind_params()
         chunks.append(chunk)
     return chunks
@@ -174,11 +195,11 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
                          f"{dist.get_world_size(ctx.group)} ranks; pass the context from launch_from_torch")
     zero = ecfg.zero
     logger = _logger(ctx)
-    if ctx.device.type == "cpu" and keep_freed_host_memory():  # compute on the host: see host_memory.py
-        logger.info("host malloc keeps freed memory: steps reuse pages instead of faulting them in again "
-                    "(faster, higher peak RSS; ZEROGPT_KEEP_HOST_MEMORY=0 to turn off)")
+    host = ecfg.host.with_env_overrides()
+    # compute on the host: see host_memory.py (a device run's host holds little that is freed every step)
+    keeps_freed_memory = ctx.device.type == "cpu" and host.keep_freed_memory and keep_freed_host_memory()
 
-    optimizer = _resolve_optimizer(optimizer, model)
+    optimizer, no_decay = _resolve_optimizer(optimizer, model, host.cpu_adam)
     params = _param_groups(model, optimizer)
     _check_devices(params)
 
@@ -206,7 +227,8 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     for chunk in chunks:
         for slot_index, p in enumerate(chunk.params):
             param_to_chunk[id(p)] = (chunk.plan.index, slot_index)
-    hooks = ZeroHooks(model, chunks, param_to_chunk, stage=zero.stage, prefetch=zero.prefetch)
+    grad_hooks = GradReduceHooks(model, chunks, param_to_chunk, stage=zero.stage)
+    gather_hooks = Stage3GatherHooks(model, chunks, param_to_chunk, prefetch=zero.prefetch) if zero.stage == 3 else None
 
     scaler_cfg = zero.loss_scale
     loss_scaler = DynamicLossScaler(scaler_cfg.initial_scale, scaler_cfg.growth_factor, scaler_cfg.backoff_factor,
@@ -214,10 +236,22 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
                                     scaler_cfg.max_scale, enabled=ecfg.precision == "fp16")
     sharded_optim = ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=optim_home,
                                      precision=ecfg.precision, stage=zero.stage, group=ctx.group,
-                                     loss_scaler=loss_scaler, clip_grad_norm=ecfg.clip_grad_norm)
-    engine = Engine(model, sharded_optim, hooks, chunks, placement, ecfg, ctx, logger, criterion, run_config)
+                                     loss_scaler=loss_scaler, clip_grad_norm=ecfg.clip_grad_norm,
+                                     no_decay=no_decay)
+    shm = open_transport(ctx.group) if host.shm_collectives and _shares_host_memory(ctx) else None
+    engine = Engine(model, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx, logger, criterion,
+                    run_config, host_settings=dict(keep_freed_memory=keeps_freed_memory,
+                                                   shm_collectives=shm is not None))
     logger.info(engine.describe())
     return engine, train_dataloader, eval_dataloader, lr_scheduler
+
+
+def _shares_host_memory(ctx: Any) -> bool:
+    """Whether the shared-memory transport could carry this run's collectives (gloo on CPU tensors)."""
+    if not dist.is_initialized() or ctx.world_size < 2 or ctx.device.type != "cpu":
+        return False
+    backend = str(dist.get_backend(ctx.group))
+    return backend == "gloo" or "cpu:gloo" in backend
 
 
 def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:

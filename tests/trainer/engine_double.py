@@ -43,6 +43,7 @@ class EngineDouble:
         self.micro_step = 0
         self.global_step = 0
         self.skip_steps = set(skip_steps)      # optimizer steps reported as fp16-skipped
+        self.last_step_skipped = False
         self.loss_scale = loss_scale
         self.saved: list[tuple[str, dict]] = []
 
@@ -56,20 +57,23 @@ class EngineDouble:
     def backward(self, loss):
         (loss / self.gradient_accumulation).backward()
 
-    def step(self) -> dict:
+    def step(self) -> torch.Tensor | None:
         boundary = self.is_accumulation_boundary
         self.micro_step += 1
         if not boundary:
-            return {}
+            return None
         # A 0-dim device tensor, as the engine returns it: reading it is the trainer's choice (log steps only).
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
                                                           for p in self.module.parameters() if p.grad is not None]))
-        skipped = (self.global_step + 1) in self.skip_steps
-        if not skipped:
+        self.last_step_skipped = (self.global_step + 1) in self.skip_steps
+        if not self.last_step_skipped:
             self.optimizer.step()
         self.global_step += 1
-        return dict(grad_norm=grad_norm, skipped=skipped, loss_scale=self.loss_scale,
-                    lr=self.optimizer.param_groups[0]["lr"])
+        return grad_norm
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)

@@ -292,9 +292,6 @@ def test_no_host_sync_on_steps_that_log_nothing(monkeypatch, tmp_path):
         assert any("trainer.py" in site for site in per_step[step]), per_step[step]
 
 
-@pytest.mark.xfail(strict=True, reason="engine.step() still reads the grad norm on the host (.item() in "
-                   "zero/sharded_optim.py) until it returns a 0-dim device tensor (branch i16); strict, so this "
-                   "marker fails once that lands and must then be removed")
 def test_real_engine_no_host_sync_on_steps_that_log_nothing(monkeypatch, tmp_path):
     import zerogpt
     from model_zoo import GPTLMLoss, gpt2_tiny

@@ -36,6 +36,14 @@ def cpu_ctx(rank: int = 0, world: int = 1, logger: Any = None) -> SimpleNamespac
     return SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu"), group=None, logger=logger)
 
 
+def step_stats(engine: Any, grad_norm: torch.Tensor | None) -> dict | None:
+    """engine.step()'s norm with the step's other facts, as plain numbers; None before the boundary."""
+    if grad_norm is None:
+        return None
+    return dict(grad_norm=grad_norm.item(), skipped=engine.last_step_skipped, loss_scale=engine.loss_scale,
+                lr=engine.lr)
+
+
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
 
@@ -122,7 +130,7 @@ def engine_run(rank: int, world: int, recipe: Recipe, zero: dict, precision: str
         for j in range(accum):
             loss = recipe.loss(engine, data[step, j, rank].to(ctx.device), step)
             engine.backward(loss)
-            out = engine.step()
+            out = step_stats(engine, engine.step())
             engine.zero_grad()
             step_loss += loss.detach().float() / accum
             if out:

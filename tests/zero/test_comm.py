@@ -27,8 +27,8 @@ def _collectives(rank: int, world: int, algorithm: str, shm_dir: str) -> dict:
     shm.STAGING_BYTES = 2 * world * 64  # 64-byte slots: 16 fp32 per piece, so 3 pieces below
     if algorithm == "flat-collectives":
         comm._uses_gloo = lambda tensor, group: False  # this process only: take torch's flat collectives
-    elif algorithm == "gloo-algorithms":
-        comm.transport_for = lambda group: None
+    elif algorithm == "shared-memory":
+        shm.open_transport(None)  # the engine opens it at initialize(); without it collectives run on gloo
     shard = 40
     out = {}
     full = torch.full((shard * world,), float("nan"))

@@ -17,7 +17,7 @@ import torch
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
 from tests.zero.reference import assert_run_matches, engine_run, reference_run
-from tests.zero.test_parity import CLIP, GPT_RECIPE, token_batches, zero_config
+from tests.zero.recipes import CLIP, GPT_RECIPE, token_batches, zero_config
 
 ACCUM = 2
 OFFLOADS = ("none", "cpu", "cpu+param", "disk")  # optimizer offload; cpu+param adds stage-3 param offload
@@ -44,17 +44,23 @@ def zero_for(stage: int, precision: str, offload: str, disk_path: str) -> dict:
 
 def attach_handover_probe(engine) -> None:
     """Log every hand-over of a reduced gradient shard: on the copy stream? before backward ended?"""
-    optim, hooks = engine.sharded_optim, engine.hooks
+    hooks = engine.grad_hooks
     engine._probe = {"ended": False, "calls": []}
 
-    def accumulate_grad(chunk, reduced, original=optim.accumulate_grad):
-        on_copy = (reduced.is_cuda and optim._copy_stream is not None
-                   and torch.cuda.current_stream(reduced.device) == optim._copy_stream)
-        during_backward = not engine._probe["ended"]
-        original(chunk, reduced)
-        shard = optim.grad_shards[chunk.plan.index]  # where the fp32 grad shard lives (freed after the step)
-        engine._probe["calls"].append((on_copy, during_backward, shard.device.type,
-                                       shard.device.type != "cpu" or shard.is_pinned()))
+    def probe(state):
+        def add_grad(reduced, placement, original=state.add_grad):
+            copy_stream = engine._copy_stream
+            on_copy = (reduced.is_cuda and copy_stream is not None
+                       and torch.cuda.current_stream(reduced.device) == copy_stream)
+            during_backward = not engine._probe["ended"]
+            shard = original(reduced, placement)  # where the fp32 grad shard lives (freed after the step)
+            engine._probe["calls"].append((on_copy, during_backward, shard.device.type,
+                                           shard.device.type != "cpu" or shard.is_pinned()))
+            return shard
+        state.add_grad = add_grad
+
+    for state in engine.sharded_optim.states.values():
+        probe(state)
 
     def begin_backward(*args, original=hooks.begin_backward, **kwargs):
         engine._probe["ended"] = False
@@ -64,14 +70,13 @@ def attach_handover_probe(engine) -> None:
         engine._probe["ended"] = True  # hand-overs from here on waited for the end of backward
         return original()
 
-    optim.accumulate_grad, hooks.begin_backward, hooks.end_backward = accumulate_grad, begin_backward, end_backward
+    hooks.begin_backward, hooks.end_backward = begin_backward, end_backward
 
 
 def inspect_handover(engine, step: int) -> dict:
     calls, engine._probe["calls"] = engine._probe["calls"], []
-    optim = engine.sharded_optim
     return dict(calls=len(calls), on_copy_stream=sum(c[0] for c in calls), during_backward=sum(c[1] for c in calls),
-                eager=optim.receive_eagerly, has_copy_stream=optim._copy_stream is not None,
+                eager=engine.hand_over_at_launch, has_copy_stream=engine._copy_stream is not None,
                 grad_devices=sorted({c[2] for c in calls}), grads_pinned=all(c[3] for c in calls))
 
 

@@ -87,7 +87,7 @@ def build_engine(s: Setting, disk_path: str | None = None):
 
     model = tiny_model()
     engine, *_ = zerogpt.initialize(model, make_optimizer(s.optimizer, model), config=make_config(s, disk_path))
-    engine.sharded_optim.receive_eagerly = s.eager
+    engine.hand_over_at_launch = s.eager
     return engine
 
 
@@ -100,7 +100,7 @@ def batches(world: int, accum: int) -> torch.Tensor:
 def placement_facts(engine) -> dict:
     """What lives where, from the engine's records and the tensors themselves (plain data)."""
     optim, placement = engine.sharded_optim, engine.placement
-    state = [t for entry in optim.state_tensors_by_chunk().values() for t in entry.values()]
+    state = [t for entry in optim.states.values() for t in entry.tensors()]
     disk_dir = placement.disk_dir
     return dict(
         stats=engine.memory_stats(),
@@ -109,7 +109,7 @@ def placement_facts(engine) -> dict:
         num_state_tensors=len(state),
         disk_dir=disk_dir,
         disk_files=sorted(os.listdir(disk_dir)) if disk_dir else [],
-        param_shard_homes={placement.home_of(c.shard) for c in engine.chunks},
+        param_shard_homes={c.shard_home for c in engine.chunks},
         gathered_at_rest=sum(c.full is not None for c in engine.chunks),
     )
 
@@ -280,7 +280,7 @@ def test_param_offload_gathers_chunk_by_chunk_with_prefetch():
         def gather(async_op: bool = False, chunk=chunk, original=chunk.gather) -> None:
             cold = chunk.full_buffer is None
             original(async_op)
-            if not engine.hooks.in_backward:
+            if not engine.gather_hooks.in_backward:
                 log.append((chunk.plan.index, async_op, cold))
                 held.append(sum(c.full_buffer is not None for c in engine.chunks))
         chunk.gather = gather
@@ -291,11 +291,11 @@ def test_param_offload_gathers_chunk_by_chunk_with_prefetch():
         engine.step()
         engine.zero_grad()
         assert all(c.full_buffer is None for c in engine.chunks), f"step {step}: chunks left gathered"
-        assert {engine.placement.home_of(c.shard) for c in engine.chunks} == {"host"}
+        assert {c.shard_home for c in engine.chunks} == {"host"}
         assert [c.shard.data_ptr() for c in engine.chunks] == shard_ptrs  # updated in place, never moved
         if step == 0:
             continue  # the first pass records the order
-        order = list(dict.fromkeys(engine.hooks.recorded_order))
+        order = list(dict.fromkeys(engine.gather_hooks.recorded_order))
         on_demand = [c for c, async_op, cold in log if cold and not async_op]
         prefetched = [c for c, async_op, cold in log if cold and async_op]
         assert on_demand == order[:1] and prefetched == order[1:], f"step {step}: {log}"
@@ -314,23 +314,25 @@ def test_disk_state_streams_chunk_by_chunk_through_the_files(tmp_path):
 
     engine = build_engine(Setting(2, "disk", accum=1), str(tmp_path))
     optim, placement = engine.sharded_optim, engine.placement
-    owner = {t.data_ptr(): index for index, entry in optim.state_tensors_by_chunk().items() for t in entry.values()}
+    owner = {t.data_ptr(): index for index, entry in optim.states.items() for t in entry.tensors()}
     events, written = [], []
     for name in ("prefetch", "evict"):
         def log(tensor, name=name, original=getattr(placement, name)):
             index = owner[tensor.data_ptr()]
             events.append((name, index))
             if name == "evict":  # the updated master must already be in its param shard
-                written.append(torch.equal(engine.chunks[index].shard, optim.masters[index]))
+                written.append(torch.equal(engine.chunks[index].shard, optim.states[index].master))
             original(tensor)
         setattr(placement, name, log)
-    original_step = optim.optimizer.step
-    optim.optimizer.step = lambda *a, **k: (events.append(("step", [i for i, m in optim.masters.items()
-                                                                     if m.grad is not None])), original_step(*a, **k))[1]
+    for entry in optim.states.values():  # each chunk steps alone: only its master has a grad then
+        def logged_step(*a, original=entry.optimizer.step, **k):
+            events.append(("step", [i for i, s in optim.states.items() if s.master.grad is not None]))
+            return original(*a, **k)
+        entry.optimizer.step = logged_step
     x = batches(1, 1)[0, 0, 0]
     engine.backward(GPTLMLoss(shift=False)(engine(x[:, :-1]), x[:, 1:]))
     engine.step()
-    order = list(optim.masters)
+    order = list(optim.states)
     expected = []
     for i, index in enumerate(order):
         expected += [("prefetch", order[i + 1])] * 3 if i + 1 < len(order) else []  # master, exp_avg, exp_avg_sq
@@ -339,8 +341,8 @@ def test_disk_state_streams_chunk_by_chunk_through_the_files(tmp_path):
     assert written and all(written), written
     files = [np.fromfile(os.path.join(placement.disk_dir, f), dtype=np.float32)
              for f in sorted(os.listdir(placement.disk_dir))]
-    for index, entry in optim.state_tensors_by_chunk().items():
-        for name, t in entry.items():
+    for index, entry in optim.states.items():
+        for name, t in {"master": entry.master, **entry.state_tensors()}.items():
             assert t.abs().sum() > 0, (index, name)  # really updated, not zero files
             assert any(f.shape == t.shape and np.array_equal(f, t.numpy()) for f in files), (index, name)
     engine.close()
@@ -581,14 +583,15 @@ def test_offload_on_cuda_keeps_state_in_pinned_host_memory(tmp_path):
             loss = GPTLMLoss(shift=False)(engine(step[:, :-1]), step[:, 1:])
             engine.backward(loss)
             if s.offload != "none":
-                assert engine.sharded_optim.receive_eagerly  # copies start while backward runs
-                assert all(g.device.type == "cpu" for g in engine.sharded_optim.grad_shards.values())
+                assert engine.hand_over_at_launch  # copies start while backward runs
+                assert all(s.grad.device.type == "cpu" for s in engine.sharded_optim.states.values()
+                           if s.grad is not None)
             engine.step()
             engine.zero_grad()
             losses.append(loss.item())
         results[s] = losses
-        for index, entry in engine.sharded_optim.state_tensors_by_chunk().items():
-            for name, t in entry.items():
+        for index, entry in engine.sharded_optim.states.items():
+            for name, t in {"master": entry.master, **entry.state_tensors()}.items():
                 assert t.device.type == ("cuda" if s.offload == "none" else "cpu"), (s, name)
                 if s.offload == "cpu":
                     assert t.is_pinned(), (s, name)

@@ -16,9 +16,10 @@ def _fallback(rank: int, world: int, dirs: list[str]) -> dict:
     from zerogpt.zero import comm, shm
 
     shm.SHM_DIR = dirs[rank]  # one rank cannot see the others' directory: as on another host
+    opened = shm.open_transport(None)
     mine = torch.empty(4)
     comm.reduce_scatter_flat(mine, torch.arange(4.0 * world) + rank)
-    return dict(transport=shm.transport_for(None) is not None, mine=mine,
+    return dict(transport=opened is not None or shm.transport_for(None) is not None, mine=mine,
                 files=sorted(f for d in set(dirs) if os.path.isdir(d) for f in os.listdir(d)))
 
 
@@ -38,7 +39,7 @@ def _missing_dir(rank: int, world: int, missing: str) -> bool:
     from zerogpt.zero import shm
 
     shm.SHM_DIR = missing
-    return shm.transport_for(None) is not None
+    return shm.open_transport(None) is not None
 
 
 @pytest.mark.timeout(60)
@@ -50,7 +51,7 @@ def _half_sums(rank: int, world: int, shm_dir: str) -> dict:
     from zerogpt.zero import shm
 
     shm.SHM_DIR = shm_dir
-    transport = shm.transport_for(None)
+    transport = shm.open_transport(None)
     out = {}
     for dtype in (torch.float16, torch.bfloat16):
         big = torch.full((8,), 60000.0 if dtype == torch.float16 else 3.0, dtype=dtype)
@@ -76,7 +77,7 @@ def _mismatch(rank: int, world: int, shm_dir: str) -> str:
     from zerogpt.zero import shm
 
     shm.SHM_DIR = shm_dir
-    transport = shm.transport_for(None)
+    transport = shm.open_transport(None)
     if rank == 0:
         job = transport.reduce_scatter(torch.empty(4), torch.ones(8))
     else:
@@ -99,3 +100,27 @@ def test_sizes_that_do_not_split_over_the_ranks_are_refused():
 
     with pytest.raises(ValueError, match="exactly 2 x the small one"):
         shm.check_flat(torch.empty(3), torch.empty(7), 2, "reduce_scatter")
+
+
+def _close(rank: int, world: int, shm_dir: str) -> dict:
+    import threading
+
+    from zerogpt.zero import comm, shm
+
+    shm.SHM_DIR = shm_dir
+    first, second = shm.open_transport(None), shm.open_transport(None)  # two engines of one process share it
+    shm.close_transport(None)
+    still_open = shm.transport_for(None) is first and first._worker.is_alive()
+    shm.close_transport(None)
+    mine = torch.empty(2)
+    comm.reduce_scatter_flat(mine, torch.arange(2.0 * world) + rank)  # on gloo again
+    return dict(same=first is second, still_open=still_open, closed=shm.transport_for(None) is None,
+                thread_gone=not first._worker.is_alive(), mine=mine,
+                threads=[t.name for t in threading.enumerate() if t.name == "zerogpt-shm-comm"])
+
+
+@pytest.mark.timeout(60)
+def test_the_last_close_stops_the_worker_and_collectives_go_back_to_gloo(tmp_path):
+    for rank, r in enumerate(run_distributed(_close, 2, str(tmp_path), timeout=50)):
+        assert r["same"] and r["still_open"] and r["closed"] and r["thread_gone"] and r["threads"] == [], r
+        torch.testing.assert_close(r["mine"], (torch.arange(4.0) * 2 + 1)[rank * 2 : rank * 2 + 2])

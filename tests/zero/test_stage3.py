@@ -1,4 +1,4 @@
-"""Stage 3 (zero/sharded_model.py): parameters gathered chunk by chunk in forward and backward through
+"""Stage 3 (zero/gather_hooks.py): parameters gathered chunk by chunk in forward and backward through
 module hooks, released after use, prefetched in the recorded order, on 2 gloo ranks.
 
 Every model below trains 2 ranks x stage 3 and must reproduce plain single-process PyTorch (fp32:
@@ -50,7 +50,7 @@ def attach_probe(engine) -> None:
     chunks = engine.chunks
     for chunk in chunks:
         def gather(async_op: bool = False, chunk=chunk, original=chunk.gather) -> None:
-            phase = "backward" if engine.hooks.in_backward else "forward"
+            phase = "backward" if engine.gather_hooks.in_backward else "forward"
             cold = chunk.full_buffer is None
             original(async_op)
             _PROBE["events"].append((phase, chunk.plan.index, async_op, cold))
@@ -81,22 +81,23 @@ def inspect_step(engine, step: int) -> dict:
         "nonempty_params": [n for n, p in engine.module.named_parameters() if p.numel() > 0],
         "events": events,
         "max_held": max_held,
-        "recorded_order": list(engine.hooks.recorded_order),
-        "backward_order": list(engine.hooks.backward_order),
+        "recorded_order": list(engine.gather_hooks.recorded_order),
+        "backward_order": list(engine.gather_hooks.backward_order),
         "num_chunks": len(engine.chunks),
-        "max_chunks_per_module": max(len(c) for c in engine.hooks.module_chunks.values()),
+        "max_chunks_per_module": max(len(c) for c in engine.gather_hooks.module_chunks.values()),
         "shard_numels": [c.shard.numel() for c in engine.chunks],
         "padded_numels": [c.plan.padded_numel for c in engine.chunks],
-        "state_numels": {c.plan.index: sorted({v.numel() for v in engine.optimizer.state.get(
-            engine.sharded_optim.masters.get(c.plan.index), {}).values() if v.dim() > 0}) for c in engine.chunks},
+        "state_numels": {c.plan.index: sorted({v.numel() for v in engine.sharded_optim.states[c.plan.index]
+                                                .state_tensors().values()}) if c.plan.trainable else []
+                         for c in engine.chunks},
         "trainable": [c.plan.trainable for c in engine.chunks],
         "first_module_chunks": _first_module_chunks(engine),
     }
 
 
 def _first_module_chunks(engine) -> int:
-    order = engine.hooks.recorded_order
-    first_module = next(ids for ids in engine.hooks.module_chunks.values() if order and ids[0] == order[0])
+    order = engine.gather_hooks.recorded_order
+    first_module = next(ids for ids in engine.gather_hooks.module_chunks.values() if order and ids[0] == order[0])
     return len(first_module)
 
 

@@ -3,11 +3,11 @@
 from zerogpt.config.colossalai import ColossalZeroConfig, zero_config
 from zerogpt.config.load import (Config, RunConfig, data_config, engine_config, lr_scheduler_config,
                                  train_config)
-from zerogpt.config.schema import (OPTIMIZER_NAMES, DataConfig, EngineConfig, LossScaleConfig, LRSchedulerConfig,
+from zerogpt.config.schema import (OPTIMIZER_NAMES, DataConfig, EngineConfig, HostConfig, LossScaleConfig, LRSchedulerConfig,
                                    OffloadConfig, TrainConfig, ZeroConfig, optimizer_class)
 
 __all__ = [
-    "Config", "RunConfig", "OffloadConfig", "LossScaleConfig", "ZeroConfig", "ColossalZeroConfig", "EngineConfig",
+    "Config", "RunConfig", "OffloadConfig", "LossScaleConfig", "ZeroConfig", "ColossalZeroConfig", "HostConfig", "EngineConfig",
     "TrainConfig", "LRSchedulerConfig", "DataConfig", "engine_config", "train_config", "lr_scheduler_config",
     "data_config", "zero_config", "optimizer_class", "OPTIMIZER_NAMES",
 ]

@@ -16,8 +16,8 @@ from typing import Any, Iterable, Literal
 
 from zerogpt.config.colossalai import ColossalZeroConfig, zero_config
 from zerogpt.config.render import to_python
-from zerogpt.config.schema import (OPTIMIZER_NAMES, DataConfig, EngineConfig, LRSchedulerConfig, TrainConfig,
-                                   ZeroConfig, all_paths, check_fields, check_tree, section_types, suggest)
+from zerogpt.config.schema import (OPTIMIZER_NAMES, DataConfig, EngineConfig, HostConfig, LRSchedulerConfig,
+                                   TrainConfig, ZeroConfig, all_paths, check_fields, check_tree, section_types, suggest)
 
 
 @dataclass
@@ -45,6 +45,8 @@ class RunConfig:
     optimizer: dict = field(default_factory=dict)
     """dict(type=class or name, **kwargs), the kwargs going to the optimizer class."""
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    """Process-wide host settings (schema.HostConfig); environment variables override them."""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     hooks: list | tuple = field(default_factory=list)
@@ -333,7 +335,7 @@ def _engine_config(cfg: Config, world_size: int = 1) -> EngineConfig:
     clip = cfg.clip_grad_norm
     zero = zero_config(cfg["zero"]) if "zero" in cfg else ZeroConfig()
     return EngineConfig(zero=zero, precision=cfg.precision, gradient_accumulation=accumulation,
-                        clip_grad_norm=float(clip) if clip else None)
+                        clip_grad_norm=float(clip) if clip else None, host=HostConfig(**cfg.get("host", {})))
 
 
 def _train_config(cfg: Config) -> TrainConfig:

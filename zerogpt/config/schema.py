@@ -231,6 +231,46 @@ class ZeroConfig:
 
 
 @dataclass
+class HostConfig:
+    """Process-wide host settings: `initialize()` applies them and `engine.describe()` prints them.
+
+    Each has an environment variable that overrides the key when set (ZEROGPT_KEEP_HOST_MEMORY,
+    ZEROGPT_SHM_COMM: 0 or 1; ZEROGPT_CPU_ADAM: a kernel name), for runs launched by scripts one cannot edit.
+    """
+
+    keep_freed_memory: bool = True
+    """glibc malloc keeps freed memory, so steps reuse pages instead of faulting them in (zerogpt/host_memory.py)."""
+    shm_collectives: bool = True
+    """Ranks on one host exchange CPU tensors through /dev/shm instead of gloo's sockets (zerogpt/zero/shm.py)."""
+    cpu_adam: Literal["auto", "deepspeed", "torch"] = "auto"
+    """CPUAdam/HybridAdam host kernel: "auto" (DeepSpeed's op if it builds) | "deepspeed" | "torch"."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "host")
+
+    def with_env_overrides(self, environ: Any = None) -> "HostConfig":
+        """These settings with the environment's overrides applied."""
+        import os
+
+        env = os.environ if environ is None else environ
+
+        def flag(name: str, value: bool) -> bool:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                return value
+            if raw not in ("0", "1"):
+                raise ValueError(f"${name}={raw!r}: expected 0 or 1 (it overrides a host.* config key)")
+            return raw == "1"
+
+        kernel = env.get("ZEROGPT_CPU_ADAM") or self.cpu_adam
+        kernel = {"fused": "torch", "torch-fused": "torch"}.get(kernel.lower(), kernel.lower())
+        if kernel not in ("auto", "deepspeed", "torch"):
+            raise ValueError(f"$ZEROGPT_CPU_ADAM={kernel!r} is not a CPU Adam kernel; valid: auto, deepspeed, torch")
+        return HostConfig(keep_freed_memory=flag("ZEROGPT_KEEP_HOST_MEMORY", self.keep_freed_memory),
+                          shm_collectives=flag("ZEROGPT_SHM_COMM", self.shm_collectives), cpu_adam=kernel)
+
+
+@dataclass
 class EngineConfig:
     """Everything `zerogpt.initialize` needs from the config, resolved for one world size."""
 
@@ -241,6 +281,8 @@ class EngineConfig:
     """Micro-batches per optimizer step."""
     clip_grad_norm: float | None = None
     """Global L2 grad-norm clip; None = off."""
+    host: HostConfig = field(default_factory=HostConfig)
+    """Process-wide host settings (malloc, shared-memory collectives, CPU Adam kernel)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "")

@@ -177,7 +177,7 @@ class Trainer:
                 out = engine(inputs)                                # (B, T, vocab) logits
                 loss = engine.criterion(getattr(out, "logits", out), labels)  # scalar mean over B*T
                 engine.backward(loss)                               # scales by 1/accum (and fp16 scale)
-                stats = engine.step()                               # {} before the boundary
+                grad_norm = engine.step()                           # a device tensor at the boundary, else None
                 micro_losses.append(loss.detach())
                 s.micro_step += 1
                 s.consumed_samples += inputs.shape[0] * self.world_size
@@ -186,15 +186,15 @@ class Trainer:
             if len(micro_losses) < accum:
                 break
             engine.zero_grad()
-            skipped = bool(stats.get("skipped", False))             # a Python bool (fp16 reads it anyway)
+            skipped = engine.last_step_skipped                      # a Python bool (fp16 reads it anyway)
             if self.lr_scheduler is not None and not self.schedule_by_epoch and not skipped:
                 self.lr_scheduler.step()
             # ------------------------------ TRAINING SECTION END --------------------------------
             s.step += 1
             step_loss = torch.stack(micro_losses).float().mean()    # this rank's mean, still on the device
             self._add_to_epoch(step_loss)
-            s.metrics = StepMetrics(step=s.step, loss=step_loss, grad_norm=stats.get("grad_norm"),
-                                    lr=stats.get("lr"), skipped=skipped, loss_scale=stats.get("loss_scale"))
+            s.metrics = StepMetrics(step=s.step, loss=step_loss, grad_norm=grad_norm, lr=engine.lr, skipped=skipped,
+                                    loss_scale=engine.loss_scale)
             if any(h.logs_at(s.step, s.max_steps) for h in self.hooks):
                 self._read_metrics(s.metrics)                       # the one host sync of a log step
             self.fire("after_step")

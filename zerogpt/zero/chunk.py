@@ -3,7 +3,7 @@
 The plan half (`ParamSlot`, `ChunkPlan`, `plan_chunks`) is pure arithmetic on sizes and is tested
 without a process group. The runtime half (`Chunk`) owns the buffers of one chunk on one rank and
 moves bytes: all-gather of param shards, reduce(-scatter) of gradients. It knows nothing about
-modules or optimizers; `sharded_model.py` and `sharded_optim.py` drive it.
+modules or optimizers; `grad_hooks.py`, `gather_hooks.py` and the engine drive it.
 """
 from __future__ import annotations
 
@@ -150,6 +150,7 @@ class Chunk:
         persistent_full: bool,
         shard_device: torch.device,
         pin_memory: bool,
+        shard_home: str = "device",
     ) -> None:
         assert len(params) == len(plan.slots), (len(params), len(plan.slots))
         self.plan = plan
@@ -160,6 +161,7 @@ class Chunk:
         self.shard_index = rank if plan.num_shards > 1 else 0
         self.group = group
         self.persistent_full = persistent_full
+        self.shard_home = "device" if persistent_full else shard_home  # for the memory accounting
         self.full: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
         self._written: set[int] = set()  # slots of grad_full holding a gradient (the rest is garbage)

@@ -1,9 +1,10 @@
 """Where a chunk's tensors live: the accelerator, (pinned) host RAM, or memory-mapped files on disk.
 
-`Placement` allocates and records. It owns the disk files of optimizer-state offload: one file per
-tensor under `<path>/zerogpt-rank<r>-<pid>-<random>/`, memory-mapped so the OS streams pages through RAM,
-with `prefetch()` (read-ahead via madvise WILLNEED) and `evict()` (unmap after use) so a
-step touches one chunk's state at a time and optimizer state can exceed host RAM.
+`Placement` allocates; each owner (Chunk, ChunkState) records where its own tensors live. It owns the
+disk files of optimizer-state offload: one file per tensor under `<path>/zerogpt-rank<r>-<pid>-<random>/`,
+memory-mapped so the OS streams pages through RAM, with `prefetch()` (read-ahead via madvise WILLNEED) and
+`evict()` (unmap after use) so a step touches one chunk's state at a time and optimizer state can exceed
+host RAM.
 """
 from __future__ import annotations
 
@@ -85,13 +86,12 @@ class _DiskTensor:
 
 @dataclass
 class Placement:
-    """Allocates tensors at a home and remembers each tensor's home (for memory accounting)."""
+    """Allocates tensors at a home: the accelerator, (pinned) host RAM, or memory-mapped files it owns."""
 
     device: torch.device
     pin_memory: bool = True
     disk_path: str | None = None
     rank: int = 0
-    _homes: dict[int, tuple[weakref.ref, str]] = field(default_factory=dict)  # storage ptr -> (tensor, home)
     _disk: dict[int, _DiskTensor] = field(default_factory=dict)
     _disk_dir: str | None = None
     _cleanup: Any = None  # weakref.finalize that removes _disk_dir
@@ -113,23 +113,7 @@ class Placement:
         else:  # pinned in place: .pin_memory() on a pageable tensor would hold two copies for a moment
             pin = home == "host" and self.pin_memory and self.device.type == "cuda"
             tensor = torch.zeros(numel, dtype=dtype, device=self.torch_device(home), pin_memory=pin)
-        self.record(tensor, home)
         return tensor
-
-    def record(self, tensor: torch.Tensor, home: str) -> None:
-        # A weak reference to the recorded tensor guards against address reuse: once it dies its
-        # storage may be freed and the allocator may hand the same address to an unrelated tensor
-        # (a grad shard freed at zero_grad, then the next step's full grad buffer).
-        self._homes[tensor.untyped_storage().data_ptr()] = (weakref.ref(tensor), home)
-
-    def home_of(self, tensor: torch.Tensor) -> str:
-        ptr = tensor.untyped_storage().data_ptr()
-        entry = self._homes.get(ptr)
-        if entry is not None:
-            if entry[0]() is not None:
-                return entry[1]
-            del self._homes[ptr]
-        return "device" if tensor.device == self.device else "host"
 
     def is_disk_backed(self, tensor: torch.Tensor) -> bool:
         """True when the tensor's storage is one of our memory-mapped files."""

@@ -1,24 +1,30 @@
-"""The optimizer side of ZeRO: fp32 master shards, gradient shards, and the step on them.
+"""The optimizer side of ZeRO: one `ChunkState` per trainable chunk, and the step over them.
 
-The user's torch optimizer is kept (class, hyperparameters, param groups, LR schedulers bound to
-it) but its param groups are rewired to this rank's fp32 master shards, one per chunk, so its state
-exists only for the shard this rank owns. A step is: one all-reduce of the local sum of squared
-gradients (it carries both the global grad norm and the fp16 overflow flag, since inf/nan survive a
-sum) -> unscale and clip in one multiply -> optimizer step chunk by chunk, each chunk cast into its
-param shard and all-gathered (stages 0-2) while the next chunk steps.
+A chunk's optimizer side has one owner, its `ChunkState`: the fp32 master shard, the reduced fp32 gradient
+shard, the optimizer state and where they live. Its step is an optimizer of the user's class built over
+that chunk's master alone, so a step of one chunk reads and writes only that chunk's tensors. The user's
+optimizer keeps the hyperparameters (param groups, LR schedulers bound to it); each chunk's optimizer
+takes its group's current values before it steps.
+
+A step is: one all-reduce of the local sum of squared gradients (it carries both the global grad norm and
+the fp16 overflow flag, since inf/nan survive a sum) -> unscale and clip by one coefficient computed on
+the device -> step chunk by chunk, each chunk cast into its param shard and all-gathered (stages 0-2)
+while the next chunk steps. Nothing here reads a tensor back to the host, except fp16's overflow check.
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zerogpt.amp import DynamicLossScaler
 from zerogpt.zero.chunk import Chunk
-from zerogpt.zero.offload import Placement, start_d2h
+from zerogpt.zero.offload import Placement
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+CLIP_EPS = 1e-6
 
 
 def _is_adam_family(optimizer: torch.optim.Optimizer) -> bool:
@@ -26,13 +32,107 @@ def _is_adam_family(optimizer: torch.optim.Optimizer) -> bool:
     return bool(names & {"Adam", "AdamW", "CPUAdam", "HybridAdam"})
 
 
+def _decay_is_decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """AdamW-style decay (param *= 1 - lr * wd) rather than L2 added to the gradient."""
+    return bool(group.get("decoupled_weight_decay") or group.get("adamw_mode")
+                or isinstance(optimizer, torch.optim.AdamW))
+
+
+def _hyperparameters(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def chunk_optimizer(template: torch.optim.Optimizer, group: dict, master: torch.Tensor) -> torch.optim.Optimizer:
+    """An optimizer of `template`'s class over `master` alone, with `group`'s hyperparameters."""
+    from zerogpt.optim.cpu_adam import CPUAdam
+
+    kwargs = {"backend": template.backend} if isinstance(template, CPUAdam) else {}  # the kernel chosen once
+    try:
+        return type(template)([{"params": [master], **_hyperparameters(group)}], **kwargs)
+    except TypeError as e:
+        raise TypeError(f"the engine steps each chunk with its own {type(template).__name__} built as "
+                        f"{type(template).__name__}([{{'params': [...], **param_group}}]), which failed ({e}); "
+                        f"give the optimizer's constructor defaults for every argument") from None
+
+
+@dataclass
+class ChunkState:
+    """Everything the optimizer side keeps for one trainable chunk on this rank."""
+
+    chunk: Chunk
+    master: torch.Tensor  # fp32 shard; `chunk.shard` itself when `master_is_param_shard`
+    optimizer: torch.optim.Optimizer  # the user's optimizer class over [master] alone
+    group_index: int  # the user's param group whose hyperparameters this chunk follows
+    home: str  # where master and optimizer state live: "device" | "host" | "disk"
+    grad_home: str  # where the reduced gradient shard lives: "device" | "host"
+    master_is_param_shard: bool
+    # Shard-local (start, end) ranges of the slots that take weight decay, when the chunk mixes decayed and
+    # undecayed slots (biases, LayerNorm); None when every slot follows the group's weight_decay.
+    decay_ranges: list[tuple[int, int]] | None = None
+    grad: torch.Tensor | None = None  # reduced fp32 grad shard, summed over micro-steps; None between steps
+    _decay_views: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._decay_views = [self.master[a:b] for a, b in self.decay_ranges or ()]
+
+    @property
+    def index(self) -> int:
+        return self.chunk.plan.index
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The optimizer state of this chunk ("exp_avg", "exp_avg_sq", "step", ...)."""
+        return self.optimizer.state[self.master]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The shard-sized state tensors (scalars such as Adam's step excluded)."""
+        return {k: v for k, v in self.state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Master and state: what a disk-offloaded step reads ahead and evicts."""
+        return [self.master, *self.state_tensors().values()]
+
+    def add_grad(self, reduced: torch.Tensor, placement: Placement) -> torch.Tensor:
+        """Sum a reduced gradient shard into this chunk's fp32 grad shard (allocated on first use)."""
+        if self.grad is None:
+            self.grad = placement.empty(self.master.numel(), torch.float32, self.grad_home, f"grad{self.index}")
+        if reduced.device == self.grad.device:
+            self.grad.add_(reduced)
+        return self.grad
+
+    def step(self, group: dict, factor: torch.Tensor | None) -> None:
+        """Unscale/clip this chunk's gradient by `factor`, then one optimizer step of this chunk alone."""
+        grad = self.grad if self.grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
+        if factor is not None:
+            grad.mul_(factor.to(grad.device, non_blocking=True))
+        hyper = self.optimizer.param_groups[0]
+        hyper.update(_hyperparameters(group))
+        wd = group.get("weight_decay", 0.0)
+        if self.decay_ranges is not None:
+            hyper["weight_decay"] = 0.0
+            if wd and self._decay_views:
+                if _decay_is_decoupled(self.optimizer, group):
+                    torch._foreach_mul_(self._decay_views, 1.0 - group["lr"] * wd)
+                else:
+                    torch._foreach_add_([grad[a:b] for a, b in self.decay_ranges], self._decay_views, alpha=wd)
+        self.master.grad = grad
+        self.optimizer.step()
+        self.master.grad = None
+
+    def write_back(self) -> None:
+        """Cast the updated master into its param shard (compute dtype, the shard's home)."""
+        if not self.master_is_param_shard:
+            self.chunk.shard.copy_(self.master, non_blocking=True)
+
+
 class ShardedOptimizer:
-    """Owns masters, grad shards and the step; drives chunk write-back and all-gather."""
+    """The chunks' `ChunkState`s, the step over them, and their state for checkpoints."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, chunks: list[Chunk], *, placement: Placement,
                  optim_home: str, precision: str, stage: int, group: dist.ProcessGroup | None,
-                 loss_scaler: DynamicLossScaler, clip_grad_norm: float | None) -> None:
-        self.optimizer = optimizer
+                 loss_scaler: DynamicLossScaler, clip_grad_norm: float | None,
+                 no_decay: set[str] | None = None) -> None:
+        self.optimizer = optimizer  # holds the hyperparameters; LR schedulers bind to it
         self.chunks = chunks
         self.placement = placement
         self.optim_home = optim_home
@@ -41,217 +141,185 @@ class ShardedOptimizer:
         self.group = group
         self.loss_scaler = loss_scaler
         self.clip_grad_norm = clip_grad_norm or None
-        self.masters: dict[int, torch.Tensor] = {}
-        self.grad_shards: dict[int, torch.Tensor] = {}
-        # Reduced grad shards still being copied device->host: (fp32 host shard, staging copy, event).
-        self._pending_d2h: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
-        # Offloaded grads on CUDA: each chunk's reduced shard is copied to the host on a side stream as
-        # soon as its reduction is launched, so the copies run under the rest of backward.
-        offload_grads = placement.device.type == "cuda" and self.grad_home != "device"
-        self._copy_stream = torch.cuda.Stream(placement.device) if offload_grads else None
-        self.receive_eagerly = offload_grads
+        self.precision = precision
         # fp32 with the optimizer on the device: the param shard is the master. Not when param shards
         # rest on the host (stage-3 param offload): the master must live with the optimizer and grad
-        # shards on the device (an aliased host master would get a device grad).
-        aliased = precision == "fp32" and optim_home == "device" and all(
-            placement.home_of(c.shard) == "device" for c in chunks if c.plan.trainable)
+        # shards on the device (a host master would get a device grad).
+        self.master_is_param_shard = precision == "fp32" and optim_home == "device" and all(
+            c.shard_home == "device" for c in chunks if c.plan.trainable)
+        if optim_home == "disk" and not _is_adam_family(optimizer):
+            raise ValueError(f"disk offload keeps Adam state (exp_avg, exp_avg_sq) in memory-mapped files; "
+                             f"{type(optimizer).__name__} is not an Adam-family optimizer. Use "
+                             f"zero.offload_optimizer=dict(device='cpu') or an Adam/AdamW/CPUAdam optimizer")
+        self.states: dict[int, ChunkState] = {}
         for chunk in chunks:
-            if not chunk.plan.trainable:
-                continue
-            if aliased:  # fp32 on the device: the param shard is the master, no second copy
-                master = chunk.shard
-                placement.record(master, "device" if chunk.shard.device == placement.device else "host")
-            else:
-                master = placement.empty(chunk.plan.shard_numel, torch.float32, optim_home, f"master{chunk.plan.index}")
-                master.copy_(chunk.shard)
-            self.masters[chunk.plan.index] = master
-        self.aliased = aliased
-        self._rewire_param_groups()
-        if optim_home != "device":
-            self._preallocate_state()
-
-    # -- setup --------------------------------------------------------------------------------
-
-    def _rewire_param_groups(self) -> None:
-        by_group: dict[int, list[torch.Tensor]] = {}
-        for chunk in self.chunks:
             if chunk.plan.trainable:
-                by_group.setdefault(chunk.plan.group_index, []).append(self.masters[chunk.plan.index])
-        for g, group in enumerate(self.optimizer.param_groups):
-            group["params"] = by_group.get(g, [])
-        self.optimizer.state.clear()
+                self.states[chunk.plan.index] = self._chunk_state(chunk, no_decay or set())
+        for group_ in optimizer.param_groups:
+            group_["params"] = []  # the chunk optimizers own the masters; this one keeps hyperparameters
+        optimizer.state.clear()
 
-    def _preallocate_state(self) -> None:
+    def _chunk_state(self, chunk: Chunk, no_decay: set[str]) -> ChunkState:
+        plan = chunk.plan
+        if self.master_is_param_shard:
+            master = chunk.shard
+        else:
+            master = self.placement.empty(plan.shard_numel, torch.float32, self.optim_home, f"master{plan.index}")
+            master.copy_(chunk.shard)
+        group = self.optimizer.param_groups[plan.group_index]
+        state = ChunkState(chunk, master, chunk_optimizer(self.optimizer, group, master), plan.group_index,
+                           self.optim_home, self.grad_home, self.master_is_param_shard,
+                           _decay_ranges(chunk, no_decay))
+        if _is_adam_family(self.optimizer) and self.optim_home != "device":
+            self._preallocate_adam_state(state, group)
+        return state
+
+    def _preallocate_adam_state(self, state: ChunkState, group: dict) -> None:
         """Allocate Adam state where the optimizer lives (pinned host RAM or memory-mapped files).
 
         Torch and CPUAdam use state tensors they find in place, so allocating them here puts them at
-        their home from the start (and in the accounting before the first step). Other optimizers
-        create their state lazily on the host; `_optimizer_step` records it there.
+        their home from the start (and in the accounting before the first step).
         """
-        adam = _is_adam_family(self.optimizer)
-        if not adam and self.optim_home == "disk":
-            raise ValueError(f"disk offload keeps Adam state (exp_avg, exp_avg_sq) in memory-mapped files; "
-                             f"{type(self.optimizer).__name__} is not an Adam-family optimizer. Use "
-                             f"zero.offload_optimizer=dict(device='cpu') or an Adam/AdamW/CPUAdam optimizer")
-        if not adam:
-            return
-        for chunk in self.chunks:
-            if not chunk.plan.trainable:
-                continue
-            index, master = chunk.plan.index, self.masters[chunk.plan.index]
-            state = self.optimizer.state[master]
-            state["step"] = torch.tensor(0.0)
-            keys = ADAM_STATE_KEYS
-            if self.optimizer.param_groups[chunk.plan.group_index].get("amsgrad"):
-                keys += ("max_exp_avg_sq",)  # torch reads it from pre-filled state, never creates it
-            for key in keys:
-                state[key] = self.placement.empty(master.numel(), torch.float32, self.optim_home, f"{key}{index}")
+        slots = state.state
+        slots["step"] = torch.tensor(0.0)
+        keys = ADAM_STATE_KEYS + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+        for key in keys:  # torch reads max_exp_avg_sq from pre-filled state, never creates it
+            slots[key] = self.placement.empty(state.master.numel(), torch.float32, self.optim_home,
+                                              f"{key}{state.index}")
 
     # -- gradients ----------------------------------------------------------------------------
 
-    def receive(self, chunk: Chunk) -> None:
-        """Finish a chunk's launched reduction and accumulate the result into its fp32 grad shard.
-
-        On CUDA with offloaded grads this runs on the copy stream: waiting for the collective makes that
-        stream (not the host) wait, and the device->host copy is queued behind it.
-        """
-        if self._copy_stream is None:
-            self.accumulate_grad(chunk, chunk.finish_reduce())
-            return
-        self._copy_stream.wait_stream(torch.cuda.current_stream())  # grads written by backward (world 1)
-        with torch.cuda.stream(self._copy_stream):
-            reduced = chunk.finish_reduce()
-            reduced.record_stream(self._copy_stream)  # not reused by backward until the copy has read it
-            self.accumulate_grad(chunk, reduced)
-
-    def accumulate_grad(self, chunk: Chunk, reduced: torch.Tensor) -> None:
-        """Add a chunk's reduced gradient shard into its fp32 grad shard (where the optimizer lives)."""
-        index = chunk.plan.index
-        if index not in self.grad_shards:
-            self.grad_shards[index] = self.placement.empty(chunk.plan.shard_numel, torch.float32,
-                                                           self.grad_home, f"grad{index}")
-        shard = self.grad_shards[index]
-        if reduced.device == shard.device:
-            shard.add_(reduced)
-            return
-        # Offload: start this chunk's device->host copy, then add the copies that have landed into
-        # their host shards, never blocking the host on one still in flight (backward keeps queueing
-        # work meanwhile). A plain non-blocking .to('cpu') followed by add_ would read the host bytes
-        # before the copy lands.
-        self._pending_d2h.append((shard, *start_d2h(reduced)))
-        self._finish_d2h(landed_only=True)
-
-    def _finish_d2h(self, landed_only: bool = False) -> None:
-        """Add pending grad copies into their shards, in order: all of them (waiting), or those landed."""
-        while self._pending_d2h:
-            shard, staging, event = self._pending_d2h[0]
-            if event is not None:
-                if landed_only and not event.query():
-                    return
-                event.synchronize()
-            shard.add_(staging)
-            self._pending_d2h.pop(0)
-
     def zero_grad(self) -> None:
-        self._pending_d2h.clear()
-        self.grad_shards.clear()
+        for state in self.states.values():
+            state.grad = None
 
     # -- step ---------------------------------------------------------------------------------
 
-    def _global_sumsq(self) -> float:
+    def _global_sumsq(self) -> torch.Tensor:
         local = torch.zeros((), dtype=torch.float32, device=self.placement.device)
-        for g in self.grad_shards.values():
-            local += torch.dot(g, g).to(local.device)  # fp32 shard: one pass, no squared temporary
+        for state in self.states.values():
+            if state.grad is not None:
+                g = state.grad
+                local += torch.dot(g, g).to(local.device)  # fp32 shard: one pass, no squared temporary
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world > 1 and self.stage > 0:  # stage 0: every rank already holds the full, reduced grads
             dist.all_reduce(local, group=self.group)
-        return local.item()
+        return local
 
-    def step(self) -> dict:
-        """One optimizer step on the shards. Returns dict(grad_norm, skipped, loss_scale, lr)."""
+    def step(self) -> tuple[torch.Tensor, bool]:
+        """One optimizer step on the shards. Returns (grad norm as a 0-dim device tensor, skipped); nan if skipped.
+
+        Only fp16 reads the norm back to the host (is the step an overflow to skip?). Clipping multiplies
+        by min(1, max_norm / (norm + eps)) computed on the device: no branch on the norm's value.
+        """
         scale = self.loss_scaler.scale
-        self._finish_d2h()
-        sumsq = self._global_sumsq()
-        overflow = not math.isfinite(sumsq)
-        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
-        if overflow:
+        grad_norm = self._global_sumsq().sqrt_() / scale
+        if self.loss_scaler.enabled and not torch.isfinite(grad_norm).item():
             self.loss_scaler.update(True)
             self.zero_grad()
-            return {"grad_norm": float("nan"), "skipped": True, "loss_scale": self.loss_scaler.scale, "lr": lr}
-        grad_norm = math.sqrt(sumsq) / scale
-        factor = 1.0 / scale
+            return torch.full_like(grad_norm, float("nan")), True
+        factor = None
         if self.clip_grad_norm is not None:
-            clip_coef = self.clip_grad_norm / (grad_norm + 1e-6)
-            factor *= min(clip_coef, 1.0)
-        for g in self.grad_shards.values():
-            if factor != 1.0:
-                g.mul_(factor)
-        self._optimizer_step()
+            factor = torch.clamp(self.clip_grad_norm / (grad_norm + CLIP_EPS), max=1.0) / scale
+        elif scale != 1.0:
+            factor = torch.tensor(1.0 / scale, device=grad_norm.device)
+        self._step_chunks(factor)
+        # The user's optimizer holds no tensors: this step moves nothing, but runs its step hooks once and
+        # tells LR schedulers bound to it that a step happened.
+        self.optimizer.step()
         self.loss_scaler.update(False)
         self.zero_grad()
-        return {"grad_norm": grad_norm, "skipped": False, "loss_scale": self.loss_scaler.scale, "lr": lr}
+        return grad_norm, False
 
-    def _optimizer_step(self) -> None:
+    def _step_chunks(self, factor: torch.Tensor | None) -> None:
         """Step chunk by chunk; each chunk's all-gather (stages 0-2) runs behind the next chunk's step.
 
         Chunk by chunk also bounds the host RAM a disk-offloaded step touches and lets the next chunk's
-        state be read ahead. Torch optimizers skip parameters whose grad is None, so each call steps
-        only the chunk whose grad is set (a user's optimizer step hooks run once per chunk).
+        state be read ahead. A chunk with no gradient this step still steps (weight decay, momentum), as
+        in DeepSpeed.
         """
-        order = list(self.masters)
+        order = list(self.states.values())
         gathers = []
-        for i, index in enumerate(order):
+        for i, state in enumerate(order):
             if i + 1 < len(order):
-                self._prefetch_state(order[i + 1])
-            master = self.masters[index]
-            # A chunk with no gradient this step still steps (weight decay, momentum), as in DeepSpeed.
-            master.grad = self.grad_shards[index] if index in self.grad_shards else torch.zeros_like(master)
-            self.optimizer.step()
-            master.grad = None
+                for t in order[i + 1].tensors():
+                    self.placement.prefetch(t)
+            state.step(self.optimizer.param_groups[state.group_index], factor)
             # Copy the updated master into its param shard now, while its pages are in RAM (disk)
             # and so the host->device copy overlaps the next chunk's CPU step.
-            self._write_back(index)
-            if self.chunks[index].persistent_full:
-                gathers.append(self.chunks[index].all_gather_full(async_op=True))
-            self._record_state(index)
-            self._evict_state(index)
+            state.write_back()
+            if state.chunk.persistent_full:
+                gathers.append(state.chunk.all_gather_full(async_op=True))
+            for t in state.tensors():
+                self.placement.evict(t)
         for work in gathers:
             if work is not None:
                 work.wait()
 
-    def _record_state(self, index: int) -> None:
-        """Record lazily created state (non-Adam optimizers) at the optimizer's home, for the accounting."""
-        if self.optim_home == "host":
-            for t in self._state_tensors(index)[1:]:
-                self.placement.record(t, "host")
+    # -- state (torch's Stateful protocol) -------------------------------------------------------
 
-    def _state_tensors(self, index: int) -> list[torch.Tensor]:
-        master = self.masters[index]
-        state = self.optimizer.state.get(master, {})
-        return [master] + [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    def state_dict(self) -> dict[str, Any]:
+        """Hyperparameters, loss scaler and, per trainable chunk, this rank's shard tensors (live, not copies).
 
-    def _prefetch_state(self, index: int) -> None:
-        for t in self._state_tensors(index):
-            self.placement.prefetch(t)
+        {"param_groups": [hyperparameters], "loss_scaler": {...},
+         "chunks": {index: {"master": shard, "exp_avg": shard, ..., "step": 0-dim}}}
+        """
+        return {
+            "param_groups": [_hyperparameters(g) for g in self.optimizer.param_groups],
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "chunks": {index: {"master": s.master, **s.state} for index, s in self.states.items()},
+        }
 
-    def _evict_state(self, index: int) -> None:
-        for t in self._state_tensors(index):
-            self.placement.evict(t)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a `state_dict()`: shard tensors are copied into place (their home: pinned, memory-mapped)."""
+        groups = self.optimizer.param_groups
+        if len(state["param_groups"]) != len(groups):
+            raise ValueError(f"the state has {len(state['param_groups'])} optimizer param groups, the optimizer "
+                             f"has {len(groups)}; build the optimizer as the run did")
+        for group, hyper in zip(groups, state["param_groups"]):
+            for key, value in hyper.items():
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        with torch.no_grad():
+            for index, saved in state["chunks"].items():
+                chunk_state = self.states[index]
+                if saved["master"] is not chunk_state.master:
+                    chunk_state.master.copy_(saved["master"])
+                live = chunk_state.state
+                group = groups[chunk_state.group_index]
+                on_device = group.get("fused") or group.get("capturable")  # torch keeps their step on the device
+                for key, value in saved.items():
+                    if key == "master":
+                        continue
+                    if value.dim() == 0:
+                        live[key] = torch.tensor(float(value), dtype=torch.float32,
+                                                 device=chunk_state.master.device if on_device else "cpu")
+                    elif key in live and isinstance(live[key], torch.Tensor) and live[key].shape == value.shape:
+                        if live[key] is not value:
+                            live[key].copy_(value)
+                    else:
+                        live[key] = self.placement.empty(value.numel(), torch.float32, self.optim_home,
+                                                         f"{key}{index}")
+                        live[key].copy_(value)
+                chunk_state.write_back()
+        self.zero_grad()
 
-    def _write_back(self, index: int) -> None:
-        """Cast an updated master into its param shard (compute dtype, the shard's home)."""
-        if not self.aliased:
-            self.chunks[index].shard.copy_(self.masters[index], non_blocking=True)
 
-    # -- state ----------------------------------------------------------------------------------
-
-    def state_tensors_by_chunk(self) -> dict[int, dict[str, torch.Tensor]]:
-        """This rank's optimizer-state shards per chunk: {"master", "exp_avg", ...} (for checkpoints)."""
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for index, master in self.masters.items():
-            entry = {"master": master}
-            for key, value in self.optimizer.state.get(master, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    entry[key] = value
-            out[index] = entry
-        return out
+def _decay_ranges(chunk: Chunk, no_decay: set[str]) -> list[tuple[int, int]] | None:
+    """This rank's shard-local ranges of the decayed slots; None unless the chunk mixes decayed and not."""
+    plan = chunk.plan
+    skipped = [slot.name in no_decay for slot in plan.slots]
+    if not any(skipped):
+        return None
+    lo, _ = plan.shard_range(chunk.shard_index)
+    ranges: list[tuple[int, int]] = []
+    for slot, skip in zip(plan.slots, skipped):
+        overlap = plan.slot_overlap(slot, chunk.shard_index)
+        if skip or overlap is None:
+            continue
+        start, end = overlap[0] - lo, overlap[1] - lo
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], end)  # adjacent decayed slots: one range
+        else:
+            ranges.append((start, end))
+    return ranges

@@ -20,7 +20,8 @@ ops and gloo waits release the GIL), so they overlap backward and the optimizer 
 The file is unlinked as soon as every rank has mapped it (nothing is left behind by a killed run), and
 its pages are reserved up front, so a full /dev/shm is a clear error at start-up and never a SIGBUS
 mid-step. Ranks that cannot all map the same file (several hosts, no /dev/shm, too little space)
-get None from `transport_for` and stay on gloo, as do runs with ZEROGPT_SHM_COMM=0 in the environment.
+get None from `open_transport` and stay on gloo. The engine opens the transport at initialize() when
+`host.shm_collectives` is on (the default) and closes it, worker thread included, at `engine.close()`.
 """
 from __future__ import annotations
 
@@ -91,9 +92,18 @@ class SharedMemoryTransport:
         self._queue.put((future, fn, args))
         return _Job(future)
 
+    def close(self) -> None:
+        """Finish the queued collectives and stop the worker thread."""
+        self._queue.put(None)
+        self._worker.join()
+
     def _run(self) -> None:
         while True:
-            future, fn, args = self._queue.get()
+            job = self._queue.get()
+            if job is None:
+                return
+            future, fn, args = job
+            del job  # the tuple holds the job's tensors too (see below)
             error = None
             try:
                 with torch.no_grad():
@@ -192,21 +202,47 @@ def check_flat(small: torch.Tensor, large: torch.Tensor, world: int, kind: str) 
                          f"({world} ranks), got {large.numel()} and {small.numel()} elements")
 
 
-_TRANSPORTS: dict[int, tuple[object, SharedMemoryTransport | None]] = {}
+# group -> (the group, its open transport, how many engines opened it). Holding the group keeps its id unique.
+_OPEN: dict[int, tuple[object, SharedMemoryTransport, int]] = {}
+
+
+def _group_key(group: dist.ProcessGroup | None) -> object:
+    return group if group is not None else dist.group.WORLD
+
+
+def open_transport(group: dist.ProcessGroup | None) -> SharedMemoryTransport | None:
+    """Open (or share, when already open) the shared-memory transport of `group`; every rank of the group
+    calls it at the same point. None when its ranks cannot share a mapping and must stay on gloo."""
+    if dist.get_world_size(group) < 2:
+        return None
+    key_group = _group_key(group)
+    entry = _OPEN.get(id(key_group))
+    if entry is not None and entry[0] is key_group:
+        _OPEN[id(key_group)] = (key_group, entry[1], entry[2] + 1)
+        return entry[1]
+    transport = _create(group)
+    if transport is not None:
+        _OPEN[id(key_group)] = (key_group, transport, 1)
+    return transport
+
+
+def close_transport(group: dist.ProcessGroup | None) -> None:
+    """Undo one `open_transport`; the last one closes the transport and stops its thread."""
+    key_group = _group_key(group) if dist.is_initialized() else None
+    entry = _OPEN.get(id(key_group))
+    if entry is None or entry[0] is not key_group:
+        return
+    if entry[2] > 1:
+        _OPEN[id(key_group)] = (key_group, entry[1], entry[2] - 1)
+        return
+    del _OPEN[id(key_group)]
+    entry[1].close()
 
 
 def transport_for(group: dist.ProcessGroup | None) -> SharedMemoryTransport | None:
-    """The shared-memory transport of `group` (created on first use, by every rank of the group at the same
-    collective), or None when its ranks cannot share a mapping and must stay on gloo."""
-    if dist.get_world_size(group) < 2 or os.environ.get("ZEROGPT_SHM_COMM", "1") == "0":
-        return None
-    key_group = group if group is not None else dist.group.WORLD
-    cached = _TRANSPORTS.get(id(key_group))
-    if cached is not None and cached[0] is key_group:
-        return cached[1]
-    transport = _create(group)
-    _TRANSPORTS[id(key_group)] = (key_group, transport)  # keeps the group alive, so its id is not reused
-    return transport
+    """The open shared-memory transport of `group`, or None (collectives then run on gloo)."""
+    entry = _OPEN.get(id(_group_key(group)))
+    return entry[1] if entry is not None and entry[0] is _group_key(group) else None
 
 
 def _create(group: dist.ProcessGroup | None) -> SharedMemoryTransport | None:

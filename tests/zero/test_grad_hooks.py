@@ -1,4 +1,4 @@
-"""zero/sharded_model.py, gradient path: when each stage reduces, and that close() removes every hook.
+"""zero/grad_hooks.py: when each stage reduces, and that close() removes every hook.
 
 DESIGN §2: stages 0 and 1 accumulate gradients locally and reduce once per optimizer step (on the
 micro-step that completes the accumulation); stages 2 and 3 reduce-scatter every micro-step into

@@ -1,12 +1,6 @@
-"""Hooks that drive chunks from the model's execution: gradients in, and (stage 3) params in and out.
+"""Stage-3 parameter hooks: gather a module's chunks before it runs, release them after, prefetch ahead.
 
-Gradient path (all stages): a post-accumulate-grad hook copies each parameter's gradient into its
-chunk's `grad_full` and frees `param.grad`. When the chunk's gradients are complete on a step that
-reduces, its reduction is launched asynchronously so communication overlaps the rest of backward.
-Chunks are reduced in strictly descending index order on every rank (a chunk waits for the ones
-after it), so ranks always issue collectives in the same order even if a parameter got no gradient.
-
-Parameter path (stage 3 only): module pre-forward hooks gather the chunks a module owns, post-
+Module pre-forward hooks gather the chunks a module owns, post-
 forward hooks release a chunk once every module owning it has run, and a tiny autograd function on
 module outputs re-gathers before that module's backward. The order of gathers is recorded on the
 first pass (forward and backward each) and the next `prefetch` chunks are gathered ahead,
@@ -24,35 +18,20 @@ instead; DeepSpeed swaps in its own Linear).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from zerogpt.zero.chunk import Chunk
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(fn, o) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(fn, o) for o in obj)
-    if isinstance(obj, dict):
-        mapped = {k: _map_tensors(fn, v) for k, v in obj.items()}
-        try:
-            return type(obj)(**mapped) if type(obj) is not dict else mapped
-        except TypeError:
-            return mapped
-    return obj
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
     """Identity whose backward gathers the module's chunks before the module's own backward runs."""
 
     @staticmethod
-    def forward(ctx, hooks: "ZeroHooks", module_id: int, tensor: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, hooks: "Stage3GatherHooks", module_id: int, tensor: torch.Tensor) -> torch.Tensor:
         ctx.hooks, ctx.module_id = hooks, module_id
         return tensor.view_as(tensor)
 
@@ -62,108 +41,29 @@ class _GatherBeforeBackward(torch.autograd.Function):
         return None, None, grad
 
 
-class ZeroHooks:
-    """Installs and owns every hook the engine puts on a model; `remove()` takes them all off."""
+class Stage3GatherHooks:
+    """The module hooks of stage 3; the engine sets `in_backward` around backward. `remove()` takes them off."""
 
     def __init__(self, module: nn.Module, chunks: list[Chunk], param_to_chunk: dict[int, tuple[int, int]],
-                 *, stage: int, prefetch: int) -> None:
+                 *, prefetch: int) -> None:
         self.module = module
         self.chunks = chunks
         self.param_to_chunk = param_to_chunk  # id(param) -> (chunk index, slot index)
-        self.stage = stage
         self.prefetch = prefetch
+        self.in_backward = False
         self.handles: list[Any] = []
-        self.reduce_this_step = True
-        self.in_backward = False
-        self._next_to_reduce = len(chunks) - 1  # reductions go in descending chunk order
-        self._launched: list[Chunk] = []
-        self._receive: Callable[[Chunk], None] | None = None
-        self._receive_eagerly = False
-        self._install_grad_hooks()
-        if stage == 3:
-            self._install_param_hooks()
-
-    # -- gradients ---------------------------------------------------------------------------
-
-    def _install_grad_hooks(self) -> None:
-        for param in self._unique_params():
-            if param.requires_grad and id(param) in self.param_to_chunk:
-                self.handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
-
-    def _unique_params(self) -> list[nn.Parameter]:
-        seen, out = set(), []
-        for p in self.module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
-
-    def _grad_ready(self, param: nn.Parameter) -> None:
-        chunk_index, slot_index = self.param_to_chunk[id(param)]
-        chunk = self.chunks[chunk_index]
-        if self.reduce_this_step and chunk_index > self._next_to_reduce:
-            raise RuntimeError(
-                f"parameter {chunk.plan.slots[slot_index].name!r} got a second gradient in one backward, after "
-                f"its chunk {chunk_index} was already reduced; this happens when a parameter is used in several "
-                f"reentrant activation-checkpoint segments: checkpoint with use_reentrant=False")
-        chunk.add_param_grad(slot_index, param.grad)
-        param.grad = None
-        if self.stage == 3 and chunk.grads_complete:
-            chunk.release()  # no later backward op reads these params: their grads are final
-        if self.reduce_this_step:
-            self._launch_ready_reductions()
-
-    def begin_backward(self, reduce: bool, receive: Callable[[Chunk], None], eagerly: bool = False) -> None:
-        """Start a backward pass. `receive(chunk)` finishes a chunk's launched reduction and takes the
-        result: right after the launch when `eagerly` (stream-ordered waits on CUDA: the host does not
-        block), else for every chunk at the end of backward (gloo's waits block the host)."""
-        self.in_backward = True
-        self.reduce_this_step = reduce
-        self._receive, self._receive_eagerly = receive, eagerly
-        self._next_to_reduce = len(self.chunks) - 1
-        for chunk in self.chunks:
-            chunk.slots_ready.clear()
-
-    def _launch_ready_reductions(self, force: bool = False) -> None:
-        while self._next_to_reduce >= 0:
-            chunk = self.chunks[self._next_to_reduce]
-            if chunk.plan.trainable:
-                if not (force or chunk.grads_complete):
-                    return
-                chunk.launch_reduce()
-                if self._receive_eagerly:
-                    self._receive(chunk)
-                else:
-                    self._launched.append(chunk)
-            self._next_to_reduce -= 1
-
-    def end_backward(self) -> None:
-        """Reduce what is left (chunks with unused params included), hand shards over, release."""
-        if self.reduce_this_step:
-            self._launch_ready_reductions(force=True)
-            for chunk in self._launched:
-                self._receive(chunk)
-            self._launched.clear()
-        self.in_backward = False
-        if self.stage == 3:
-            for chunk in self.chunks:
-                chunk.release()
-
-    # -- stage 3 parameters ------------------------------------------------------------------
-
-    def _install_param_hooks(self) -> None:
         self.module_chunks: dict[int, list[int]] = {}
         uses: dict[int, int] = defaultdict(int)
-        for module in self.module.modules():
-            own = [p for p in module._parameters.values() if p is not None and id(p) in self.param_to_chunk]
+        for sub in module.modules():
+            own = [p for p in sub._parameters.values() if p is not None and id(p) in self.param_to_chunk]
             if not own:
                 continue
             chunk_ids = sorted({self.param_to_chunk[id(p)][0] for p in own})
-            self.module_chunks[id(module)] = chunk_ids
+            self.module_chunks[id(sub)] = chunk_ids
             for c in chunk_ids:
                 uses[c] += 1
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(module.register_forward_hook(self._post_forward))
+            self.handles.append(sub.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(sub.register_forward_hook(self._post_forward))
         self.uses_per_pass = dict(uses)
         self.remaining_uses = dict(uses)
         self.recorded_order: list[int] = []
@@ -260,7 +160,7 @@ class ZeroHooks:
                 return _GatherBeforeBackward.apply(self, module_id, t)
             return t
 
-        return _map_tensors(wrap, output)
+        return tree_map_only(torch.Tensor, wrap, output)
 
     def gather_for_backward(self, module_id: int) -> None:
         # Record a chunk on its first use in this backward even when forward left it gathered, so the
@@ -270,11 +170,12 @@ class ZeroHooks:
         if new:
             self._gather(new, self.backward_order, self.current_backward_order)
 
-    def end_backward_pass_order(self) -> None:
-        if self.stage == 3:
-            if self.current_backward_order != self.backward_order:
-                self.backward_order = self.current_backward_order
-            self.current_backward_order = []
+    def end_backward(self) -> None:
+        """Keep this backward's gather order for the next one's prefetch."""
+        self.in_backward = False
+        if self.current_backward_order != self.backward_order:
+            self.backward_order = self.current_backward_order
+        self.current_backward_order = []
 
     def remove(self) -> None:
         for h in self.handles:
