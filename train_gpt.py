@@ -166,7 +166,7 @@ def setup(cfg, train, data, ctx, resume):
 
     # 4. model (GPT-2 family or a local HF model); the criterion compares position t with token t+1
     model = build_model(dict(cfg.model), vocab_size=vocab_size)
-    preflight.check_run_vocab(train_dl.dataset, data, model)
+    check_run_vocab(train_dl.dataset, data, model)
     flops = model.flops_per_token(cfg.SEQ_LEN) if hasattr(model, "flops_per_token") else None
 
     # 5. initialize: ZeRO sharding, offload, precision, optimizer, LR schedule
@@ -204,6 +204,19 @@ def setup(cfg, train, data, ctx, resume):
                 return None, None, None
     return trainer, train_dl, valid_dl
 
+
+def check_run_vocab(dataset, data, model) -> None:
+    """The train split's recorded vocabulary and largest id, data.tokenizer and the model agree (preflight)."""
+    if data.mock:
+        return
+    prefix, recorded = dataset.prefix, dataset.meta_file.get("vocab_size")
+    tokenizer = len(data_pipeline.load_tokenizer(data.tokenizer)) if data.tokenizer else None
+    config = getattr(model, "config", None)
+    preflight.check_vocab(dataset=(recorded, f"{prefix}.stats.json") if recorded else None,
+                          max_id=(dataset.max_token_id, f"largest id in the train split of {prefix}.bin"),
+                          tokenizer=(tokenizer, f"data.tokenizer={data.tokenizer}") if tokenizer else None,
+                          model=(config.vocab_size, "the model's vocab_size") if config is not None else None,
+                          data_key=(data.vocab_size, "data.vocab_size") if data.vocab_size else None)
 
 def fit(trainer, cfg, train, train_dl, valid_dl, ctx) -> None:
     out = train.output_dir

@@ -78,10 +78,9 @@ class Engine:
         return (self.micro_step + 1) % self.gradient_accumulation == 0
 
     @property
-    def loss_scale(self) -> float | None:
-        """fp16's current dynamic loss scale; None when there is none (fp32, bf16)."""
-        scaler = self.sharded_optim.loss_scaler
-        return scaler.scale if scaler.enabled else None
+    def loss_scale(self) -> float:
+        """fp16's current dynamic loss scale (1.0 for fp32 and bf16)."""
+        return self.sharded_optim.loss_scaler.scale
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (a scalar), scaled for fp16 and averaged over accumulation steps.
@@ -97,7 +96,7 @@ class Engine:
         if self.gather_hooks is not None:
             self.gather_hooks.in_backward = True
         try:
-            scaled = loss.float() * (self.sharded_optim.loss_scaler.scale / self.gradient_accumulation)
+            scaled = loss.float() * (self.loss_scale / self.gradient_accumulation)
             scaled.backward()
         finally:
             self.grad_hooks.end_backward()

@@ -183,22 +183,6 @@ def check_vocab(*, tokenizer: tuple[int, str] | None = None, dataset: tuple[int,
                                      f"was trained with")
 
 
-def check_run_vocab(dataset: Any, data: Any, model: Any) -> None:
-    """check_vocab for train_gpt.py: the train split's recorded vocabulary and largest id, data.tokenizer, the model."""
-    if data.mock:
-        return
-    from data_pipeline import load_tokenizer
-
-    prefix, recorded = dataset.prefix, dataset.meta_file.get("vocab_size")
-    tokenizer = len(load_tokenizer(data.tokenizer)) if data.tokenizer else None
-    config = getattr(model, "config", None)
-    check_vocab(dataset=(recorded, f"{prefix}.stats.json") if recorded else None,
-                max_id=(dataset.max_token_id, f"largest id in the train split of {prefix}.bin"),
-                tokenizer=(tokenizer, f"data.tokenizer={data.tokenizer}") if tokenizer else None,
-                model=(config.vocab_size, "the model's vocab_size") if config is not None else None,
-                data_key=(data.vocab_size, "data.vocab_size") if data.vocab_size else None)
-
-
 def finished_message(ckpt: str, step: int, max_steps: int, lr_scheduler: Any = None,
                      epochs: int | None = None) -> str:
     """--resume auto on a run that is done: say so, how to extend it, and what that does to the LR.
