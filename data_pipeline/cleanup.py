@@ -161,6 +161,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+
+def record_result(result: tuple, out, rej, counts: Counter, languages: Counter, report) -> int:
+    """Write one of `_process_batch`'s results where it belongs (a kept document to `out`, anything else to
+    the rejects file `rej`, a malformed line whole) and count it; returns the kept document's length, or 0."""
+    lineno, kind, reason, payload = result
+    if kind == "blank":
+        counts["blank_lines"] += 1
+    elif kind == "malformed":
+        counts["malformed"] += 1
+        report(lineno, reason)
+        rej.write(dumps({"line": lineno, "url": None, "reason": "malformed", "detail": reason, "raw": payload}))
+    elif kind == "keep":
+        record, length, detected = payload
+        out.write(dumps(record))
+        counts["kept"] += 1
+        languages[detected or "not_checked"] += 1
+        return length
+    else:
+        detail, url, head = payload
+        counts[reason] += 1
+        if reason == "wrong_lang":
+            languages[detail] += 1
+        rej.write(dumps({"line": lineno, "url": url, "reason": reason, "detail": detail, "text_head": head}))
+    return 0
+
 def run(args: argparse.Namespace) -> int:
     started = time.time()
     check_input(args.input)
@@ -179,28 +204,9 @@ def run(args: argparse.Namespace) -> int:
         with atomic_write(args.output) as out, atomic_write(args.output + ".rejected.jsonl") as rej, \
                 progress(desc="cleanup", unit="doc") as bar:
             for batch in results:
-                for lineno, kind, reason, payload in batch:
+                for result in batch:
                     bar.update(1)
-                    if kind == "blank":
-                        counts["blank_lines"] += 1
-                    elif kind == "malformed":
-                        counts["malformed"] += 1
-                        report(lineno, reason)
-                        rej.write(dumps({"line": lineno, "url": None, "reason": "malformed", "detail": reason,
-                                         "raw": payload}))
-                    elif kind == "keep":
-                        record, length, detected = payload
-                        out.write(dumps(record))
-                        counts["kept"] += 1
-                        total_length += length
-                        languages[detected or "not_checked"] += 1
-                    else:
-                        detail, url, head = payload
-                        counts[reason] += 1
-                        if reason == "wrong_lang":
-                            languages[detail] += 1
-                        rej.write(dumps({"line": lineno, "url": url, "reason": reason, "detail": detail,
-                                         "text_head": head}))
+                    total_length += record_result(result, out, rej, counts, languages, report)
     finally:
         results.close()  # stops the worker pool even when a --strict error is raised
     unit = f"tokens ({args.tokenizer})" if args.tokenizer else "words (whitespace split; no --tokenizer)"

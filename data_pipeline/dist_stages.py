@@ -134,28 +134,8 @@ def cleanup_task(rank: int, world: int, work: str, sargs: argparse.Namespace, to
     report = BadLineReporter(sargs.input, sargs.strict, action=f"recorded in {sargs.output}.rejected.jsonl")
     with atomic_write(part(work, "out", rank)) as out, atomic_write(part(work, "rejected", rank)) as rej:
         for batch in dist_dedup.batches(lines, cleanup.BATCH_LINES):
-            for lineno, kind, reason, payload in cleanup._process_batch(
-                    (batch, sargs.lang, sargs.min_tokens, sargs.quality)):
-                if kind == "blank":
-                    counts["blank_lines"] += 1
-                elif kind == "malformed":  # as cleanup.run: recorded whole in the rejects
-                    counts["malformed"] += 1
-                    report(lineno, reason)
-                    rej.write(dumps({"line": lineno, "url": None, "reason": "malformed", "detail": reason,
-                                     "raw": payload}))
-                elif kind == "keep":
-                    record, length, detected = payload
-                    out.write(dumps(record))
-                    counts["kept"] += 1
-                    total_length += length
-                    languages[detected or "not_checked"] += 1
-                else:
-                    detail, url, head = payload
-                    counts[reason] += 1
-                    if reason == "wrong_lang":
-                        languages[detail] += 1
-                    rej.write(dumps({"line": lineno, "url": url, "reason": reason, "detail": detail,
-                                     "text_head": head}))
+            for result in cleanup._process_batch((batch, sargs.lang, sargs.min_tokens, sargs.quality)):
+                total_length += cleanup.record_result(result, out, rej, counts, languages, report)
     write_json(part(work, "counts", rank, ".json"),
                {"counts": counts, "languages": languages, "total_length": total_length})
 

@@ -1,20 +1,11 @@
 """Sharded, world-size-independent checkpoints of a ZeRO engine: save, load (reshard), read.
 
-Layout of a checkpoint directory (DESIGN §5):
-  meta.json                    format/version, per-parameter names and shapes, where every piece of every
-                               tensor lives, optimizer hyperparameters and scalar state, loss scaler, engine
-                               step, the model's class and config, the caller's extra_state (trainer counters,
-                               data position, LR schedule). JSON only: nothing executes on load.
-  r<rank>_c<chunk>.safetensors this rank's shard of one chunk: fp32 masters and optimizer state, stored per
-                               parameter as flat pieces `<kind>/<param name>@<start>` (element offsets into
-                               the flattened parameter). One chunk per file keeps peak memory at one chunk.
-  rng_r<rank>.safetensors      per-rank RNG state (torch CPU/CUDA); python/numpy RNG in meta.json.
-  buffers.safetensors          the module's persistent buffers.
-  config.py                    the resolved run config, when the engine was built from a Config.
-
-Because pieces are keyed by parameter name and element range, any world size, stage or shard strategy
-reads them back: each rank reads exactly the ranges its new shards need (no rank gathers the model).
-Saving is atomic: files go to `.<name>.tmp/`, which rank 0 renames to `<name>` after every rank is done.
+A checkpoint maps `Engine.state_dict()` to files: `meta.json` (names, shapes, where every piece lives,
+hyperparameters, the caller's extra_state; JSON only, nothing executes on load), one safetensors file per
+rank and chunk holding fp32 masters and optimizer state as pieces keyed by parameter name and element
+range, per-rank RNG state, the module's buffers and the resolved config.py. Pieces keyed
+by name and range read back at any world size, stage or shard strategy, and saving is atomic (a `.tmp`
+directory renamed by rank 0 once every rank is done).
 """
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
 """Keep freed host memory in the process, so a training step reuses pages instead of faulting in new ones.
 
-Torch's CPU allocator is plain `malloc`, and glibc serves large blocks (over 128 KiB at first, over 32 MiB
-once its threshold has adapted) with a fresh `mmap` and returns them with `munmap` on free. A training
-step frees and reallocates the same large activations and gradient buffers every step, so each step
-page-faults them in again and the kernel zeroes every page:
-about 2 GB per step per rank on GPT-2 small (500k minor faults), a fifth of the step on a 2-core VM,
-and zeroing is memory-bandwidth work that ranks sharing a host fight over. CUDA's caching allocator
-keeps device memory for the same reason; this does it for the host (what PyTorch CPU tuning guides do
-by preloading jemalloc or tcmalloc), with glibc's own knobs: blocks come from the heap
-(no per-block mmap) and the heap is never trimmed. The process keeps its peak host memory (what it
-already needed once) until it exits, which is what a training process wants.
+Torch's CPU allocator is plain `malloc`, and glibc serves large blocks with a fresh `mmap` and returns them
+with `munmap` on free. A step frees and reallocates the same large activations and gradient buffers every
+step, so each step page-faults them in again and the kernel zeroes every page: memory-bandwidth work that
+ranks sharing a host fight over. CUDA's caching allocator keeps device memory for the same reason; this
+does it for the host with glibc's own knobs (blocks from the heap, heap never trimmed), as PyTorch's CPU
+tuning guides do by preloading jemalloc or tcmalloc. The process keeps its peak host memory until it exits.
 
-`initialize()` applies it when the config key `host.keep_freed_memory` is on (the default; ZEROGPT_KEEP_HOST_MEMORY=0
-overrides it) and the compute runs on the host; turn it off for a process that must hand memory back to the OS
-between phases. Nothing changes at import. Only glibc has these knobs; elsewhere this is a no-op.
+`initialize()` applies it when `host.keep_freed_memory` is on (the default; ZEROGPT_KEEP_HOST_MEMORY=0
+overrides it) and the compute runs on the host. Nothing changes at import. Elsewhere than glibc: a no-op.
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""The two flat-tensor collectives ZeRO is built on, with the fastest algorithm for each backend.
+"""The flat collectives ZeRO is built on (all-gather, reduce-scatter, all-reduce), fastest path per backend.
 
-NCCL (and any backend but gloo): torch's `all_gather_single` / `reduce_scatter_single` (torch 2.13's
-names; older torch has only `all_gather_into_tensor` / `reduce_scatter_tensor`, which 2.13 warns on).
-
-gloo (CPU tensors): its flat all-gather and reduce-scatter are slow. Measured on the 2-core CI VM,
-2 ranks, 120 MB fp32: `all_gather_single` 160 ms vs one `broadcast` per rank into its slice 30 ms;
-`reduce_scatter_single` 150 ms vs an in-place `all_reduce` of the input 75 ms (3 ranks: 225 vs 65 ms
-and 275 vs 145 ms). So on gloo the all-gather is a broadcast from every rank, and the reduce-scatter
-is an all-reduce whose slice is copied out; both move at most what a ring all-reduce moves.
-
-Ranks on one host skip gloo's sockets altogether: `zero/shm.py` exchanges through one shared mapping
-(a 120 MB reduce-scatter on 2 ranks: see the numbers there). gloo is the path when that is not possible.
+NCCL (and any backend but gloo): torch's `all_gather_single` / `reduce_scatter_single`. gloo's flat
+all-gather and reduce-scatter are several times slower than its broadcast and all-reduce, so on gloo the
+all-gather is a broadcast from every rank and the reduce-scatter an all-reduce whose slice is copied out
+(neither moves more than a ring all-reduce). Ranks on one host skip gloo's sockets: zero/shm.py exchanges
+through one shared mapping. bench/README.md has the measurements.
 """
 from __future__ import annotations
 

@@ -1,27 +1,21 @@
 """Reduce-scatter and all-gather through shared memory, for ranks that share one host's /dev/shm.
 
-Why: gloo moves CPU tensors over loopback TCP, so every byte is copied through the kernel several
-times by cores that would otherwise compute (on the 2-core CI VM, 2 ranks: 65-80 ms of gloo all-reduce
-for a 120 MB gradient chunk, most of it CPU time). Through one shared mapping a reduce-scatter is one
-write of the input, one read of every rank's matching piece and one write of the summed shard; an
-all-gather is one write of the shard and one read of the whole output. Measured there (120 MB fp32,
-2 ranks): reduce-scatter 30-45 ms vs 80-90 ms for gloo's all-reduce + slice; all-gather on par with
-gloo's per-rank broadcasts (~35 ms). Whole training steps of a 6-layer GPT-2, paired in the same
-processes: stage 3 ~12% faster, stage 2 ~3% faster than on gloo.
+Why: gloo moves CPU tensors over loopback TCP, so every byte is copied through the kernel several times
+by cores that would otherwise compute. Through one shared mapping a reduce-scatter is one write of the
+input, one read of every rank's matching piece and one write of the summed shard; an all-gather is one
+write of the shard and one read of the output (bench/README.md has the measurements).
 
-How: the ranks map one /dev/shm file holding two staging buffers of `world` slots each. A collective
-is cut into pieces that fit a slot; for each piece every rank writes its slot, all ranks meet at a
-barrier on a private gloo group (which also checks that every rank is in the same collective with the
-same size), and each rank reads what it needs. Pieces alternate between the two buffers, so the
-barrier of piece k also proves every rank has finished reading piece k-2 from the buffer piece k
-overwrites: one barrier per piece. Collectives run in order on one worker thread per group (torch
-ops and gloo waits release the GIL), so they overlap backward and the optimizer step like gloo's.
+How: the ranks map one /dev/shm file holding two staging buffers of `world` slots each. A collective is
+cut into pieces that fit a slot; for each piece every rank writes its slot, all ranks meet at a barrier on
+a private gloo group (which also checks that every rank is in the same collective with the same size), and
+each rank reads what it needs. Pieces alternate between the two buffers, so the barrier of piece k also
+proves every rank has finished reading piece k-2: one barrier per piece. Collectives run in order on one
+worker thread per group, so they overlap backward and the optimizer step like gloo's.
 
-The file is unlinked as soon as every rank has mapped it (nothing is left behind by a killed run), and
-its pages are reserved up front, so a full /dev/shm is a clear error at start-up and never a SIGBUS
-mid-step. Ranks that cannot all map the same file (several hosts, no /dev/shm, too little space)
-get None from `open_transport` and stay on gloo. The engine opens the transport at initialize() when
-`host.shm_collectives` is on (the default) and closes it, worker thread included, at `engine.close()`.
+The file is unlinked once every rank has mapped it (a killed run leaves nothing), and its pages are
+reserved up front, so a full /dev/shm is a clear error at start-up, never a SIGBUS mid-step. Ranks that
+cannot all map the same file get None from `open_transport` and stay on gloo. The engine opens the
+transport at initialize() when `host.shm_collectives` is on (the default) and closes it at engine.close().
 """
 from __future__ import annotations
 
