@@ -265,15 +265,15 @@ def test_to_python_round_trips_objects_and_odd_values(tmp_path):
 
 # --- package -----------------------------------------------------------------------------------------------
 
-def test_import_zerogpt_is_light_and_initialize_stays_the_function():
+def test_import_zerogpt_is_light_and_initialize_is_the_function():
     # One subprocess (importing torch costs seconds): `import zerogpt` pulls in neither torch nor transformers,
-    # lazy names resolve, and `zerogpt.initialize` stays the function after its same-named submodule is imported.
+    # lazy names resolve, and no submodule shares the function's name (importing one would shadow it).
     code = textwrap.dedent("""
         import importlib.util, sys, zerogpt
         assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'import zerogpt is heavy'
         assert callable(zerogpt.launch_from_torch) and 'transformers' not in sys.modules
-        if importlib.util.find_spec('zerogpt.initialize') is not None:
-            from zerogpt.initialize import initialize
-            assert zerogpt.initialize is initialize, zerogpt.initialize
+        assert importlib.util.find_spec('zerogpt.initialize') is None
+        from zerogpt.build_engine import initialize
+        assert zerogpt.initialize is initialize, zerogpt.initialize
     """)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

@@ -6,8 +6,6 @@ except Config is imported on first use, so `import zerogpt` stays fast and never
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 from zerogpt.config import Config
@@ -18,7 +16,7 @@ _LAZY = {
     "launch_from_torch": "zerogpt.launch",
     "DistContext": "zerogpt.launch",
     "get_logger": "zerogpt.logging",
-    "initialize": "zerogpt.initialize",
+    "initialize": "zerogpt.build_engine",
     "ZeroInitContext": "zerogpt.zero.init_ctx",
     "Engine": "zerogpt.engine",
     "Trainer": "zerogpt.trainer",
@@ -37,16 +35,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
-
-
-class _Package(types.ModuleType):
-    """Keeps `zerogpt.initialize` the function even after `import zerogpt.initialize` (the submodule of the same
-    name): the import system would otherwise overwrite the package attribute with the module object."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "initialize" and isinstance(value, types.ModuleType) and hasattr(value, "initialize"):
-            value = value.initialize
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -168,7 +168,7 @@ def test_meta_and_cpu_parameters_mixed():
 
 def test_cpu_and_cuda_parameters_mixed():
     """Checked before any data moves, so fake parameters stand in for a CUDA one on a CPU-only box."""
-    from zerogpt.initialize import _check_devices
+    from zerogpt.build_engine import _check_devices
 
     params = [("a.weight", SimpleNamespace(device=torch.device("cpu")), 0),
               ("b.weight", SimpleNamespace(device=torch.device("cuda", 0)), 0)]
