@@ -78,6 +78,22 @@ def test_checkpoint_hook_saves_prunes_and_points_latest(tmp_path):
     assert extra["trainer"]["step"] == 7 and extra["trainer"]["consumed_samples"] == 28
 
 
+def test_no_checkpoint_of_weights_a_non_finite_gradient_reached(tmp_path):
+    """bf16/fp32 steps are not skipped on a non-finite gradient (that would take a host sync every step), so
+    the save of such a step is refused: good checkpoints are not rotated out by garbage ones."""
+    out = str(tmp_path)
+
+    class DivergingEngine(EngineDouble):
+        def step(self):
+            norm = super().step()
+            return None if norm is None else (norm * float("nan") if self.global_step >= 4 else norm)
+
+    engine = DivergingEngine()
+    Trainer(engine, hooks=[SaveCheckpointHook(out, save_interval=2, keep_last=2)]).fit(token_batches(8), max_steps=7)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_2"]
+    assert latest_checkpoint(out) == os.path.join(out, "checkpoints", "step_2")
+
+
 def test_latest_checkpoint_none_and_stale(tmp_path):
     assert latest_checkpoint(str(tmp_path)) is None
     (tmp_path / "checkpoints").mkdir()
