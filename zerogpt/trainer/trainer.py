@@ -187,13 +187,14 @@ class Trainer:
                 break
             engine.zero_grad()
             skipped = engine.last_step_skipped                      # a Python bool (fp16 reads it anyway)
+            lr = engine.lr                                          # the rate this step used
             if self.lr_scheduler is not None and not self.schedule_by_epoch and not skipped:
                 self.lr_scheduler.step()
             # ------------------------------ TRAINING SECTION END --------------------------------
             s.step += 1
             step_loss = torch.stack(micro_losses).float().mean()    # this rank's mean, still on the device
             self._add_to_epoch(step_loss)
-            s.metrics = StepMetrics(step=s.step, loss=step_loss, grad_norm=grad_norm, lr=engine.lr, skipped=skipped,
+            s.metrics = StepMetrics(step=s.step, loss=step_loss, grad_norm=grad_norm, lr=lr, skipped=skipped,
                                     loss_scale=engine.loss_scale)
             if any(h.logs_at(s.step, s.max_steps) for h in self.hooks):
                 self._read_metrics(s.metrics)                       # the one host sync of a log step
