@@ -201,6 +201,7 @@ def setup(cfg, train, data, ctx, resume):
             if trainer.state.step >= last_step:
                 epochs = None if train.max_steps else cfg.NUM_EPOCHS or 1
                 ctx.logger.info(preflight.finished_message(ckpt, trainer.state.step, last_step, lr_scheduler, epochs))
+                engine.close()
                 return None, None, None
     return trainer, train_dl, valid_dl
 
@@ -218,10 +219,11 @@ def check_run_vocab(dataset, data, model) -> None:
                           model=(config.vocab_size, "the model's vocab_size") if config is not None else None,
                           data_key=(data.vocab_size, "data.vocab_size") if data.vocab_size else None)
 
+
 def fit(trainer, cfg, train, train_dl, valid_dl, ctx) -> None:
     out = train.output_dir
     state = trainer.fit(train_dl, epochs=cfg.NUM_EPOCHS, max_steps=train.max_steps, eval_dataloader=valid_dl)
-    engine.close()  # hooks off, offload files removed, the shared-memory transport and its thread closed
+    trainer.engine.close()  # hooks off, offload files removed, the shared-memory transport and its thread closed
 
     ctx.logger.info(f"done: {state.step} steps, {state.tokens_seen:,} tokens"
                     + (f", valid loss {state.eval_results['loss']:.4f}" if state.eval_results else "")

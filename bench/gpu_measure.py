@@ -299,4 +299,8 @@ def worker_main(specs_json: str, result_path: str) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+        print("usage: gpu_measure.py SPECS_JSON RESULT_JSON\n\nThe measurement worker of bench/gpu_check.py, "
+              "which starts it in a fresh process per system; run gpu_check.py instead.")
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     sys.exit(worker_main(sys.argv[1], sys.argv[2]))

@@ -21,7 +21,10 @@ BENCH = os.path.join(REPO, "bench")
 RUNS = {
     "cpu_adam.py": (["--help"], "usage:"),
     "dedup.py": (["--sources", "60", "--repeats", "1"], "| method |"),
+    "gpu_check.py": (["--help"], "usage:"),          # its tiny CPU dry run is tests/test_gpu_check.py
+    "gpu_measure.py": (["--help"], "usage:"),
     "offload.py": (["--help"], "usage:"),
+    "pipeline_scale.py": (["--help"], "usage:"),
     "step_memory.py": (["--help"], "usage:"),
     "step_time.py": (["--help"], "usage:"),
     "tokenize_throughput.py": (["--corpus-mb", "0.1", "--vocab-size", "400", "--rounds", "1", "--workers", "1",

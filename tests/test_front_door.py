@@ -28,7 +28,7 @@ def test_readme_links_point_inside_the_repo():
 def test_ci_runs_the_readmes_test_command():
     readme = read("README.md")
     assert "make demo" in readme and "make test" in readme
-    assert re.search(r"^exec make test$", read(".ci/run"), re.M)
+    assert re.search(r"^exec make test( TORCH_INDEX=)?$", read(".ci/run"), re.M)  # CI: the mirror serves the CPU wheel
 
 
 def test_make_targets_install_into_a_venv_first():

@@ -94,9 +94,9 @@ def test_trainable_parameter_missing_from_the_optimizer():
 
 
 @pytest.mark.parametrize("optimizer,error,message", [
-    (dict(type="Adamw"), ValueError, r"optimizer\.type='Adamw' is not a torch\.optim or zerogpt\.optim class; "
-                                     r"use e\.g\. 'AdamW'"),
-    (dict(type=42), TypeError, r"optimizer\.type must be an optimizer class or its name, got 42"),
+    (dict(type="Adamw"), ValueError, r"optimizer\.type 'Adamw' is not one of AdamW, Adam, SGD, HybridAdam, CPUAdam; "
+                                     r"did you mean 'AdamW'\? Or pass the class itself"),
+    (dict(type=42), TypeError, r"optimizer\.type must be an optimizer class or one of AdamW, .*, got 42"),
     ("adam", TypeError, r"optimizer must be a torch\.optim\.Optimizer built on model\.parameters\(\) or a "
                         r"dict\(type=\.\.\., \*\*kwargs\), got str"),
 ])
