@@ -119,6 +119,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+
+REASONS = ("malformed", "scheme", "too_short", "domain", "extension", "duplicate")
+
+
+def record_url(url: str, reason: str | None, source: str, seen: set[str], counts: Counter, out, rej,
+               report_malformed) -> None:
+    """Write a URL the filter passed and that was not seen before to `out`; any other goes to the rejects
+    file `rej` with its reason and `source` (file:line). Shared by the in-process and the task stage."""
+    counts["input"] += 1
+    if reason is None and url in seen:
+        reason = "duplicate"
+    if reason == "malformed":
+        report_malformed()
+    if reason is not None:
+        counts[reason] += 1
+        rej.write(dumps({"url": url, "reason": reason, "source": source}))
+        return
+    seen.add(url)
+    counts["kept"] += 1
+    out.write(url + "\n")
+
 def run(args: argparse.Namespace) -> int:
     started = time.time()
     files = input_files(args.input)
@@ -137,20 +158,9 @@ def run(args: argparse.Namespace) -> int:
             report = BadLineReporter(path, args.strict)
             for lineno, url in progress(iter_text_lines(path), desc=f"blacklist {os.path.basename(path)}",
                                         unit="url"):
-                counts["input"] += 1
-                reason = url_filter.check(url)
-                if reason is None and url in seen:
-                    reason = "duplicate"
-                if reason == "malformed":
-                    report(lineno, f"malformed URL {url[:200]!r}")
-                if reason is not None:
-                    counts[reason] += 1
-                    rej.write(dumps({"url": url, "reason": reason, "source": f"{path}:{lineno}"}))
-                    continue
-                seen.add(url)
-                counts["kept"] += 1
-                out.write(url + "\n")
-    for reason in ("malformed", "scheme", "too_short", "domain", "extension", "duplicate"):
+                record_url(url, url_filter.check(url), f"{path}:{lineno}", seen, counts, out, rej,
+                           lambda: report(lineno, f"malformed URL {url[:200]!r}"))
+    for reason in REASONS:
         counts.setdefault(reason, 0)
     # the directory itself too: its mtime changes when a URL file is added or removed
     inputs = ([args.input] if os.path.isdir(args.input) else []) + files + \

@@ -80,6 +80,8 @@ def blacklist_task(rank: int, world: int, files: list[str], work: str, sargs: ar
 def blacklist_merge(rank: int, world: int, files: list[str], work: str, shards: int, sargs: argparse.Namespace,
                     started: float) -> None:
     """The kept URLs in input order without exact duplicates, rejects and stats, as `blacklist` writes them."""
+    from data_pipeline import blacklist
+
     counts: Counter = Counter()
     seen: set[str] = set()
     with atomic_write(sargs.output) as out, atomic_write(sargs.output + ".rejected.jsonl") as rej:
@@ -88,20 +90,10 @@ def blacklist_merge(rank: int, world: int, files: list[str], work: str, shards: 
             for r in range(shards):
                 with fsspec.open(part(work, f"file{i:05d}", r), "r", encoding="utf-8") as f:
                     for rec in map(json.loads, f):
-                        counts["input"] += 1
-                        url, reason = rec["url"], rec["reason"]
-                        if reason is None and url in seen:
-                            reason = "duplicate"
-                        if reason == "malformed":
-                            report(rec["line"], f"malformed URL {url[:200]!r}")
-                        if reason is not None:
-                            counts[reason] += 1
-                            rej.write(dumps({"url": url, "reason": reason, "source": f"{path}:{rec['line']}"}))
-                            continue
-                        seen.add(url)
-                        counts["kept"] += 1
-                        out.write(url + "\n")
-    for reason in ("malformed", "scheme", "too_short", "domain", "extension", "duplicate"):
+                        url, line = rec["url"], rec["line"]
+                        blacklist.record_url(url, rec["reason"], f"{path}:{line}", seen, counts, out, rej,
+                                             lambda: report(line, f"malformed URL {url[:200]!r}"))
+    for reason in blacklist.REASONS:
         counts.setdefault(reason, 0)
     domains, extensions = blacklist_lists(sargs)
     inputs = ([sargs.input] if os.path.isdir(sargs.input) else []) + files + \
