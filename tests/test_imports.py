@@ -13,7 +13,7 @@ import pytest
 PROBE = textwrap.dedent("""
     import json, os, resource, threading
     os.umask(0o027)
-    import data_pipeline.io, data_pipeline.run_all, model_zoo, zerogpt, zerogpt.initialize, zerogpt.engine
+    import data_pipeline.io, data_pipeline.run_all, model_zoo, zerogpt, zerogpt.build_engine, zerogpt.engine
     import zerogpt.trainer, zerogpt.zero.comm, zerogpt.optim
     umask = os.umask(0o027)
     print(json.dumps({"umask": umask, "threads": [t.name for t in threading.enumerate()]}))
