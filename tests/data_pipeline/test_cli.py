@@ -8,27 +8,14 @@ import shutil
 import pytest
 
 try:  # the local test web server (rootdir-relative or package import)
-    from web_server import Handler, QuietServer, read_jsonl
+    from web_server import read_jsonl
 except ImportError:  # pragma: no cover - when tests/data_pipeline becomes a package
-    from tests.data_pipeline.web_server import Handler, QuietServer, read_jsonl
+    from tests.data_pipeline.web_server import read_jsonl
 
 from data_pipeline import __main__ as cli
 from data_pipeline.__main__ import main
 
 pytestmark = pytest.mark.timeout(60)  # tests that need longer say so
-
-
-@pytest.fixture
-def site():
-    import threading
-    from collections import Counter
-
-    handler = type("H", (Handler,), {"counters": Counter(), "delay": 0.0})
-    httpd = QuietServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
-    httpd.shutdown()
-    httpd.server_close()
 
 
 def test_help_lists_every_stage(capsys):

@@ -15,12 +15,10 @@ import tracemalloc
 
 import pytest
 
-try:
-    from test_cli import site  # noqa: F401  (a fixture)
-    from test_dedup import edit, real_docs, write_docs
+try:  # the shared corpus helpers (rootdir-relative or package import); the `site` fixture is in conftest.py
+    from dedup_docs import edit, real_docs, write_docs
 except ImportError:  # pragma: no cover - when tests/data_pipeline becomes a package
-    from tests.data_pipeline.test_cli import site  # noqa: F401
-    from tests.data_pipeline.test_dedup import edit, real_docs, write_docs
+    from tests.data_pipeline.dedup_docs import edit, real_docs, write_docs
 
 from data_pipeline import dist_dedup, dist_stages
 from data_pipeline.__main__ import load_stage, main
@@ -299,7 +297,7 @@ def ray_cluster():
 
 
 @pytest.mark.timeout(400)
-def test_all_on_ray_gives_the_local_executors_documents(tmp_path, site, ray_cluster):  # noqa: F811
+def test_all_on_ray_gives_the_local_executors_documents(tmp_path, site, ray_cluster):
     """The whole chain on a local Ray cluster (num_cpus=2) writes what the local executor writes."""
     base, _ = site
     (tmp_path / "urls.txt").write_text("".join(f"{base}/article/{i}\n" for i in range(6)) +
