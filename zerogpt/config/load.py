@@ -17,7 +17,7 @@ from typing import Any, Iterable, Literal
 from zerogpt.config.colossalai import ColossalZeroConfig, zero_config
 from zerogpt.config.render import to_python
 from zerogpt.config.schema import (OPTIMIZER_NAMES, DataConfig, EngineConfig, HostConfig, LRSchedulerConfig,
-                                   TrainConfig, ZeroConfig, all_paths, check_fields, check_tree, section_types, suggest)
+                                   ParallelConfig, TensorParallelConfig, TrainConfig, ZeroConfig, all_paths, check_fields, check_tree, section_types, suggest)
 
 
 @dataclass
@@ -45,6 +45,8 @@ class RunConfig:
     optimizer: dict = field(default_factory=dict)
     """dict(type=class or name, **kwargs), the kwargs going to the optimizer class."""
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor and pipeline parallelism (schema.ParallelConfig); data parallelism is what is left of the world."""
     host: HostConfig = field(default_factory=HostConfig)
     """Process-wide host settings (schema.HostConfig); environment variables override them."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -69,7 +71,6 @@ _ALL_PATHS = all_paths((RunConfig,))
 # Keys of other frameworks' configs that people will paste in; the hint says what to write instead.
 _FOREIGN_KEYS = {
     "fp16": "use precision='fp16' (or 'bf16')",
-    "parallel": "zerogpt has no tensor/pipeline parallelism; data parallelism comes from torchrun --nproc_per_node",
     "gradient_accumulation": "use GRADIENT_ACCUMULATION (upper case)",
     "clip_grad": "use clip_grad_norm",
 }
@@ -348,3 +349,11 @@ def _lr_scheduler_config(cfg: Config) -> LRSchedulerConfig:
 
 def _data_config(cfg: Config) -> DataConfig:
     return DataConfig(**cfg.get("data", {}))
+
+
+def parallel_config(cfg: Config | dict) -> ParallelConfig:
+    """The `parallel` section with defaults filled in (absent -> tensor and pipeline size 1)."""
+    node = dict(_as_config(cfg).get("parallel", {}))
+    if "tensor" in node:
+        node["tensor"] = TensorParallelConfig(**node["tensor"])
+    return ParallelConfig(**node)

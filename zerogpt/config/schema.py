@@ -271,6 +271,40 @@ class HostConfig:
 
 
 @dataclass
+class TensorParallelConfig:
+    """`parallel.tensor`: Megatron-style tensor parallelism (zerogpt.parallel.tensor)."""
+
+    size: int = 1
+    """Ranks that split each layer's matmuls (heads, MLP width and vocabulary are divided by it)."""
+    mode: Literal["1d"] = "1d"
+    """Megatron's 1-D layout (Colossal-AI's name for it); the only mode."""
+    sequence_parallel: bool = False
+    """Also split LayerNorm and dropout activations along the sequence (Megatron's sequence parallelism)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "parallel.tensor")
+        if self.size < 1:
+            raise ValueError(f"parallel.tensor.size must be >= 1, got {self.size}")
+
+
+@dataclass
+class ParallelConfig:
+    """`parallel = dict(tensor=dict(size=T), pipeline=P)`: model parallelism around ZeRO's data parallelism.
+
+    The data-parallel size is world / (T * P); ZeRO shards over the data-parallel ranks (zerogpt.parallel.mesh).
+    """
+
+    tensor: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pipeline: int = 1
+    """Pipeline stages: contiguous blocks of layers, embedding on the first, head on the last (1F1B schedule)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "parallel")
+        if self.pipeline < 1:
+            raise ValueError(f"parallel.pipeline must be >= 1, got {self.pipeline}")
+
+
+@dataclass
 class EngineConfig:
     """Everything `zerogpt.initialize` needs from the config, resolved for one world size."""
 

@@ -1,0 +1,7 @@
+"""Tensor and pipeline parallelism around ZeRO's data parallelism (Megatron's layout, torch's DTensor/pipelining).
+
+mesh.py: the (pp, dp, tp) sizes from `parallel = dict(...)`, their checks, and the one DeviceMesh they come from.
+"""
+from zerogpt.parallel.mesh import ParallelDims
+
+__all__ = ["ParallelDims"]
