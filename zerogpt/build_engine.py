@@ -45,6 +45,10 @@ class _Context:
     device: torch.device
     group: Any = None
     logger: Any = None
+    model_parallel_group: Any = None
+    """Tensor/pipeline runs: the ranks sharing this rank's data-parallel coordinate (the grad norm sums over them)."""
+    norm_skip: frozenset = frozenset()
+    """Parameters whose gradient another rank of model_parallel_group also holds: left out of the norm here."""
 
 
 def _default_context() -> _Context:
@@ -237,7 +241,8 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     sharded_optim = ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=optim_home,
                                      precision=ecfg.precision, stage=zero.stage, group=ctx.group,
                                      loss_scaler=loss_scaler, clip_grad_norm=ecfg.clip_grad_norm,
-                                     no_decay=no_decay)
+                                     no_decay=no_decay, norm_skip=set(getattr(ctx, "norm_skip", ())),
+                                     model_parallel_group=getattr(ctx, "model_parallel_group", None))
     shm = open_transport(ctx.group) if host.shm_collectives and _shares_host_memory(ctx) else None
     engine = Engine(model, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx, logger, criterion,
                     run_config, host_settings=dict(keep_freed_memory=keeps_freed_memory,

@@ -83,3 +83,32 @@ def test_engine_state_dict_round_trips_and_loads_in_place():
             assert torch.equal(s.master, saved[index]["master"]) and float(s.state["step"]) == 2.0
             torch.testing.assert_close(engine.chunks[index].shard.float(), s.master)
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_norm_skip_leaves_a_parameters_gradient_out_of_the_norm_only():
+    """A replica's gradient (TP-replicated, the tied head of the last stage) is counted once, on another rank."""
+    import zerogpt
+
+    def norm_with(skip):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        ctx = cpu_ctx()
+        ctx.norm_skip = frozenset(skip)
+        cfg = zerogpt.Config(dict(zero=zero_config(2), clip_grad_norm=1.0))
+        engine, *_ = zerogpt.initialize(model, dict(type="AdamW", lr=LR), config=cfg, ctx=ctx)
+        engine.backward(lm_loss(engine, token_batches(1, 1, 1)[0, 0, 0], 0))
+        norm = engine.step()
+        engine.close()
+        return norm
+
+    with single_thread():
+        full = norm_with(())
+        skipped = norm_with({"transformer.wpe.weight"})
+        assert 0 < skipped.item() < full.item()
+        # the difference is exactly wpe's gradient, which the plain torch reference gives
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        lm_loss(model, token_batches(1, 1, 1)[0, 0, 0], 0).backward()
+        wpe = model.transformer.wpe.weight.grad.norm()
+        torch.testing.assert_close(full ** 2 - skipped ** 2, wpe ** 2, rtol=1e-4, atol=1e-8)

@@ -69,6 +69,10 @@ class ChunkState:
     # Shard-local (start, end) ranges of the slots that take weight decay, when the chunk mixes decayed and
     # undecayed slots (biases, LayerNorm); None when every slot follows the group's weight_decay.
     decay_ranges: list[tuple[int, int]] | None = None
+    # Shard-local ranges of the slots counted in the global grad norm; None: the whole shard. A slot is left
+    # out where another rank holds the same gradient (a tensor-parallel replica, the tied head of the last
+    # pipeline stage), so the norm counts every distinct gradient once.
+    norm_ranges: list[tuple[int, int]] | None = None
     grad: torch.Tensor | None = None  # reduced fp32 grad shard, summed over micro-steps; None between steps
     _decay_views: list[torch.Tensor] = field(default_factory=list)
 
@@ -131,7 +135,8 @@ class ShardedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, chunks: list[Chunk], *, placement: Placement,
                  optim_home: str, precision: str, stage: int, group: dist.ProcessGroup | None,
                  loss_scaler: DynamicLossScaler, clip_grad_norm: float | None,
-                 no_decay: set[str] | None = None) -> None:
+                 no_decay: set[str] | None = None, norm_skip: set[str] | None = None,
+                 model_parallel_group: dist.ProcessGroup | None = None) -> None:
         self.optimizer = optimizer  # holds the hyperparameters; LR schedulers bind to it
         self.chunks = chunks
         self.placement = placement
@@ -139,6 +144,10 @@ class ShardedOptimizer:
         self.grad_home = "host" if optim_home == "disk" else optim_home
         self.stage = stage
         self.group = group
+        # The ranks with this rank's data-parallel coordinate (tensor x pipeline): they hold different parts of
+        # the model, so the squared-norm sums of their parts add up to the model's.
+        self.model_parallel_group = model_parallel_group
+        self.norm_skip = norm_skip or set()
         self.loss_scaler = loss_scaler
         self.clip_grad_norm = clip_grad_norm or None
         self.precision = precision
@@ -169,7 +178,7 @@ class ShardedOptimizer:
         group = self.optimizer.param_groups[plan.group_index]
         state = ChunkState(chunk, master, chunk_optimizer(self.optimizer, group, master), plan.group_index,
                            self.optim_home, self.grad_home, self.master_is_param_shard,
-                           _decay_ranges(chunk, no_decay))
+                           _slot_ranges(chunk, no_decay), _slot_ranges(chunk, self.norm_skip))
         if _is_adam_family(self.optimizer) and self.optim_home != "device":
             self._preallocate_adam_state(state, group)
         return state
@@ -198,12 +207,16 @@ class ShardedOptimizer:
     def _global_sumsq(self) -> torch.Tensor:
         local = torch.zeros((), dtype=torch.float32, device=self.placement.device)
         for state in self.states.values():
-            if state.grad is not None:
-                g = state.grad
+            if state.grad is None:
+                continue
+            for a, b in state.norm_ranges if state.norm_ranges is not None else [(0, state.grad.numel())]:
+                g = state.grad[a:b]
                 local += torch.dot(g, g).to(local.device)  # fp32 shard: one pass, no squared temporary
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world > 1 and self.stage > 0:  # stage 0: every rank already holds the full, reduced grads
             dist.all_reduce(local, group=self.group)
+        if self.model_parallel_group is not None:
+            dist.all_reduce(local, group=self.model_parallel_group)
         return local
 
     def step(self) -> tuple[torch.Tensor, bool]:
@@ -305,10 +318,13 @@ class ShardedOptimizer:
         self.zero_grad()
 
 
-def _decay_ranges(chunk: Chunk, no_decay: set[str]) -> list[tuple[int, int]] | None:
-    """This rank's shard-local ranges of the decayed slots; None unless the chunk mixes decayed and not."""
+def _slot_ranges(chunk: Chunk, excluded: set[str]) -> list[tuple[int, int]] | None:
+    """This rank's shard-local ranges of the slots not in `excluded`; None when no slot is excluded.
+
+    For weight decay (excluded: biases and norms) and the grad norm (excluded: gradients another rank holds).
+    """
     plan = chunk.plan
-    skipped = [slot.name in no_decay for slot in plan.slots]
+    skipped = [slot.name in excluded for slot in plan.slots]
     if not any(skipped):
         return None
     lo, _ = plan.shard_range(chunk.shard_index)
