@@ -2,6 +2,7 @@
 
 mesh.py: the (pp, dp, tp) sizes from `parallel = dict(...)`, their checks, and the one DeviceMesh they come from.
 """
+from zerogpt.parallel.context import EngineContext, engine_context
 from zerogpt.parallel.mesh import ParallelDims
 
-__all__ = ["ParallelDims"]
+__all__ = ["ParallelDims", "EngineContext", "engine_context"]
