@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism around ZeRO's data parallelism (Megatron's layout, torch's DTensor/pipelining).
 
 mesh.py: the (pp, dp, tp) sizes from `parallel = dict(...)`, their checks, and the one DeviceMesh they come from.
+context.py: the engine's view of that mesh (ZeRO over "dp", the grad norm summed over "pp" x "tp").
 """
 from zerogpt.parallel.context import EngineContext, engine_context
 from zerogpt.parallel.mesh import ParallelDims
