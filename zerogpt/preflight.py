@@ -19,8 +19,9 @@ from typing import Any, Callable
 from zerogpt.config import engine_config, parallel_config
 from zerogpt.parallel.mesh import ParallelDims
 
-__all__ = ["PreflightError", "data_from_env", "check_data", "is_jsonl", "check_schedule", "check_output_dir", "check_fresh_run", "clear_run",
-           "check_resume", "check_vocab", "check_parallel", "env_world_size", "known_vocab_size", "RUN_FILES"]
+__all__ = ["PreflightError", "data_from_env", "check_data", "is_jsonl", "check_schedule", "check_output_dir",
+           "check_fresh_run", "clear_run", "check_resume", "check_vocab", "check_parallel", "env_world_size",
+           "known_vocab_size", "RUN_FILES"]
 
 RUN_FILES = ("metrics.jsonl", "loss.png", "config.py", "checkpoints", "tensorboard")
 """What a run writes into train.output_dir; --overwrite deletes exactly these."""
