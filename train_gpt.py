@@ -124,6 +124,7 @@ def main(argv=None) -> int:
         from_env = preflight.data_from_env(data)
         preflight.check_data(data, skip=is_sample(data))
         preflight.check_schedule(train, lr_scheduler_config(cfg) if "lr_scheduler" in cfg else None)
+        dims = preflight.check_parallel(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
         preflight.check_resume(args.resume)
         preflight.check_output_dir(train.output_dir)
         preflight.check_fresh_run(train.output_dir, args.resume, args.overwrite)
@@ -132,6 +133,7 @@ def main(argv=None) -> int:
 
     # 2. launch: process group, device, CPU threads, seeds, rank-aware logger
     ctx = zerogpt.launch_from_torch(cfg)
+    ctx.logger.info(dims.describe())
     if from_env:
         ctx.logger.info(f"data.path is not set: using DATA={data.path} from the environment")
     if args.from_torch:
@@ -150,6 +152,13 @@ def main(argv=None) -> int:
     finally:
         ctx.destroy()
     return 0
+
+
+def model_on_meta(cfg, data):
+    """The config's model without its weights (meta device): its shape, for the parallel layout's checks."""
+    model_cfg = {k: v for k, v in dict(cfg.model).items() if k != "pretrained"}  # same shape, nothing read
+    with torch.device("meta"):
+        return build_model(model_cfg, vocab_size=preflight.known_vocab_size(data))
 
 
 def setup(cfg, train, data, ctx, resume):

@@ -5,15 +5,20 @@ import re
 import pytest
 import torch
 
+import train_gpt
 from model_zoo import build_model
-from zerogpt.config import Config, data_config, engine_config, lr_scheduler_config, train_config
+from zerogpt.config import Config, data_config, engine_config, lr_scheduler_config, parallel_config, train_config
+from zerogpt.parallel import ParallelDims
+from zerogpt.preflight import PreflightError, check_parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
-SHIPPED = ["demo_cpu.py", "gpt2_medium_ddp.py", "gpt2_small_zero2.py", "gpt2_small_zero3_offload.py",
-           "gpt2_xl_zero3_offload.py", "gpt2_zero3.py"]
-# name -> (zero stage, gradient accumulation at the world size of the header's command, param offload, world)
+SHIPPED = ["demo_cpu.py", "gpt2_medium_ddp.py", "gpt2_medium_pp2.py", "gpt2_medium_tp2.py", "gpt2_small_zero2.py",
+           "gpt2_small_zero3_offload.py", "gpt2_xl_zero3_offload.py", "gpt2_zero3.py"]
+# name -> (zero stage, gradient accumulation at the world size of the header's command, param offload, world);
+# the accumulation divides GLOBAL_BATCH_SIZE by BATCH_SIZE x the data-parallel size, world / (T x P)
 EXPECTED = {"demo_cpu.py": (2, 1, "none", 2), "gpt2_medium_ddp.py": (0, 8, "none", 8),
+            "gpt2_medium_pp2.py": (1, 2, "none", 2), "gpt2_medium_tp2.py": (1, 2, "none", 2),
             "gpt2_small_zero2.py": (2, 4, "none", 8), "gpt2_small_zero3_offload.py": (3, 4, "cpu", 4),
             "gpt2_xl_zero3_offload.py": (3, 16, "cpu", 1), "gpt2_zero3.py": (3, 1, "cpu", 4)}
 
@@ -27,7 +32,8 @@ def test_config_loads_and_resolves(name):
     path = os.path.join(ROOT, "configs", name)
     cfg = Config.from_file(path)
     stage, accum, param_offload, world = EXPECTED[name]
-    eng = engine_config(cfg, world_size=world)
+    dp = ParallelDims.from_config(parallel_config(cfg), world).dp
+    eng = engine_config(cfg, world_size=dp)
     assert (eng.zero.stage, eng.gradient_accumulation, eng.zero.offload_param.device) == (stage, accum, param_offload)
     train_config(cfg), lr_scheduler_config(cfg), data_config(cfg)
     Config.from_file(path).apply_overrides(["train.max_steps=3"])       # overrides validate too
@@ -52,3 +58,23 @@ def test_resolved_config_round_trips(tmp_path):
     (tmp_path / "config.py").write_text(cfg.to_python())
     again = Config.from_file(str(tmp_path / "config.py"))
     assert engine_config(again, 2).zero.stage == 3 and again.train.output_dir == "runs/demo_cpu"
+
+
+@pytest.mark.parametrize("name", ["gpt2_medium_tp2.py", "gpt2_medium_pp2.py"])
+def test_seed_megatron_configs_pass_preflight_on_2_ranks_and_not_on_3(name):
+    cfg = Config.from_file(os.path.join(ROOT, "configs", name))
+    data = data_config(cfg)
+    built = []
+
+    def model():
+        built.append(train_gpt.model_on_meta(cfg, data))
+        return built[-1]
+
+    dims = check_parallel(cfg, 2, model)
+    assert (dims.tp * dims.pp, dims.dp) == (2, 1) and dims.world_size == 2
+    assert built[0].config.n_layer == 24 and built[0].config.n_head == 16       # GPT-2 medium, shapes only
+    assert built[0].lm_head.weight.device.type == "meta"
+    with pytest.raises(PreflightError) as e:
+        check_parallel(cfg, 3, model)
+    assert "world size 3" in str(e.value) and "parallel.tensor.size" in str(e.value) \
+        and "parallel.pipeline" in str(e.value)

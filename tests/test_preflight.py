@@ -5,12 +5,15 @@ import os
 
 import pytest
 
-from zerogpt.config import LRSchedulerConfig, TrainConfig
+import torch
+
+import train_gpt
+from model_zoo import build_model, gpt2_tiny
+from zerogpt.config import Config, DataConfig, LRSchedulerConfig, TrainConfig
 from zerogpt.launch import cpu_threads
 from zerogpt.preflight import (PreflightError, RUN_FILES, check_data, check_fresh_run, check_output_dir,
-                               check_resume, check_schedule, check_vocab, clear_run, data_from_env, finished_message,
-                               run_data_vocab)
-from zerogpt.config import DataConfig
+                               check_parallel, check_resume, check_schedule, check_vocab, clear_run, data_from_env,
+                               env_world_size, finished_message, known_vocab_size, run_data_vocab)
 
 
 def test_schedule_longer_than_the_run_names_the_users_keys():
@@ -138,3 +141,84 @@ def test_cpu_threads_per_rank(monkeypatch):
     assert cpu_threads(requested=5) == (5, "train.cpu_threads")
     with pytest.raises(ValueError, match=r"train.cpu_threads must be >= 1"):
         TrainConfig(cpu_threads=0)
+
+
+def tiny_on_meta(**overrides):
+    with torch.device("meta"):
+        return build_model(dict(type=gpt2_tiny, **overrides))   # 2 layers, 2 heads, vocab 1024
+
+
+def parallel_run(tp=1, pp=1, **keys):
+    return Config(BATCH_SIZE=2, zero=dict(stage=keys.pop("stage", 1)),
+                  parallel=dict(tensor=dict(size=tp), pipeline=pp), **keys)
+
+
+def test_parallel_layout_is_checked_against_the_world_size():
+    dims = check_parallel(parallel_run(tp=2), 4, tiny_on_meta)
+    assert (dims.tp, dims.pp, dims.dp) == (2, 1, 2)
+    with pytest.raises(PreflightError, match=r"world size 3 is not divisible by parallel.tensor.size \(2\) x "
+                                             r"parallel.pipeline \(1\) = 2"):
+        check_parallel(parallel_run(tp=2), 3, tiny_on_meta)
+
+
+def test_parallel_layout_is_checked_against_the_models_shape():
+    with pytest.raises(PreflightError, match=r"model \(GPT, vocab 1,024 padded to 1,024\): n_layer=2 is not "
+                                             r"divisible by parallel.pipeline=4"):
+        check_parallel(parallel_run(pp=4), 4, tiny_on_meta)
+    with pytest.raises(PreflightError, match=r"n_head=2 is not divisible by parallel.tensor.size=4"):
+        check_parallel(parallel_run(tp=4), 4, tiny_on_meta)
+    with pytest.raises(PreflightError, match=r"padded vocabulary \(1001 rows\) is not divisible by "
+                                             r"parallel.tensor.size=2"):
+        check_parallel(parallel_run(tp=2), 2, lambda: tiny_on_meta(vocab_size=1001, pad_vocab_multiple=1))
+    with pytest.raises(PreflightError, match=r"parallel.tensor.size=2 / parallel.pipeline=1 split a model_zoo GPT.*"
+                                             r"Linear cannot be split"):
+        check_parallel(parallel_run(tp=2), 2, lambda: torch.nn.Linear(2, 2, device="meta"))
+
+
+def test_without_model_parallelism_the_model_is_not_built():
+    def never():
+        raise AssertionError("built")
+    assert check_parallel(parallel_run(), 3, never).dp == 3
+
+
+def test_global_batch_divides_by_the_data_parallel_size_not_the_world():
+    # 8 ranks with T=2, P=2: D=2, so GLOBAL_BATCH_SIZE=4 with BATCH_SIZE=2 is one micro-batch per rank
+    assert check_parallel(parallel_run(tp=2, pp=2, GLOBAL_BATCH_SIZE=4), 8, tiny_on_meta).dp == 2
+    with pytest.raises(PreflightError, match=r"GLOBAL_BATCH_SIZE=6 is not divisible by BATCH_SIZE \(2\) x "
+                                             r"data-parallel size \(2 = world size 8 / \(parallel.tensor.size 2 x "
+                                             r"parallel.pipeline 2\)\) = 4"):
+        check_parallel(parallel_run(tp=2, pp=2, GLOBAL_BATCH_SIZE=6), 8, tiny_on_meta)
+    with pytest.raises(ValueError, match=r"GLOBAL_BATCH_SIZE=6 is not divisible by BATCH_SIZE \(2\) x world size "
+                                         r"\(4\) = 8"):
+        check_parallel(parallel_run(GLOBAL_BATCH_SIZE=6), 4, tiny_on_meta)       # D is the world: its message
+
+
+def test_zero3_with_a_pipeline_is_refused_naming_both_keys():
+    with pytest.raises(PreflightError, match=r"zero.stage=3 with parallel.pipeline=2 is not supported"):
+        check_parallel(parallel_run(pp=2, stage=3), 2, tiny_on_meta)
+    check_parallel(parallel_run(tp=2, stage=3), 2, tiny_on_meta)                # ZeRO-3 with TP is allowed
+    check_parallel(parallel_run(pp=2, stage=2), 2, tiny_on_meta)
+
+
+def test_world_size_and_vocabulary_known_before_launch(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert env_world_size() == 1                                                # plain `python train_gpt.py`
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert env_world_size() == 4
+    assert known_vocab_size(DataConfig(mock=True)) == 50257
+    assert known_vocab_size(DataConfig(mock=True, vocab_size=512)) == 512
+    (tmp_path / "d.stats.json").write_text(json.dumps({"vocab_size": 4096}))
+    assert known_vocab_size(DataConfig(path=str(tmp_path / "d"))) == 4096
+    assert known_vocab_size(DataConfig(path=str(tmp_path / "megatron"))) is None   # no stats: the tokenizer's
+
+
+def test_train_gpt_refuses_a_bad_layout_before_launch(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.delenv("RANK", raising=False)
+    argv = ["--config", os.path.join(os.path.dirname(__file__), "..", "configs", "gpt2_medium_tp2.py"),
+            "--set", "data.mock=True", "--set", f"train.output_dir={tmp_path / 'run'}"]
+    assert train_gpt.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: world size 3 is not divisible by parallel.tensor.size (2) x parallel.pipeline (1) = 2; "
+                   "launch a multiple of 2 ranks (torchrun --nproc_per_node) or change the parallel sizes"], err
+    assert not (tmp_path / "run").exists()                                      # refused before anything was made

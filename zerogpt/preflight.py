@@ -3,7 +3,8 @@
 Everything here runs before the first optimizer step (most of it before any process group exists), so a
 mistake costs seconds, not a run: a schedule longer than the run, an output directory that cannot be
 written or that holds another run, a `--resume` path that is not there, and a vocabulary that does not
-match between the data, its tokenizer and the model. Every failure is a `PreflightError`, a user error
+match between the data, its tokenizer and the model, and a parallel layout (`parallel = dict(...)`) that does
+not fit the world size, the batch or the model's shape. Every failure is a `PreflightError`, a user error
 that train_gpt.py reports as one line (see zerogpt/errors.py), never a traceback.
 """
 from __future__ import annotations
@@ -12,10 +13,15 @@ import glob
 import os
 import shutil
 import tempfile
-from typing import Any
+import json
+from typing import Any, Callable
 
-__all__ = ["PreflightError", "data_from_env", "check_data", "is_jsonl", "check_schedule", "check_output_dir", "check_fresh_run", "clear_run",
-           "check_resume", "check_vocab", "RUN_FILES"]
+from zerogpt.config import engine_config, parallel_config
+from zerogpt.parallel.mesh import ParallelDims
+
+__all__ = ["PreflightError", "data_from_env", "check_data", "is_jsonl", "check_schedule", "check_output_dir",
+           "check_fresh_run", "clear_run", "check_resume", "check_vocab", "check_parallel", "env_world_size",
+           "known_vocab_size", "RUN_FILES"]
 
 RUN_FILES = ("metrics.jsonl", "loss.png", "config.py", "checkpoints", "tensorboard")
 """What a run writes into train.output_dir; --overwrite deletes exactly these."""
@@ -181,6 +187,69 @@ def check_vocab(*, tokenizer: tuple[int, str] | None = None, dataset: tuple[int,
                 raise PreflightError(f"vocabulary mismatch: {name(holder)} is smaller than the {name(entry)} it "
                                      f"must hold; raise it to at least {entry[0]:,}, or pass the tokenizer the model "
                                      f"was trained with")
+
+
+def env_world_size() -> int:
+    """The world size torchrun will give this run (WORLD_SIZE; 1 for a plain `python train_gpt.py`)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def known_vocab_size(data: Any) -> int | None:
+    """The vocabulary the model will be built with, as far as it is known before the data is opened:
+    data.vocab_size, the mock default, or the dataset's recorded `P.stats.json`; None when only the tokenizer knows."""
+    if data.vocab_size or data.mock:
+        return data.vocab_size or 50257  # train_gpt's mock default
+    try:
+        with open(f"{data.path}.stats.json") as f:
+            return int(json.load(f)["vocab_size"]) or None
+    except (OSError, TypeError, ValueError, KeyError):
+        return None
+
+
+def check_parallel(cfg: Any, world_size: int, model: Callable[[], Any]) -> ParallelDims:
+    """The `parallel` section fits the world, the batch and the model: T x P divides the world size,
+    GLOBAL_BATCH_SIZE divides by BATCH_SIZE x D (D = world / (T x P), the ranks ZeRO shards over), ZeRO-3
+    is not asked to run with a pipeline, and the model's heads, MLP width and padded vocabulary divide by T
+    and its layers by P.
+
+    Args:
+        cfg: the run's Config; world_size: the ranks torchrun will start (env_world_size()).
+        model: builds the model without its weights (on the meta device); called only when T x P > 1.
+    Returns the layout, whose describe() the launch log prints.
+    """
+    parallel = parallel_config(cfg)
+    try:
+        dims = ParallelDims.from_config(parallel, world_size)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+    t, p = dims.tp, dims.pp
+    per_step = cfg.BATCH_SIZE * dims.dp
+    if cfg.GLOBAL_BATCH_SIZE is not None and cfg.GLOBAL_BATCH_SIZE % per_step and dims.model_parallel:
+        raise PreflightError(f"GLOBAL_BATCH_SIZE={cfg.GLOBAL_BATCH_SIZE} is not divisible by BATCH_SIZE "
+                             f"({cfg.BATCH_SIZE}) x data-parallel size ({dims.dp} = world size {world_size} / "
+                             f"(parallel.tensor.size {t} x parallel.pipeline {p})) = {per_step}; pick a multiple "
+                             f"of {per_step} or change BATCH_SIZE")
+    stage = engine_config(cfg, dims.dp).zero.stage  # GLOBAL_BATCH_SIZE vs GRADIENT_ACCUMULATION at D ranks
+    if stage == 3 and p > 1:
+        raise PreflightError(f"zero.stage=3 with parallel.pipeline={p} is not supported: a pipeline stage runs "
+                             f"each layer once per micro-batch, and stage 3 would gather its parameters each "
+                             f"time; use zero.stage 0-2 with a pipeline, or parallel.pipeline=1 with stage 3")
+    if dims.model_parallel:
+        built = model()
+        config = getattr(built, "config", None)
+        if not hasattr(config, "padded_vocab_size"):
+            raise PreflightError(f"parallel.tensor.size={t} / parallel.pipeline={p} split a model_zoo GPT "
+                                 f"(model = dict(type=gpt2_medium, ...)); {type(built).__name__} cannot be split")
+        try:
+            dims.check_model(n_head=config.n_head, n_layer=config.n_layer, padded_vocab_size=config.padded_vocab_size,
+                             n_inner=config.n_inner or 4 * config.n_embd, where=f"model ({type(built).__name__}, "
+                             f"vocab {config.vocab_size:,} padded to {config.padded_vocab_size:,})")
+        except ValueError as e:
+            raise PreflightError(str(e)) from None
+    return dims
 
 
 def finished_message(ckpt: str, step: int, max_steps: int, lr_scheduler: Any = None,

@@ -62,5 +62,45 @@ class ParallelDims:
 
         return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
 
-    def describe(self) -> str:
-        return f"mesh (pp={self.pp}, dp={self.dp}, tp={self.tp}) over {self.world_size} ranks"
+    def rank_groups(self, dim: str) -> list[list[int]]:
+        """The global ranks of every process group along `dim` ("pp", "dp" or "tp"), as build_mesh lays them out.
+
+        Pure arithmetic on the row-major (pp, dp, tp) layout, rank = (p * dp + d) * tp + t, so the launch log
+        and the tests can name the groups without a process group.
+        """
+        sizes = dict(zip(MESH_DIMS, (self.pp, self.dp, self.tp)))
+        if dim not in sizes:
+            raise ValueError(f"mesh dimension {dim!r} is not one of {', '.join(MESH_DIMS)}")
+        stride = {"pp": self.dp * self.tp, "dp": self.tp, "tp": 1}[dim]
+        starts = [r for r in range(self.world_size) if (r // stride) % sizes[dim] == 0]
+        return [[start + i * stride for i in range(sizes[dim])] for start in starts]
+
+    def describe(self, max_groups: int = 4) -> str:
+        """The layout for the launch log: the sizes, then which global ranks form each tp, pp and dp group.
+
+        Example (tp=2, dp=2 on 4 ranks):
+            mesh (pp=1, dp=2, tp=2) over 4 ranks, D = 4 / (T=2 x P=1)
+              tp groups: [0,1] [2,3]
+              dp groups: [0,2] [1,3]
+        A dimension of size 1 has no line.
+        """
+        lines = [f"mesh (pp={self.pp}, dp={self.dp}, tp={self.tp}) over {self.world_size} "
+                 f"rank{'s' if self.world_size > 1 else ''}, D = {self.world_size} / (T={self.tp} x P={self.pp})"]
+        for dim in ("tp", "pp", "dp"):
+            groups = self.rank_groups(dim)
+            if len(groups[0]) == 1:  # a dimension of size 1 has no groups to show
+                continue
+            shown = [_ranks(g) for g in groups]
+            if len(shown) > max_groups:  # thousands of ranks: the first groups show the pattern
+                shown = shown[:max_groups - 1] + [f"... ({len(groups)} groups) ...", shown[-1]]
+            lines.append(f"  {dim} groups: {' '.join(shown)}")
+        return "\n".join(lines)
+
+
+def _ranks(group: list[int]) -> str:
+    """One group (an arithmetic progression of ranks) compactly: [0-7] when consecutive, [0,8,..,248] when long."""
+    if len(group) > 2 and group[1] - group[0] == 1:
+        return f"[{group[0]}-{group[-1]}]"
+    if len(group) > 4:
+        return f"[{group[0]},{group[1]},..,{group[-1]}]"
+    return "[" + ",".join(map(str, group)) + "]"
