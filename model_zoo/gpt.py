@@ -87,16 +87,20 @@ class GPTOutput:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = config.n_head, config.dropout
+        self.head_dim, self.dropout = config.head_dim, config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, layer_past: tuple[torch.Tensor, torch.Tensor] | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        # c_attn's output is [q; k; v] for the heads this module computes: all n_head of them here, a
+        # tensor-parallel rank's own heads when its c_attn holds the matching rows of each of q, k and v
+        # (zerogpt.parallel.tensor). So the width and the head count come from the output, not the config.
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        width = q.size(-1)
+        q, k, v = (t.view(B, T, width // self.head_dim, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if layer_past is not None:
             k = torch.cat([layer_past[0], k], dim=2)  # (B, nh, T_past + T, hs)
             v = torch.cat([layer_past[1], v], dim=2)
@@ -110,7 +114,7 @@ class CausalSelfAttention(nn.Module):
         else:  # SDPA's is_causal aligns top-left; with a cache the mask must align bottom-right
             mask = torch.ones(T, T_past + T, dtype=torch.bool, device=x.device).tril(diagonal=T_past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+        y = y.transpose(1, 2).contiguous().view(B, T, width)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y)), present
 
 
@@ -125,6 +129,22 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class RealVocab(nn.Module):
+    """The head's logits over the padded vocabulary, sliced to the real one: (B, T, vocab_size).
+
+    A module of its own, with no parameters, so a parallel plan can replace it: when the logits are sharded
+    on the vocabulary dim no rank holds whole rows to slice, and the plan masks the padded classes instead
+    (zerogpt.parallel.tensor).
+    """
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[..., : self.vocab_size]
 
 
 class Block(nn.Module):
@@ -174,6 +194,7 @@ class GPT(nn.Module):
         # Tie: the head OWNS the same Parameter object, so module hooks on lm_head see it (named_parameters
         # lists it once, as transformer.wte.weight).
         self.lm_head.weight = self.transformer.wte.weight
+        self.real_vocab = RealVocab(config.vocab_size)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -216,7 +237,7 @@ class GPT(nn.Module):
                 x, present = block(x, layer_past, use_cache)
             presents.append(present)
         x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab_size): padding sliced off
+        logits = self.real_vocab(self.lm_head(x))  # (B, T, vocab_size): padding sliced off
         if labels is None and not use_cache:
             return logits
         loss = GPTLMLoss(shift=False)(logits, labels) if labels is not None else None

@@ -4,6 +4,11 @@ The plan half (`ParamSlot`, `ChunkPlan`, `plan_chunks`) is pure arithmetic on si
 without a process group. The runtime half (`Chunk`) owns the buffers of one chunk on one rank and
 moves bytes: all-gather of param shards, reduce(-scatter) of gradients. It knows nothing about
 modules or optimizers; `grad_hooks.py`, `gather_hooks.py` and the engine drive it.
+
+Tensor parallelism: a parameter may be a DTensor (zerogpt.parallel.tensor), whose global shape spans the
+tensor-parallel ranks. A chunk holds what this rank computes with, the DTensor's local shard: the planner,
+the packing, the gradient hooks and the binding all go through `local_tensor()`, and `bind_param()` points
+the DTensor's local tensor at the slot. ZeRO then shards those local tensors over the data-parallel group.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from torch.distributed.tensor import DTensor
 
 from zerogpt.zero.comm import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from zerogpt.zero.strategy import ShardStrategy
@@ -124,6 +131,24 @@ def plan_chunks(
 # runtime
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor` (no autograd): a DTensor's local shard, any other tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def bind_param(param: torch.Tensor, data: torch.Tensor) -> None:
+    """Make `data` the values `param` computes with (its local shard for a DTensor).
+
+    `param.data = ...` cannot do it for a DTensor: `.data` swaps the wrapper's (storage-less) TensorImpl,
+    while the values a DTensor computes with are the plain tensor in its `_local_tensor` slot. The DTensor's
+    spec (global shape, placements) stays; only the local values move into the chunk.
+    """
+    if isinstance(param, DTensor):
+        param._local_tensor = data
+    else:
+        param.data = data
+
+
 def _empty_like_param(param: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=param.dtype, device=param.device)
 
@@ -215,12 +240,13 @@ class Chunk:
         return self.full if self.full is not None else self._gather_buffer
 
     def bind_params(self) -> None:
-        """Point every parameter's .data at its slot in `full` (or at an empty tensor)."""
+        """Point every parameter's (local) values at its slot in `full` (or at an empty tensor)."""
         for param, slot in zip(self.params, self.plan.slots):
             if self.full is None:
-                param.data = _empty_like_param(param.data if param.data.numel() else self.shard)
+                local = local_tensor(param)
+                bind_param(param, _empty_like_param(local if local.numel() else self.shard))
             else:
-                param.data = self.full[slot.offset : slot.end].view(slot.shape)
+                bind_param(param, self.full[slot.offset : slot.end].view(slot.shape))
 
     def gather(self, async_op: bool = False) -> None:
         """All-gather the shards into `full` (stage 3). No-op when already gathered or in flight."""
@@ -280,6 +306,7 @@ class Chunk:
             self.grad_full = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
             self._written = set()
         slot = self.plan.slots[slot_index]
+        grad = local_tensor(grad)
         target = self.grad_full[slot.offset : slot.end]
         if slot_index in self._written:
             target.add_(grad.reshape(-1))

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from zerogpt.zero.chunk import Chunk
+from zerogpt.zero.chunk import Chunk, local_tensor
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
@@ -93,9 +93,15 @@ class Stage3GatherHooks:
             self._saved_params_ctx = None
 
     def _pack_saved(self, tensor: torch.Tensor) -> Any:
-        """A parameter (or a view of one) is saved by where it lies, not by the gathered buffer."""
+        """A parameter (or a view of one) is saved by where it lies, not by the gathered buffer.
+
+        Not a tensor-parallel (DTensor) parameter: autograd saves it as a DTensor, whose global size and
+        strides cannot be re-strided onto the local shard, so it is kept as saved (its local tensor is
+        a view of the gathered buffer, which then stays alive until backward: correct, but that
+        chunk's memory is not freed between forward and backward).
+        """
         param = tensor._base if tensor._base is not None else tensor
-        if id(param) not in self.param_to_chunk:
+        if id(param) not in self.param_to_chunk or local_tensor(param) is not param:
             return tensor
         return param, tensor.size(), tensor.stride(), tensor.storage_offset() - param.storage_offset()
 

@@ -1,0 +1,178 @@
+"""Megatron-style tensor parallelism for model_zoo's GPT, applied from outside with torch's DTensor plans.
+
+`apply_tensor_parallel(model, tp_mesh)` is the one place the plan lives; `model_zoo/gpt.py` stays a plain model.
+Per block, `torch.distributed.tensor.parallel.parallelize_module` makes
+  attn.c_attn, mlp.c_fc    ColwiseParallel  (weight rows Shard(0); input replicated, output this rank's columns)
+  attn.c_proj, mlp.c_proj  RowwiseParallel  (weight columns Shard(1); the partial sums all-reduced)
+and for the whole model
+  transformer.wte          RowwiseParallel  vocab-parallel embedding: rows Shard(0), out-of-shard ids masked,
+                                            the partial embeddings all-reduced (DTensor's MaskPartial)
+  lm_head                  ColwiseParallel  the same Shard(0) weight (tied), logits left sharded on the vocab dim
+  real_vocab               replaced: padded classes masked to -inf in the local shard instead of sliced off.
+LayerNorms, wpe and the row-parallel biases stay replicated (plain tensors); their gradients are the same on
+every tensor-parallel rank, because every activation they touch is replicated.
+
+Fused QKV. `c_attn` is one (3C, C) Linear whose rows are [q; k; v] and the attention splits its output in
+three. A plain Shard(0) of those rows would give rank 0 all of q and half of k. Each rank r must hold the
+rows of its own heads in each of q, k and v: [q_r; k_r; v_r], three row blocks of the standard layout, so
+its local output splits in three as before and `CausalSelfAttention` reads its local head count from the
+width. To get there with DTensor's even Shard(0), the rows (weight and bias) are permuted once, before
+`parallelize_module` slices them, so that the contiguous block r is [q_r; k_r; v_r]. The parameter keeps its
+name and each rank's values are rows of the standard layout; only the DTensor's notion of which global rows
+it holds is the permuted one, which compute never needs (a column-parallel Linear's rows are independent).
+What a local tensor *is* in the unsharded parameter is stated by `tensor_parallel_layout`, never by
+`DTensor.full_tensor()` (which would return the permuted rows for c_attn).
+
+Tied embedding and head. `parallelize_module` distributes each module's parameter on its own and wraps it
+in a new Parameter, which unties them; both want Shard(0) on the same mesh, so after the plan the head is
+pointed back at the embedding's DTensor: one parameter, as before.
+
+Vocab-parallel loss. The head's logits stay a DTensor sharded on the (padded) vocab dim: no rank
+materialises the full (B, T, V) logits. `GPT` slices logits to the real vocabulary through its `real_vocab`
+module; slicing a sharded dim would all-gather it, so the plan replaces that module with one that masks the
+padded classes of the local shard to -inf (they drop out of the softmax and get zero gradient). The loss is
+torch's `loss_parallel()`: inside it, `F.cross_entropy` (so model_zoo's GPTLMLoss) on vocab-sharded logits
+computes Megatron's max / sum-exp / target-logit all-reduces. Its backward must run inside the same context:
+a training step wraps the loss *and* `engine.backward(loss)` in `loss_parallel()`. The loss is a replicated
+DTensor; `.to_local()` gives the plain scalar (differentiably).
+
+Dropout. Every tensor-parallel rank must be seeded alike (model_zoo's tests use dropout 0): the dropouts
+on replicated activations (embeddings, residual branches) then draw the same masks on every rank, which
+keeps those activations replicated. Attention dropout inside a rank's own heads draws from the same stream
+on every rank, so heads on different ranks get correlated masks (Megatron forks a per-rank RNG for these;
+not done here).
+
+Layout (for checkpoints): `tensor_parallel_layout(model)[name]` is a `ParamLayout(shape, dim, blocks)`:
+`shape` is the unsharded parameter's shape, `dim` the dim it is split along (None: replicated, the local
+tensor is the whole parameter) and `blocks` the (start, length) ranges of that dim, in the unsharded
+parameter, that this rank's local tensor concatenates along `dim`, in order. A c_attn weight on rank r of T
+has blocks [(r*C/T, C/T), (C + r*C/T, C/T), (2C + r*C/T, C/T)]; a Shard(d) parameter has one block.
+
+Not done: sequence parallelism (LayerNorm/dropout on sequence shards), and ZeroInitContext models (the plan
+needs materialised weights to slice).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+__all__ = ["apply_tensor_parallel", "tensor_parallel_layout", "ParamLayout"]
+
+_QKV = "attn.c_attn"  # the fused [q; k; v] projection: permuted so each rank holds [q_r; k_r; v_r]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How this rank's local tensor maps onto the unsharded parameter (see the module docstring)."""
+
+    shape: tuple[int, ...]
+    dim: int | None
+    blocks: tuple[tuple[int, int], ...]
+
+
+class _MaskPaddedVocab(nn.Module):
+    """`GPT.real_vocab` under tensor parallelism: the padded classes of the local logits shard set to -inf."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, logits: DTensor) -> DTensor:
+        local = logits.to_local()
+        width = local.size(-1)
+        start = logits.device_mesh.get_local_rank() * width  # even Shard(-1): the padded vocab divides by T
+        ids = torch.arange(start, start + width, device=local.device)
+        local = local.masked_fill(ids >= self.vocab_size, float("-inf"))
+        return DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False,
+                                  shape=logits.shape, stride=logits.stride())
+
+
+def _qkv_rows(width: int, tp: int) -> torch.Tensor:
+    """Row order of a (3C, ...) [q; k; v] tensor whose contiguous block r is [q_r; k_r; v_r]."""
+    per = width // tp
+    return torch.cat([torch.arange(part * width + r * per, part * width + (r + 1) * per)
+                      for r in range(tp) for part in range(3)])
+
+
+def _check_shape(model: nn.Module, tp: int) -> None:
+    config = model.config
+    n_inner = config.n_inner or 4 * config.n_embd
+    for what, size in (("n_head", config.n_head), ("the MLP width", n_inner),
+                       ("the padded vocabulary", config.padded_vocab_size)):
+        if size % tp:
+            raise ValueError(f"tensor parallelism over {tp} ranks: {what} ({size}) is not divisible by {tp}; "
+                             f"see ParallelDims.check_model")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> set[str]:
+    """Shard a model_zoo GPT over `tp_mesh` (1-D) in Megatron's layout, in place; call before `initialize`.
+
+    Every tensor-parallel rank must pass the same, fully built weights (same seed): each keeps its slice.
+    Returns the names of the parameters that stay replicated over the tensor-parallel ranks: their gradient
+    is the same on every rank, so ranks other than tensor-parallel rank 0 put them in `norm_skip`.
+    """
+    if sequence_parallel:
+        raise NotImplementedError("parallel.tensor.sequence_parallel=True is not implemented; set it to False")
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel needs the 1-D tensor-parallel mesh (mesh['tp']), "
+                         f"got a {tp_mesh.ndim}-D mesh")
+    tp = tp_mesh.size()
+    _check_shape(model, tp)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            qkv = block.attn.c_attn
+            rows = _qkv_rows(qkv.out_features // 3, tp)
+            qkv.weight.data = qkv.weight.data[rows]
+            qkv.bias.data = qkv.bias.data[rows]
+    plan = {}
+    for i in range(len(model.transformer.h)):
+        plan.update({f"transformer.h.{i}.attn.c_attn": ColwiseParallel(),
+                     f"transformer.h.{i}.attn.c_proj": RowwiseParallel(),
+                     f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(),
+                     f"transformer.h.{i}.mlp.c_proj": RowwiseParallel()})
+    plan["transformer.wte"] = RowwiseParallel(input_layouts=Replicate())
+    plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, plan)
+    model.lm_head.weight = model.transformer.wte.weight  # re-tie: one Shard(0) DTensor parameter
+    model.real_vocab = _MaskPaddedVocab(model.config.vocab_size)
+    return {name for name, p in model.named_parameters() if _shard_dim(name, p) is None}
+
+
+def _shard_dim(name: str, p: torch.Tensor) -> int | None:
+    """The dim `p` is split along over the tensor-parallel ranks; None when every rank holds all of it
+    (a plain tensor, or a Replicate DTensor such as a row-parallel Linear's bias)."""
+    if not isinstance(p, DTensor):
+        return None
+    (placement,) = p.placements
+    if isinstance(placement, Replicate):
+        return None
+    if not isinstance(placement, Shard):
+        raise ValueError(f"{name}: placement {placement} is neither Shard nor Replicate; "
+                         f"apply_tensor_parallel makes none")
+    return placement.dim
+
+
+def tensor_parallel_layout(model: nn.Module) -> dict[str, ParamLayout]:
+    """For each parameter (tied ones once), how this rank's local tensor maps onto the unsharded one."""
+    layout = {}
+    for name, p in model.named_parameters():
+        shape = tuple(p.shape)  # a DTensor's shape is the global one
+        dim = _shard_dim(name, p)
+        if dim is None:
+            layout[name] = ParamLayout(shape, None, ((0, shape[0]),) if shape else ())
+            continue
+        dim, rank, tp = dim % len(shape), p.device_mesh.get_local_rank(), p.device_mesh.size()
+        per = shape[dim] // tp
+        if name.endswith((f"{_QKV}.weight", f"{_QKV}.bias")):
+            width = shape[0] // 3
+            per = width // tp
+            blocks = tuple((part * width + rank * per, per) for part in range(3))
+        else:
+            blocks = ((rank * per, per),)
+        layout[name] = ParamLayout(shape, dim, blocks)
+    return layout
