@@ -1,11 +1,16 @@
-"""Sharded, world-size-independent checkpoints of a ZeRO engine: save, load (reshard), read.
+"""Sharded checkpoints of a ZeRO engine that reshard across tensor (T), pipeline (P) and data (D) parallelism.
 
-A checkpoint maps `Engine.state_dict()` to files: `meta.json` (names, shapes, where every piece lives,
-hyperparameters, the caller's extra_state; JSON only, nothing executes on load), one safetensors file per
-rank and chunk holding fp32 masters and optimizer state as pieces keyed by parameter name and element
-range, per-rank RNG state, the module's buffers and the resolved config.py. Pieces keyed
-by name and range read back at any world size, stage or shard strategy, and saving is atomic (a `.tmp`
-directory renamed by rank 0 once every rank is done).
+A checkpoint maps `Engine.state_dict()` to files: `meta.json` (names, global shapes, where every piece lives,
+(T, P, D), hyperparameters, the caller's extra_state; JSON only, nothing executes on load), one safetensors file
+per rank and chunk holding fp32 masters and optimizer state as pieces, per-rank RNG state, the module's buffers
+and the resolved config.py. A piece is a flat element range of one rank's local tensor of one parameter, and
+records that tensor's layout in the unsharded parameter (zerogpt/parallel/layout.py), so each distinct element
+is saved once (a TP-replicated parameter by TP rank 0 only, a pipeline stage its own parameters, the last
+stage's copy of the tied head not at all) and a rank of any other (T, P, D), stage or shard strategy reads the
+elements it needs straight from the files that hold them: a read, not a gather. Saving is atomic (a `.tmp`
+directory renamed by global rank 0 once every rank is done). What the engine tells it: `engine.param_layouts`
+(name -> layout; absent = whole) and `engine.tied_copies` (alias -> canonical, a last stage's head copy); the
+files are read by checkpoint_reader.py.
 """
 from __future__ import annotations
 
@@ -20,28 +25,67 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-FORMAT = "zerogpt-checkpoint"
-VERSION = 1
-META = "meta.json"
-BUFFERS = "buffers.safetensors"
-_OPEN_FILES = 4  # shard files a reader keeps open at once
+from zerogpt.checkpoint_reader import (BUFFERS, FORMAT, META, VERSION, CheckpointError, CheckpointReader,
+                                       resolve_checkpoint)
+from zerogpt.parallel.layout import ParamLayout, as_layout
+
+__all__ = ["save_engine", "load_engine", "engine_layouts", "engine_tied", "CheckpointReader", "CheckpointError",
+           "resolve_checkpoint"]
+
 
 
 # ------------------------------------------------------------------------------------------------
 # helpers shared by save and load
 
 
-def _barrier(ctx: Any) -> None:
-    if dist.is_initialized() and ctx.world_size > 1:
-        dist.barrier(group=ctx.group)
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """This rank in the whole run: files and meta.json span every rank, not only the data-parallel group."""
+
+    rank: int
+    world_size: int
+    group: Any  # None: the default (world) group
+    tp_rank: int
+    parallel: dict  # {"tp": T, "pp": P, "dp": D}
 
 
-def _all_gather_objects(obj: Any, ctx: Any) -> list[Any]:
-    if not dist.is_initialized() or ctx.world_size == 1:
+def _place(ctx: Any) -> _Place:
+    """From the engine's context: without a mesh the data-parallel group is the run (T = P = 1)."""
+    mesh = getattr(ctx, "mesh", None)
+    if mesh is None:
+        return _Place(ctx.rank, ctx.world_size, ctx.group, 0, {"tp": 1, "pp": 1, "dp": ctx.world_size})
+    sizes = {dim: mesh[dim].size() for dim in ("tp", "pp", "dp")}
+    return _Place(dist.get_rank(), dist.get_world_size(), None, mesh["tp"].get_local_rank(), sizes)
+
+
+def _barrier(place: _Place) -> None:
+    if dist.is_initialized() and place.world_size > 1:
+        dist.barrier(group=place.group)
+
+
+def _all_gather_objects(obj: Any, place: _Place) -> list[Any]:
+    if not dist.is_initialized() or place.world_size == 1:
         return [obj]
-    out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj, group=ctx.group)
+    out: list[Any] = [None] * place.world_size
+    dist.all_gather_object(out, obj, group=place.group)
     return out
+
+
+def engine_layouts(engine: Any) -> dict[str, ParamLayout]:
+    """{name: layout of this rank's local tensor} for every parameter in the engine's chunks.
+
+    From `engine.param_layouts` (name -> layout; absent = the local tensor is the whole parameter), each
+    checked against the shape the chunk holds. What a checkpoint records, and what a loading rank reads.
+    """
+    given = getattr(engine, "param_layouts", None) or {}
+    return {slot.name: as_layout(given.get(slot.name), slot.shape, slot.name)
+            for chunk in engine.chunks for slot in chunk.plan.slots}
+
+
+def engine_tied(engine: Any) -> dict[str, str]:
+    """{alias: canonical name}: one Parameter under two names (GPT-2's lm_head.weight is wte.weight), and
+    copies the engine declares in `engine.tied_copies` (a last pipeline stage's own head, kept equal to wte)."""
+    return {**_tied_aliases(engine.module), **(getattr(engine, "tied_copies", None) or {})}
 
 
 def _write_json_atomic(path: str, obj: Any) -> None:
@@ -115,9 +159,10 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
 # save
 
 
-def _chunk_pieces(chunk: Any, sources: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[list]]:
-    """This rank's pieces of one chunk's shard tensors `sources` ({kind: flat shard}):
-    ({key: tensor}, [[kind, name, start, end, key], ...])."""
+def _chunk_pieces(chunk: Any, sources: dict[str, torch.Tensor],
+                  skip: set[str]) -> tuple[dict[str, torch.Tensor], list[list]]:
+    """This rank's pieces of one chunk's shard tensors `sources` ({kind: flat shard}), leaving out the
+    parameters in `skip`: ({key: tensor}, [[kind, name, start, end, key], ...]), start/end in the local tensor."""
     plan = chunk.plan
     shard_index = chunk.shard_index
     lo, _ = plan.shard_range(shard_index)
@@ -126,7 +171,7 @@ def _chunk_pieces(chunk: Any, sources: dict[str, torch.Tensor]) -> tuple[dict[st
         flat = flat.detach()
         for slot in plan.slots:
             overlap = plan.slot_overlap(slot, shard_index)
-            if overlap is None:
+            if overlap is None or slot.name in skip:
                 continue
             start, end = overlap[0] - slot.offset, overlap[1] - slot.offset
             key = f"{kind}/{slot.name}@{start}"
@@ -148,12 +193,55 @@ def _optimizer_meta(optimizer: Any, chunks: list, state: dict) -> dict:
             "scalars": scalars}
 
 
+def _saved_elsewhere(engine: Any, place: _Place, layouts: dict[str, ParamLayout], tied: dict[str, str]) -> set[str]:
+    """Parameters this rank holds but does not save, so each element is written once: a tied copy (its canonical
+    parameter is saved), and on tensor-parallel ranks other than 0 a replicated (whole) parameter."""
+    names = {slot.name for chunk in engine.chunks for slot in chunk.plan.slots}
+    return {n for n in names if n in tied or (place.tp_rank != 0 and layouts[n].is_whole)}
+
+
+def _write_rank_files(engine: Any, state: dict, place: _Place, tmp: str) -> dict[str, dict]:
+    """This rank's chunk shard files; returns {file name: {"pieces": [...], "layouts": {name: layout}}}."""
+    ctx = engine.ctx
+    layouts, tied = engine_layouts(engine), engine_tied(engine)
+    skip = _saved_elsewhere(engine, place, layouts, tied)
+    files: dict[str, dict] = {}
+    optimizer_state = state["optimizer"]["chunks"]  # {chunk index: {kind: shard or scalar}}, trainable
+    for chunk in engine.chunks:
+        if chunk.plan.num_shards == 1 and ctx.rank != 0:  # stage 0: every data-parallel rank holds the same
+            continue
+        if chunk.plan.trainable:
+            sources = {k: v for k, v in optimizer_state[chunk.plan.index].items()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0}
+        else:
+            sources = {"param": state["frozen"][chunk.plan.index]}
+        tensors, index = _chunk_pieces(chunk, sources, skip)
+        if tensors:
+            fname = f"r{place.rank:05d}_c{chunk.plan.index:05d}.safetensors"
+            _save_safetensors_atomic(tensors, os.path.join(tmp, fname))
+            names = {piece[1] for piece in index}
+            files[fname] = {"pieces": index,
+                            "layouts": {n: layouts[n].to_json() for n in sorted(names) if not layouts[n].is_whole}}
+    return files
+
+
+def _rank_meta(engine: Any, state: dict, place: _Place, files: dict) -> dict:
+    """What this rank contributes to meta.json (rank 0 merges every rank's, in rank order = model order)."""
+    layouts, tied = engine_layouts(engine), engine_tied(engine)
+    params = {slot.name: {"shape": list(layouts[slot.name].global_shape), "trainable": chunk.plan.trainable}
+              for chunk in engine.chunks for slot in chunk.plan.slots if slot.name not in tied}
+    return {"files": files, "params": params, "tied": tied,
+            "buffers": sorted(state["buffers"]),
+            "optimizer": _optimizer_meta(engine.optimizer, engine.chunks, state["optimizer"])}
+
+
 def save_engine(engine: Any, directory: str, extra_state: dict | None = None) -> str:
-    """Write `engine`'s state to `directory` (all ranks call). Returns the absolute directory.
+    """Write `engine`'s state to `directory` (every rank of the run calls). Returns the absolute directory.
 
     extra_state must be JSON-serialisable (the trainer's state_dict is): a checkpoint never holds pickles.
     """
     ctx = engine.ctx
+    place = _place(ctx)
     final = os.path.abspath(directory)
     parent, name = os.path.split(final)
     tmp = os.path.join(parent, f".{name}.tmp")
@@ -161,54 +249,34 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
         extra_json = json.loads(json.dumps(extra_state or {}))
     except TypeError as e:
         raise TypeError(f"save_checkpoint(extra_state=...) must be JSON-serialisable (no pickles in checkpoints): {e}")
-    if ctx.rank == 0:
+    if place.rank == 0:
         os.makedirs(parent, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
         os.makedirs(tmp)
-    _barrier(ctx)
+    _barrier(place)
 
-    files: dict[str, list[list]] = {}
     state = engine.state_dict()
-    optimizer_state = state["optimizer"]["chunks"]  # {chunk index: {kind: shard or scalar}}, trainable
-    for chunk in engine.chunks:
-        if chunk.plan.num_shards == 1 and ctx.rank != 0:  # stage 0: every rank holds the same state
-            continue
-        if chunk.plan.trainable:
-            sources = {k: v for k, v in optimizer_state[chunk.plan.index].items()
-                       if isinstance(v, torch.Tensor) and v.dim() > 0}
-        else:
-            sources = {"param": state["frozen"][chunk.plan.index]}
-        tensors, index = _chunk_pieces(chunk, sources)
-        if tensors:
-            fname = f"r{ctx.rank:05d}_c{chunk.plan.index:05d}.safetensors"
-            _save_safetensors_atomic(tensors, os.path.join(tmp, fname))
-            files[fname] = index
+    files = _write_rank_files(engine, state, place, tmp)
     rng_tensors, rng_plain = _rng_state()
-    _save_safetensors_atomic(rng_tensors, os.path.join(tmp, f"rng_r{ctx.rank:05d}.safetensors"))
-    if ctx.rank == 0:
+    _save_safetensors_atomic(rng_tensors, os.path.join(tmp, f"rng_r{place.rank:05d}.safetensors"))
+    buffer_file = None
+    if ctx.rank == 0 and place.tp_rank == 0 and state["buffers"]:  # one copy per pipeline stage
+        buffer_file = BUFFERS if place.rank == 0 else f"buffers_r{place.rank:05d}.safetensors"
         buffers = {n: b.detach().cpu().clone() for n, b in state["buffers"].items()}
-        _save_safetensors_atomic(buffers, os.path.join(tmp, BUFFERS))
-
-    gathered = _all_gather_objects({"files": files, "rng": rng_plain}, ctx)
-    if ctx.rank == 0:
-        all_files = {}
-        for part in gathered:
-            for fname, index in part["files"].items():
-                all_files[fname] = {"bytes": os.path.getsize(os.path.join(tmp, fname)), "pieces": index}
+        _save_safetensors_atomic(buffers, os.path.join(tmp, buffer_file))
+    mine = _rank_meta(engine, state, place, files)
+    mine.update(rng=rng_plain, buffer_file=buffer_file)
+    gathered = _all_gather_objects(mine, place)
+    if place.rank == 0:
         meta = {
             "format": FORMAT, "version": VERSION,
-            "world_size": ctx.world_size, "stage": engine.stage, "precision": engine.config.precision,
+            "world_size": place.world_size, "parallel": place.parallel,
+            "stage": engine.stage, "precision": engine.config.precision,
             "global_step": state["global_step"],
-            "params": {slot.name: {"shape": list(slot.shape), "trainable": chunk.plan.trainable}
-                       for chunk in engine.chunks for slot in chunk.plan.slots},
-            "buffers": sorted(state["buffers"]),
-            "tied": _tied_aliases(engine.module),
             "model": _model_description(engine.module),
-            "files": all_files,
-            "optimizer": _optimizer_meta(engine.optimizer, engine.chunks, state["optimizer"]),
             "loss_scaler": state["optimizer"]["loss_scaler"],
-            "rng": [part["rng"] for part in gathered],
             "extra_state": extra_json,
+            **_merge_rank_meta(gathered, tmp),
         }
         run_config = getattr(engine, "run_config", None)
         if run_config is not None:
@@ -224,8 +292,34 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
         else:
             os.replace(tmp, final)
         _fsync_dir(parent)
-    _barrier(ctx)
+    _barrier(place)
     return final
+
+
+def _merge_rank_meta(gathered: list[dict], tmp: str) -> dict:
+    """meta.json's params, tied, files, buffers, optimizer and rng from every rank's part."""
+    params: dict[str, dict] = {}
+    tied: dict[str, str] = {}
+    files: dict[str, dict] = {}
+    buffers: dict[str, str] = {}
+    scalars: dict[str, dict[str, float]] = {}
+    for part in gathered:
+        tied.update(part["tied"])
+        for name, info in part["params"].items():
+            if name in params and params[name]["shape"] != info["shape"]:
+                raise ValueError(f"parameter {name!r} has global shape {params[name]['shape']} on one rank and "
+                                 f"{info['shape']} on another; the ranks' param_layouts disagree")
+            params.setdefault(name, info)
+        for fname, entry in part["files"].items():
+            files[fname] = {"bytes": os.path.getsize(os.path.join(tmp, fname)), **entry}
+        if part["buffer_file"]:
+            buffers.update({n: part["buffer_file"] for n in part["buffers"]})
+        for group, values in part["optimizer"]["scalars"].items():
+            scalars.setdefault(group, {}).update(values)
+    params = {n: info for n, info in params.items() if n not in tied}  # a copy declared on another stage
+    optimizer = dict(gathered[0]["optimizer"], scalars=scalars)
+    return {"params": params, "tied": tied, "files": files, "buffers": sorted(buffers), "buffer_files": buffers,
+            "optimizer": optimizer, "rng": [part["rng"] for part in gathered]}
 
 
 def _fsync_dir(path: str) -> None:
@@ -237,185 +331,60 @@ def _fsync_dir(path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# read
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, truncated, corrupt, or of another model."""
-
-
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory from a run directory (via checkpoints/latest) or a checkpoint directory."""
-    if os.path.isfile(os.path.join(path, META)):
-        return path
-    latest = os.path.join(path, "checkpoints", "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            ckpt = os.path.join(path, "checkpoints", f.read().strip())
-        if os.path.isfile(os.path.join(ckpt, META)):
-            return ckpt
-        raise CheckpointError(f"{latest} names {ckpt}, which is not a complete checkpoint (no {META})")
-    raise CheckpointError(f"{path} is neither a checkpoint directory (no {META}) nor a run directory "
-                          f"(no checkpoints/latest); pass e.g. runs/x or runs/x/checkpoints/step_1000")
-
-
-class CheckpointReader:
-    """Reads tensors, or element ranges of them, from a checkpoint without loading it whole.
-
-    Example:
-        >>> r = CheckpointReader(resolve_checkpoint("runs/demo_cpu"))
-        >>> r.tensor("transformer.wte.weight").shape
-    """
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        meta_path = os.path.join(directory, META)
-        if not os.path.isfile(meta_path):
-            raise CheckpointError(f"{directory} is not a complete checkpoint: {META} is missing (a save that was "
-                                  f"interrupted leaves no {META}); use the previous checkpoint")
-        try:
-            with open(meta_path) as f:
-                self.meta = json.load(f)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{meta_path} is corrupt ({e}); use another checkpoint") from None
-        if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
-            raise CheckpointError(f"{meta_path}: format {self.meta.get('format')!r} version "
-                                  f"{self.meta.get('version')!r}, expected {FORMAT!r} version {VERSION}")
-        self._check_files()
-        self._pieces: dict[tuple[str, str], list[tuple[int, int, str, str]]] = {}
-        for fname, entry in self.meta["files"].items():
-            for kind, name, start, end, key in entry["pieces"]:
-                self._pieces.setdefault((kind, name), []).append((start, end, fname, key))
-        for pieces in self._pieces.values():
-            pieces.sort()
-        self._open: dict[str, Any] = {}
-
-    def _check_files(self) -> None:
-        for fname, entry in self.meta["files"].items():
-            path = os.path.join(self.directory, fname)
-            if not os.path.isfile(path):
-                raise CheckpointError(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
-            size = os.path.getsize(path)
-            if size != entry["bytes"]:
-                raise CheckpointError(f"checkpoint shard {path} is truncated or corrupt: {size} bytes, "
-                                      f"expected {entry['bytes']}")
-
-    @property
-    def config_path(self) -> str | None:
-        path = os.path.join(self.directory, "config.py")
-        return path if os.path.isfile(path) else None
-
-    def names(self) -> list[str]:
-        """Parameter names (unique; tied aliases not repeated), then persistent buffer names, in model order."""
-        return list(self.meta["params"]) + list(self.meta["buffers"])
-
-    def kinds(self, name: str) -> list[str]:
-        return sorted({kind for kind, n in self._pieces if n == name})
-
-    def _file(self, fname: str) -> Any:
-        """An open (memory-mapped) shard file. Only the few most recently used stay open: a mapping keeps its
-        pages counted in RSS, and a reader that kept every file open would look like a second copy of the model."""
-        handle = self._open.pop(fname, None)
-        if handle is None:
-            from safetensors import safe_open
-
-            path = os.path.join(self.directory, fname)
-            try:
-                handle = safe_open(path, framework="pt")
-            except Exception as e:
-                raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt): {e}") from None
-        self._open[fname] = handle  # most recent last
-        while len(self._open) > _OPEN_FILES:
-            self._open.pop(next(iter(self._open)))
-        return handle
-
-    def read_range(self, kind: str, name: str, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of the flattened `kind` tensor ("master", "exp_avg", ...) of parameter `name`."""
-        out = torch.empty(end - start, dtype=torch.float32)
-        covered = 0
-        for p_start, p_end, fname, key in self._pieces.get((kind, name), ()):
-            lo, hi = max(start, p_start), min(end, p_end)
-            if lo >= hi:
-                continue
-            try:
-                piece = self._file(fname).get_slice(key)[lo - p_start: hi - p_start]
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"checkpoint file {os.path.join(self.directory, fname)}: cannot read "
-                                      f"{key!r} ({e})") from None
-            out[lo - start: hi - start] = piece
-            covered += hi - lo
-        if covered != end - start:
-            raise CheckpointError(f"{self.directory}: {kind} of {name!r} elements [{start}, {end}) are not all in "
-                                  f"the checkpoint ({covered} found); the checkpoint is incomplete")
-        return out
-
-    def tensor(self, name: str, kind: str | None = None) -> torch.Tensor:
-        """The full fp32 tensor of a parameter (its master or frozen value) or buffer, in its model shape."""
-        if name in self.meta["buffers"]:
-            from safetensors import safe_open
-
-            with safe_open(os.path.join(self.directory, BUFFERS), framework="pt") as f:
-                return f.get_tensor(name)
-        if name not in self.meta["params"]:
-            raise KeyError(f"{name!r} is not in checkpoint {self.directory}")
-        info = self.meta["params"][name]
-        kind = kind or ("master" if info["trainable"] else "param")
-        numel = int(np.prod(info["shape"], dtype=np.int64))
-        return self.read_range(kind, name, 0, numel).view(info["shape"])
-
-    def rng_tensors(self, rank: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        return load_file(os.path.join(self.directory, f"rng_r{rank:05d}.safetensors"))
-
-
-# ------------------------------------------------------------------------------------------------
 # load
 
 
-def _check_compatible(engine: Any, reader: CheckpointReader) -> None:
-    """Every parameter of the model is in the checkpoint with the same shape; else list what differs."""
+def _check_compatible(engine: Any, reader: CheckpointReader, place: _Place, layouts: dict[str, ParamLayout],
+                      tied: dict[str, str]) -> None:
+    """Every parameter of the model (all ranks together) is in the checkpoint with the same global shape and
+    the reverse; else every rank raises with the list of what differs."""
     saved = reader.meta["params"]
-    problems = []
-    for chunk in engine.chunks:
-        for slot in chunk.plan.slots:
-            if slot.name not in saved:
-                problems.append(f"  {slot.name}: in the model {list(slot.shape)}, not in the checkpoint")
-            elif list(slot.shape) != saved[slot.name]["shape"]:
-                problems.append(f"  {slot.name}: model {list(slot.shape)} vs checkpoint {saved[slot.name]['shape']}")
-    model_names = {s.name for c in engine.chunks for s in c.plan.slots}
+    problems, names = [], set()
+    for name, layout in layouts.items():
+        source = tied.get(name, name) if name not in saved else name
+        names.add(source)
+        if source not in saved:
+            problems.append(f"  {name}: in the model {list(layout.global_shape)}, not in the checkpoint")
+        elif list(layout.global_shape) != saved[source]["shape"]:
+            problems.append(f"  {name}: model {list(layout.global_shape)} vs checkpoint {saved[source]['shape']}")
+    gathered = _all_gather_objects((names, problems), place)
+    model_names = set().union(*(n for n, _ in gathered))
+    problems = list(dict.fromkeys(p for _, part in gathered for p in part))
     problems += [f"  {n}: in the checkpoint {saved[n]['shape']}, not in the model" for n in saved if n not in model_names]
     if problems:
         raise CheckpointError(f"checkpoint {reader.directory} is of another model; mismatched tensors:\n"
                               + "\n".join(problems))
 
 
-def _read_shard(reader: CheckpointReader, chunk: Any, kind: str) -> torch.Tensor:
-    """This rank's shard (padding zero) of `kind` for `chunk`, assembled from the saved pieces."""
+def _read_shard(reader: CheckpointReader, chunk: Any, kind: str, layouts: dict[str, ParamLayout],
+                tied: dict[str, str]) -> torch.Tensor:
+    """This rank's shard (padding zero) of `kind` for `chunk`, read from the saved pieces."""
     plan = chunk.plan
     lo, _ = plan.shard_range(chunk.shard_index)
     out = torch.zeros(plan.shard_numel, dtype=torch.float32)
     for slot in plan.slots:
         overlap = plan.slot_overlap(slot, chunk.shard_index)
         if overlap is not None:
-            out[overlap[0] - lo: overlap[1] - lo] = reader.read_range(kind, slot.name, overlap[0] - slot.offset,
-                                                                      overlap[1] - slot.offset)
+            source = slot.name if slot.name in reader.meta["params"] else tied.get(slot.name, slot.name)
+            out[overlap[0] - lo: overlap[1] - lo] = reader.read(kind, source, layouts[slot.name],
+                                                                overlap[0] - slot.offset, overlap[1] - slot.offset)
     return out
 
 
 def load_engine(engine: Any, directory: str) -> dict:
-    """Load a checkpoint written at any world size, stage or shard strategy (all ranks call).
+    """Load a checkpoint written at any (T, P, D), stage or shard strategy (every rank of the run calls).
 
-    The engine's own `state_dict()` names what to read: each rank reads its shard ranges straight into
-    the live tensors (peak extra memory: one chunk's piece), then `engine.load_state_dict()` puts it in force.
-    Returns the extra_state saved with it. RNG states are restored when the world size is the same
-    (exact resume); at another world size each rank keeps the seed it was launched with.
+    The engine's own `state_dict()` names what to read and `engine_layouts(engine)` where each local tensor
+    lies in the unsharded parameters: each rank reads its shard ranges straight into the live tensors from the
+    files that hold them (peak extra memory: one chunk's shard), then `engine.load_state_dict()` puts it in
+    force. A last pipeline stage's copy of the tied head is read from the canonical parameter (wte). Returns the
+    extra_state saved with it. RNG states are restored when (T, P, D) is the same (exact resume); at another
+    layout each rank keeps the seed it was launched with.
     """
-    ctx = engine.ctx
+    place = _place(engine.ctx)
     reader = CheckpointReader(directory)
-    _check_compatible(engine, reader)
+    layouts, tied = engine_layouts(engine), {**reader.tied, **engine_tied(engine)}
+    _check_compatible(engine, reader, place, layouts, tied)
     state = engine.state_dict()
     optim_state = state["optimizer"]
     saved_groups = reader.meta["optimizer"]["param_groups"]
@@ -430,11 +399,11 @@ def load_engine(engine: Any, directory: str) -> dict:
         for chunk in engine.chunks:
             index = chunk.plan.index
             if not chunk.plan.trainable:
-                state["frozen"][index].copy_(_read_shard(reader, chunk, "param"))
+                state["frozen"][index].copy_(_read_shard(reader, chunk, "param", layouts, tied))
                 continue
             live = optim_state["chunks"][index]
-            for kind in reader.kinds(chunk.plan.slots[0].name):
-                values = _read_shard(reader, chunk, kind)
+            for kind in reader.kinds(tied.get(chunk.plan.slots[0].name, chunk.plan.slots[0].name)):
+                values = _read_shard(reader, chunk, kind, layouts, tied)
                 target = live.get(kind)
                 if isinstance(target, torch.Tensor) and target.shape == values.shape:
                     target.copy_(values)  # in place: keeps its home (pinned host, memory-mapped disk)
@@ -447,7 +416,7 @@ def load_engine(engine: Any, directory: str) -> dict:
                 state["buffers"][name] = reader.tensor(name)
     state["global_step"] = reader.meta["global_step"]
     engine.load_state_dict(state)
-    if reader.meta["world_size"] == ctx.world_size:
-        _set_rng_state(reader.rng_tensors(ctx.rank), reader.meta["rng"][ctx.rank])
-    _barrier(ctx)
+    if reader.parallel == place.parallel:
+        _set_rng_state(reader.rng_tensors(place.rank), reader.meta["rng"][place.rank])
+    _barrier(place)
     return reader.meta["extra_state"]
