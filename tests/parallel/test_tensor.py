@@ -103,10 +103,10 @@ def _full_params(engine, mesh) -> dict[str, torch.Tensor] | None:
         return None
     full = {}
     for name, spec in layout.items():
-        if spec.dim is None:
+        if spec.is_whole:
             full[name] = local[name]
             continue
-        out = torch.empty(spec.shape)
+        out = torch.empty(spec.global_shape)
         for rank_local, rank_layout in pieces:
             lay, offset = rank_layout[name], 0
             for start, length in lay.blocks:
@@ -241,7 +241,7 @@ def test_layout_rebuilds_the_unsharded_parameters():
     full = dict(tiny_gpt().named_parameters())
     (local0, layout0, replicated), (local1, layout1, _) = results
     assert set(layout0) == set(full) and "lm_head.weight" not in layout0  # tied: listed once, as wte
-    assert replicated == {n for n, lay in layout0.items() if lay.dim is None}
+    assert replicated == {n for n, lay in layout0.items() if lay.is_whole}
     assert "transformer.h.0.ln_1.weight" in replicated and "transformer.h.0.attn.c_proj.bias" in replicated
     C = 64
     assert layout1["transformer.h.0.attn.c_attn.weight"].blocks == ((32, 32), (C + 32, 32), (2 * C + 32, 32))
@@ -250,8 +250,8 @@ def test_layout_rebuilds_the_unsharded_parameters():
         parts = []
         for local, layout in ((local0, layout0), (local1, layout1)):
             lay = layout[name]
-            assert lay.shape == tuple(expected.shape), name
-            if lay.dim is None:
+            assert lay.global_shape == tuple(expected.shape), name
+            if lay.is_whole:
                 torch.testing.assert_close(local[name], expected.detach(), rtol=0, atol=0)
                 continue
             offset = 0

@@ -42,9 +42,9 @@ keeps those activations replicated. Attention dropout inside a rank's own heads 
 on every rank, so heads on different ranks get correlated masks (Megatron forks a per-rank RNG for these;
 not done here).
 
-Layout (for checkpoints): `tensor_parallel_layout(model)[name]` is a `ParamLayout(shape, dim, blocks)`:
-`shape` is the unsharded parameter's shape, `dim` the dim it is split along (None: replicated, the local
-tensor is the whole parameter) and `blocks` the (start, length) ranges of that dim, in the unsharded
+Layout (for checkpoints): `tensor_parallel_layout(model)[name]` is a `layout.ParamLayout(global_shape, dim,
+blocks)`: `global_shape` is the unsharded parameter's shape, `dim` the dim it is split along (`is_whole`:
+replicated, the local tensor is the whole parameter) and `blocks` the (start, length) ranges of that dim, in the unsharded
 parameter, that this rank's local tensor concatenates along `dim`, in order. A c_attn weight on rank r of T
 has blocks [(r*C/T, C/T), (C + r*C/T, C/T), (2C + r*C/T, C/T)]; a Shard(d) parameter has one block.
 
@@ -53,26 +53,17 @@ needs materialised weights to slice).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-__all__ = ["apply_tensor_parallel", "tensor_parallel_layout", "ParamLayout"]
+from zerogpt.parallel.layout import ParamLayout
+
+__all__ = ["apply_tensor_parallel", "tensor_parallel_layout"]
 
 _QKV = "attn.c_attn"  # the fused [q; k; v] projection: permuted so each rank holds [q_r; k_r; v_r]
-
-
-@dataclass(frozen=True)
-class ParamLayout:
-    """How this rank's local tensor maps onto the unsharded parameter (see the module docstring)."""
-
-    shape: tuple[int, ...]
-    dim: int | None
-    blocks: tuple[tuple[int, int], ...]
 
 
 class _MaskPaddedVocab(nn.Module):
@@ -164,7 +155,7 @@ def tensor_parallel_layout(model: nn.Module) -> dict[str, ParamLayout]:
         shape = tuple(p.shape)  # a DTensor's shape is the global one
         dim = _shard_dim(name, p)
         if dim is None:
-            layout[name] = ParamLayout(shape, None, ((0, shape[0]),) if shape else ())
+            layout[name] = ParamLayout.whole(shape)
             continue
         dim, rank, tp = dim % len(shape), p.device_mesh.get_local_rank(), p.device_mesh.size()
         per = shape[dim] // tp
