@@ -1,0 +1,142 @@
+"""Pipeline parallelism (zerogpt/parallel/pipeline.py) on real engines, gloo on the CPU, fp32.
+
+Each PP run is compared with one process training the same 4-layer tiny GPT (same initial weights) on the
+same global batch: plain `initialize` at world 1 with the whole global batch per micro-step.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_zoo.gpt import GPTLMLoss, gpt2_tiny
+from tests.dist_utils import run_distributed
+from tests.zero.recipes import CLIP, MICRO_BATCH, SEQ, VOCAB, token_batches, zero_config
+from tests.zero.reference import adamw, cpu_ctx, single_thread
+
+STEPS = 3
+ACCUM = 4
+RTOL = 1e-5  # fp32: the issue asks for 1e-4 or better
+
+
+def tiny_gpt4() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt2_tiny(vocab_size=VOCAB, dropout=0.0, max_position_embeddings=SEQ, n_layer=4)
+
+
+def criterion(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return GPTLMLoss(shift=False)(logits, labels)
+
+
+def _config(stage: int, offload: bool = False):
+    import zerogpt
+
+    zero = zero_config(stage)
+    if offload:
+        zero["offload_optimizer"] = dict(device="cpu", pin_memory=False)
+    return zerogpt.Config(dict(zero=zero, precision="fp32", GRADIENT_ACCUMULATION=ACCUM, clip_grad_norm=CLIP))
+
+
+def reference(dp: int, stage: int = 1) -> dict:
+    """One process, the whole global batch (dp micro-batches side by side) per micro-step."""
+    import zerogpt
+
+    with single_thread():
+        model = tiny_gpt4()
+        engine, *_ = zerogpt.initialize(model, adamw(model), config=_config(stage), ctx=cpu_ctx())
+        data = token_batches(STEPS, dp, ACCUM)
+        losses, norms = [], []
+        for step in range(STEPS):
+            step_loss = torch.zeros(())
+            for j in range(ACCUM):
+                batch = data[step, j].reshape(dp * MICRO_BATCH, SEQ + 1)
+                loss = criterion(engine(batch[:, :-1]), batch[:, 1:])
+                engine.backward(loss)
+                norm = engine.step()
+                step_loss += loss.detach() / ACCUM
+            engine.zero_grad()
+            losses.append(step_loss.item())
+            norms.append(norm.item())
+        params = engine.state_dict_full()
+        engine.close()
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def build_pp(pp: int, stage: int, offload: bool = False):
+    """(engine, pipeline, dp rank, dp size) for this rank of a (pp, dp) mesh."""
+    import zerogpt
+    from zerogpt.parallel import ParallelDims, engine_context
+    from zerogpt.parallel.pipeline import Pipeline, norm_skip, split_stage
+
+    torch.set_num_threads(1)
+    dims = ParallelDims(pp=pp, dp=torch.distributed.get_world_size() // pp)
+    mesh = dims.build_mesh("cpu")
+    me = mesh["pp"].get_local_rank()
+    model = split_stage(tiny_gpt4(), me, pp)
+    ctx = engine_context(mesh, torch.device("cpu"), norm_skip=norm_skip(me, pp))
+    engine, *_ = zerogpt.initialize(model, adamw(model), config=_config(stage, offload), ctx=ctx)
+    return engine, Pipeline(engine, mesh, criterion), ctx.rank, ctx.world_size
+
+
+def train(engine, pipe, dp_rank: int, dp: int, steps: range) -> dict:
+    """Train `steps` of the shared data; losses (the global mean, known on every rank) and grad norms."""
+    data = token_batches(STEPS, dp, ACCUM)
+    losses, norms = [], []
+    for step in steps:
+        micro = [(b[:, :-1], b[:, 1:]) for b in data[step, :, dp_rank]]
+        loss = pipe.train_step(micro)
+        norms.append(engine.step().item())
+        engine.zero_grad()
+        torch.distributed.all_reduce(loss, group=engine.ctx.group)
+        losses.append(pipe.from_last_stage(loss).item() / dp)
+    return {"losses": losses, "norms": norms}
+
+
+def _pp_run(rank: int, world: int, pp: int, stage: int, offload: bool = False) -> dict:
+    engine, pipe, dp_rank, dp = build_pp(pp, stage, offload)
+    out = train(engine, pipe, dp_rank, dp, range(STEPS))
+    out["params"] = engine.state_dict_full()  # this stage's parameters, on its dp rank 0
+    out["memory"] = engine.memory_stats()
+    out["names"] = sorted(n for n, _ in engine.module.named_parameters())
+    tied = pipe.tied_param
+    out["tied"] = None if tied is None else engine.state_dict_full().get(
+        "transformer.wte.weight" if pipe.is_first else "lm_head.weight")
+    engine.close()
+    return out
+
+
+def assert_matches(runs: list[dict], ref: dict, what: str) -> None:
+    for r, run in enumerate(runs):
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0,
+                                   msg=lambda m: f"{what} rank {r}: losses: {m}")
+        torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), rtol=RTOL, atol=0,
+                                   msg=lambda m: f"{what} rank {r}: grad norms: {m}")
+    assert max(ref["norms"]) > CLIP  # clipping bites on every step
+    for run in runs:
+        for name, value in run["params"].items():
+            ref_name = "transformer.wte.weight" if name == "lm_head.weight" else name
+            torch.testing.assert_close(value, ref["params"][ref_name], rtol=RTOL, atol=1e-6,
+                                       msg=lambda m: f"{what}: {name}: {m}")
+
+
+@pytest.mark.timeout(240)
+def test_pp2_matches_one_process():
+    runs = run_distributed(_pp_run, 2, 2, 1, timeout=200)
+    assert_matches(runs, reference(dp=1), "PP2")
+    # names stay the whole model's: stage 0 holds blocks 0-1 and the embeddings, stage 1 blocks 2-3 and the head
+    assert "transformer.h.1.attn.c_attn.weight" in runs[0]["names"] and "transformer.wpe.weight" in runs[0]["names"]
+    assert "transformer.h.2.attn.c_attn.weight" in runs[1]["names"] and "lm_head.weight" in runs[1]["names"]
+    assert not {"transformer.h.2.ln_1.weight", "lm_head.weight"} & set(runs[0]["names"])
+
+
+@pytest.mark.timeout(240)
+def test_tied_embedding_stays_bit_exact():
+    runs = run_distributed(_pp_run, 2, 2, 2, timeout=200)
+    assert torch.equal(runs[0]["tied"], runs[1]["tied"])
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_pp2_dp2_matches_one_process(stage):
+    runs = run_distributed(_pp_run, 4, 2, stage, timeout=350)
+    assert_matches([runs[0], runs[2]], reference(dp=2), f"PP2xDP2 ZeRO-{stage}")
+    assert torch.equal(runs[0]["tied"], runs[2]["tied"])
