@@ -148,13 +148,25 @@ def _optimizer_meta(optimizer: Any, chunks: list, state: dict) -> dict:
             "scalars": scalars}
 
 
+def _stage_directory(engine: Any, directory: str) -> str:
+    """Where this engine's state goes: `directory`, or `directory/pp<stage>` for one stage of a pipeline.
+
+    Each stage is a checkpoint of its own parameters (the last stage's tied head under `lm_head.weight`),
+    written by its data-parallel ranks; it resumes at the same pipeline size.
+    """
+    pipeline = getattr(engine, "pipeline", None)
+    if pipeline is None or pipeline.stages == 1:
+        return directory
+    return os.path.join(directory, f"pp{pipeline.stage:02d}")
+
+
 def save_engine(engine: Any, directory: str, extra_state: dict | None = None) -> str:
     """Write `engine`'s state to `directory` (all ranks call). Returns the absolute directory.
 
     extra_state must be JSON-serialisable (the trainer's state_dict is): a checkpoint never holds pickles.
     """
     ctx = engine.ctx
-    final = os.path.abspath(directory)
+    final = os.path.abspath(_stage_directory(engine, directory))
     parent, name = os.path.split(final)
     tmp = os.path.join(parent, f".{name}.tmp")
     try:
@@ -414,7 +426,7 @@ def load_engine(engine: Any, directory: str) -> dict:
     (exact resume); at another world size each rank keeps the seed it was launched with.
     """
     ctx = engine.ctx
-    reader = CheckpointReader(directory)
+    reader = CheckpointReader(_stage_directory(engine, directory))
     _check_compatible(engine, reader)
     state = engine.state_dict()
     optim_state = state["optimizer"]

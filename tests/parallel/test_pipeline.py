@@ -140,3 +140,152 @@ def test_pp2_dp2_matches_one_process(stage):
     runs = run_distributed(_pp_run, 4, 2, stage, timeout=350)
     assert_matches([runs[0], runs[2]], reference(dp=2), f"PP2xDP2 ZeRO-{stage}")
     assert torch.equal(runs[0]["tied"], runs[2]["tied"])
+
+
+# -- offload and memory accounting (one PP2 run at ZeRO-2 with the optimizer on the host) --------------------
+
+@pytest.fixture(scope="module")
+def offload_runs() -> list[dict]:
+    return run_distributed(_pp_run, 2, 2, 2, True, timeout=200)
+
+
+@pytest.mark.timeout(240)
+def test_offloaded_optimizer_with_pp2_matches_one_process(offload_runs):
+    assert_matches(offload_runs, reference(dp=1), "PP2 ZeRO-2, offload_optimizer=cpu")
+
+
+@pytest.mark.timeout(240)
+def test_memory_stats_count_only_the_stages_parameters(offload_runs):
+    """fp32 ZeRO-2 at D=1 with the optimizer on the host: the formula over the stage's Ψ, no padding at D=1:
+    params 4Ψ on the device, master 4Ψ and Adam m, v 8Ψ on the host, no gradients after zero_grad."""
+    from zerogpt.parallel.pipeline import split_stage
+
+    psi = [sum(p.numel() for p in split_stage(tiny_gpt4(), r, 2).parameters()) for r in range(2)]
+    whole = tiny_gpt4()
+    assert psi[0] + psi[1] == whole.num_params() + whole.lm_head.weight.numel()  # the tied head is duplicated
+    for r, run in enumerate(offload_runs):
+        m = run["memory"]
+        assert m["params"] == {"device": 4 * psi[r], "host": 0, "disk": 0}, f"stage {r}"
+        assert m["master"] == {"device": 0, "host": 4 * psi[r], "disk": 0}, f"stage {r}"
+        assert m["optimizer"] == {"device": 0, "host": 8 * psi[r], "disk": 0}, f"stage {r}"
+        assert sum(m["grads"].values()) == 0
+
+
+# -- resume --------------------------------------------------------------------------------------------------
+
+def _resume_run(rank: int, world: int, root: str, stage: int) -> dict:
+    """Train 3 steps; and 2 steps, save, load into a fresh engine, train the third: the same, bit for bit."""
+    engine, pipe, dp_rank, dp = build_pp(2, stage)
+    whole = train(engine, pipe, dp_rank, dp, range(STEPS))
+    whole_params = engine.state_dict_full()
+    engine.close()
+
+    engine, pipe, dp_rank, dp = build_pp(2, stage)
+    train(engine, pipe, dp_rank, dp, range(STEPS - 1))
+    engine.save_checkpoint(f"{root}/step_{STEPS - 1}")
+    engine.close()
+    torch.manual_seed(99)  # the resumed process's own RNG: the checkpoint must restore it
+
+    engine, pipe, dp_rank, dp = build_pp(2, stage)
+    engine.load_checkpoint(f"{root}/step_{STEPS - 1}")
+    resumed = train(engine, pipe, dp_rank, dp, range(STEPS - 1, STEPS))
+    resumed_params = engine.state_dict_full()
+    engine.close()
+    return {"whole": whole, "resumed": resumed, "whole_params": whole_params, "resumed_params": resumed_params}
+
+
+@pytest.mark.timeout(400)
+def test_resume_is_exact_at_the_same_pp_and_dp(tmp_path):
+    runs = run_distributed(_resume_run, 4, str(tmp_path), 2, timeout=350)
+    for run in runs:
+        assert run["resumed"]["losses"] == run["whole"]["losses"][-1:]
+        assert run["resumed"]["norms"] == run["whole"]["norms"][-1:]
+        assert run["whole_params"].keys() == run["resumed_params"].keys()
+        for name, value in run["whole_params"].items():
+            assert torch.equal(value, run["resumed_params"][name]), name
+    assert sorted(p.name for p in tmp_path.joinpath(f"step_{STEPS - 1}").iterdir()) == ["pp00", "pp01"]
+
+
+# -- the Trainer ---------------------------------------------------------------------------------------------
+
+def _trainer_data(dp: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(train micro-batches in order, eval batches): the same global batches for every layout."""
+    data = token_batches(STEPS, dp, ACCUM)
+    return list(data.reshape(-1, dp, MICRO_BATCH, SEQ + 1).unbind(0)), list(data[0, :2].unbind(0))
+
+
+class _Record:
+    """Logs at every step (the loop reads the loss then) and keeps the numbers."""
+
+    def __new__(cls):
+        from zerogpt.trainer import Hook
+
+        class Record(Hook):
+            def __init__(self):
+                self.losses, self.norms = [], []
+
+            def logs_at(self, step, max_steps):
+                return True
+
+            def after_step(self, trainer):
+                self.losses.append(trainer.state.metrics.loss)
+                self.norms.append(trainer.state.metrics.grad_norm)
+
+        return Record()
+
+
+def _fit(engine, dp_rank: int, dp: int) -> dict:
+    from zerogpt.trainer import Trainer
+
+    train_data, eval_data = _trainer_data(dp)
+    record = _Record()
+    trainer = Trainer(engine, hooks=[record])
+    state = trainer.fit([b[dp_rank] for b in train_data], max_steps=STEPS)
+    evaluation = trainer.evaluate([b[dp_rank] for b in eval_data])
+    return {"losses": record.losses, "norms": record.norms, "eval": evaluation["loss"], "steps": state.step,
+            "micro_steps": state.micro_step}
+
+
+def _fit_pp(rank: int, world: int) -> dict:
+    engine, pipe, dp_rank, dp = build_pp(2, 1)
+    out = _fit(engine, dp_rank, dp)
+    engine.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_trainer_fit_over_a_pipeline_matches_world_one():
+    import zerogpt
+
+    runs = run_distributed(_fit_pp, 4, timeout=200)  # PP2 x DP2
+    with single_thread():
+        model = tiny_gpt4()
+        engine, *_ = zerogpt.initialize(model, adamw(model), criterion=criterion, config=_config(1), ctx=cpu_ctx())
+        train_data, eval_data = _trainer_data(2)
+        flat = lambda batches: [b.reshape(2 * MICRO_BATCH, SEQ + 1) for b in batches]  # noqa: E731
+        from zerogpt.trainer import Trainer
+
+        record = _Record()
+        trainer = Trainer(engine, hooks=[record])
+        trainer.fit(flat(train_data), max_steps=STEPS)
+        ref = {"losses": record.losses, "norms": record.norms, "eval": trainer.evaluate(flat(eval_data))["loss"]}
+        engine.close()
+    for r, run in enumerate(runs):
+        assert run["steps"] == STEPS and run["micro_steps"] == STEPS * ACCUM
+        torch.testing.assert_close(run["losses"], ref["losses"], rtol=RTOL, atol=0, msg=lambda m: f"rank {r}: {m}")
+        torch.testing.assert_close(run["norms"], ref["norms"], rtol=RTOL, atol=0, msg=lambda m: f"rank {r}: {m}")
+        torch.testing.assert_close(run["eval"], ref["eval"], rtol=RTOL, atol=0, msg=lambda m: f"rank {r}: {m}")
+
+
+def _stage3_refused(rank: int, world: int) -> str:
+    try:
+        build_pp(2, 3)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_zero3_with_a_pipeline_is_refused():
+    for message in run_distributed(_stage3_refused, 2, timeout=100):
+        assert "zero.stage=3" in message and "parallel.pipeline" in message

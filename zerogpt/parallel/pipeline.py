@@ -81,14 +81,17 @@ class Pipeline:
     stage feeds the inputs, the last computes `criterion(logits, labels)`.
     """
 
-    def __init__(self, engine: Any, mesh: Any, criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def __init__(self, engine: Any, mesh: Any,
+                 criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         if engine.stage == 3:
             raise ValueError("zero.stage=3 does not compose with parallel.pipeline > 1: stage 3 gathers a module's "
                              "parameters for one forward and its backward, and a 1F1B schedule interleaves the "
                              "micro-batches' forwards and backwards, so every parameter would stay gathered "
                              "(or be gathered twice per micro-batch); use zero.stage=1 or 2 with a pipeline")
         pp = mesh["pp"]
-        self.engine, self.criterion = engine, criterion
+        self.engine, self.criterion = engine, criterion or engine.criterion
+        if self.criterion is None:
+            raise ValueError("Pipeline needs a criterion(logits, labels): pass one or initialize(criterion=...)")
         self.stage, self.stages, self.group = pp.get_local_rank(), pp.size(), pp.get_group()
         self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
         self.device = engine.ctx.device
@@ -141,6 +144,7 @@ class Pipeline:
         if self._eval_schedule is None:
             stage = PipelineStage(self.engine.module, self.stage, self.stages, self.device, group=self.group)
             self._eval_schedule = ScheduleGPipe(stage, 1, loss_fn=self.criterion, scale_grads=False)
+            # (a second stage object: the training one inferred its buffers for the training micro-batch)
         losses: list[torch.Tensor] = []
         if self.is_first:
             self._eval_schedule.eval(inputs)
