@@ -286,3 +286,39 @@ def test_zero3_with_a_pipeline_is_refused():
     with pytest.raises(ValueError, match=r"zero.stage=3 .*parallel.pipeline"):
         Pipeline(engine, mesh=None, criterion=criterion)
     engine.close()
+
+
+# -- no host sync between log steps --------------------------------------------------------------------------
+
+def _syncs_pp(rank: int, world: int) -> dict:
+    """Host reads by zerogpt code per step of a PP2 Trainer.fit that logs every other step, {step: [sites]}."""
+    import os
+
+    import zerogpt
+    from tests.trainer.host_sync import HostSyncCounter
+
+    engine, pipe, dp_rank, dp = build_pp(2, 2)
+    per_step, seen = {}, [0]
+
+    class EveryOther(Record):
+        def logs_at(self, step, max_steps):
+            return step % 2 == 0
+
+        def after_step(self, trainer):
+            per_step[trainer.state.step] = counter.sites[seen[0]:]
+            seen[0] = len(counter.sites)
+
+    train_data, _ = _trainer_data(dp)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        counter = HostSyncCounter(monkeypatch, [os.path.dirname(zerogpt.__file__)])
+        Trainer(engine, hooks=[EveryOther()]).fit([b[dp_rank] for b in train_data], max_steps=STEPS)
+    engine.close()
+    return per_step
+
+
+@pytest.mark.timeout(240)
+def test_no_host_sync_on_pipeline_steps_that_log_nothing():
+    for per_step in run_distributed(_syncs_pp, 2, timeout=200):
+        assert sorted(per_step) == list(range(1, STEPS + 1))
+        assert {step: sites for step, sites in per_step.items() if step % 2 and sites} == {}
+        assert any("trainer.py" in site for site in per_step[2]), per_step[2]  # the counter does see reads
