@@ -220,22 +220,30 @@ class GPT(nn.Module):
         """Args: input_ids (B, T) int64 token ids < vocab_size; labels (B, T) aligned targets or None;
         past_key_values from a previous call with use_cache=True. Returns logits (B, T, vocab_size) or GPTOutput.
         """
-        B, T = input_ids.shape
+        B, T = input_ids.shape[:2]
         T_past = past_key_values[0][0].size(2) if past_key_values is not None else 0
         if T_past + T > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {T_past + T} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}; use a shorter SEQ_LEN or build the model with "
                              f"max_position_embeddings={T_past + T}")
-        pos = torch.arange(T_past, T_past + T, dtype=torch.long, device=input_ids.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))  # (B, T, C)
+        # A pipeline stage (split from outside) may lack the embeddings, ln_f or the head; its `h` is then a
+        # ModuleDict keyed by layer index, so parameter names stay those of the whole model.
+        if "wte" in self.transformer:
+            pos = torch.arange(T_past, T_past + T, dtype=torch.long, device=input_ids.device)  # (T,)
+            x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))  # (B, T, C)
+        else:
+            x = input_ids  # hidden states (B, T, C) from the previous stage
+        h = self.transformer.h
         presents = []
-        for i, block in enumerate(self.transformer.h):
+        for i, block in enumerate(h.values() if isinstance(h, nn.ModuleDict) else h):
             layer_past = past_key_values[i] if past_key_values is not None else None
             if self.config.checkpoint and self.training and not use_cache and torch.is_grad_enabled():
                 x, present = activation_checkpoint(block, x, use_reentrant=False)
             else:
                 x, present = block(x, layer_past, use_cache)
             presents.append(present)
+        if self.lm_head is None:
+            return x  # hidden states for the next stage
         x = self.transformer.ln_f(x)
         logits = self.real_vocab(self.lm_head(x))  # (B, T, vocab_size): padding sliced off
         if labels is None and not use_cache:

@@ -6,7 +6,8 @@ files in `checkpoint.py`. Built by `zerogpt.initialize()`, never directly.
 """
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -50,6 +51,7 @@ class Engine:
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.last_step_skipped = False  # the last optimizer step was an fp16 overflow, skipped
         self._pending_backward = False
+        self.pipeline: Any = None  # the pipeline schedule when the module is one stage (parallel/pipeline.py)
         # Offloaded grads on CUDA: each chunk's reduced shard is copied to the host on a side stream as
         # soon as its reduction is launched, so the copies run under the rest of backward.
         offload_grads = placement.device.type == "cuda" and sharded_optim.grad_home != "device"
@@ -96,14 +98,51 @@ class Engine:
         if self.gather_hooks is not None:
             self.gather_hooks.in_backward = True
         try:
-            scaled = loss.float() * (self.loss_scale / self.gradient_accumulation)
-            scaled.backward()
+            self.scale_loss(loss).backward()
         finally:
             self.grad_hooks.end_backward()
             if self.gather_hooks is not None:
                 self.gather_hooks.end_backward()
         self.micro_step += 1
         self._pending_backward = True
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss whose gradient backward computes: averaged over the accumulation, times fp16's scale."""
+        return loss.float() * (self.loss_scale / self.gradient_accumulation)
+
+    @contextmanager
+    def scheduled_backward(self, before_reduce: Callable[[], None] | None = None) -> Iterator[None]:
+        """One optimizer step's micro-batches, forward and backward, run inside the block by a schedule.
+
+        For a pipeline schedule (parallel/pipeline.py), which calls autograd itself on every micro-batch:
+        the grad hooks only collect each gradient into its chunk meanwhile; at the end of the block
+        `before_reduce()` runs (the tied embedding's gradient summed across stages), then every chunk is
+        reduced once (ZeRO-1 and ZeRO-2 alike) and `step()` may follow. The schedule's loss function must
+        return `scale_loss(loss)`.
+        """
+        if self.stage == 3:
+            raise ValueError("zero.stage=3 cannot run an outside schedule's backward passes; use zero.stage "
+                             "0, 1 or 2")
+        if self.micro_step != 0:
+            raise RuntimeError(f"scheduled_backward() runs a whole optimizer step, but {self.micro_step} "
+                               f"micro-step(s) of the current one were already taken with backward()")
+        self.grad_hooks.begin_backward(False, self._hand_over)
+        try:
+            yield
+        finally:
+            self.grad_hooks.end_backward()
+        if before_reduce is not None:
+            before_reduce()
+        self.grad_hooks.begin_backward(True, self._hand_over, at_launch=self.hand_over_at_launch)
+        self.grad_hooks.end_backward()  # every chunk reduced and handed over
+        self.micro_step = self.gradient_accumulation
+        self._pending_backward = True
+
+    def local_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """`param`'s gradient summed over this step's micro-batches on this rank, not yet reduced: a view
+        into its chunk, valid inside `scheduled_backward`'s `before_reduce` (zeros if it got none)."""
+        index, slot_index = self.grad_hooks.param_to_chunk[id(param)]
+        return self.chunks[index].local_grad(slot_index)
 
     # -- reduce -> hand-over ----------------------------------------------------------------------
 

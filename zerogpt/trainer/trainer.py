@@ -153,7 +153,7 @@ class Trainer:
     def fit(self, train_dataloader: Iterable, epochs: int | None = None, max_steps: int | None = None,
             eval_dataloader: Iterable | None = None) -> TrainerState:
         """Train until `max_steps` optimizer steps (or `epochs` passes over the data) are done."""
-        s, engine = self.state, self.engine
+        s, engine, pipeline = self.state, self.engine, self._pipeline
         accum = int(getattr(engine, "gradient_accumulation", 1))
         self.train_dataloader, self.eval_dataloader = train_dataloader, eval_dataloader
         s.max_steps = self._resolve_max_steps(train_dataloader, epochs, max_steps, accum)
@@ -170,21 +170,30 @@ class Trainer:
             # ------------------------------ TRAINING SECTION BEGIN ------------------------------
             # One optimizer step = `accum` micro-batches; engine.step() acts only on the last one.
             micro_losses = []
+            pipeline_batches = []                                   # a pipeline runs them all in one schedule
             for micro in range(accum):
                 if micro > 0 and (batch := next(batches, None)) is None:
                     break                                           # data exhausted mid-step: stop
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in split_batch(batch))
-                out = engine(inputs)                                # (B, T, vocab) logits
-                loss = engine.criterion(getattr(out, "logits", out), labels)  # scalar mean over B*T
-                engine.backward(loss)                               # scales by 1/accum (and fp16 scale)
-                grad_norm = engine.step()                           # a device tensor at the boundary, else None
-                micro_losses.append(loss.detach())
+                if pipeline is None:
+                    out = engine(inputs)                            # (B, T, vocab) logits
+                    loss = engine.criterion(getattr(out, "logits", out), labels)  # scalar mean over B*T
+                    engine.backward(loss)                           # scales by 1/accum (and fp16 scale)
+                    grad_norm = engine.step()                       # a device tensor at the boundary, else None
+                    micro_losses.append(loss.detach())
+                else:
+                    pipeline_batches.append((inputs, labels))
                 s.micro_step += 1
                 s.consumed_samples += inputs.shape[0] * self.world_size
                 s.epoch_samples += inputs.shape[0] * self.world_size
                 s.tokens_seen += inputs.numel() * self.world_size
-            if len(micro_losses) < accum:
+            if len(micro_losses) + len(pipeline_batches) < accum:
                 break
+            if pipeline is not None:   # 1F1B over the stages; the mean loss is on the last stage (_share_loss)
+                step_loss = pipeline.train_step(pipeline_batches)
+                grad_norm = engine.step()
+            else:
+                step_loss = torch.stack(micro_losses).float().mean()    # this rank's mean, on the device
             engine.zero_grad()
             skipped = engine.last_step_skipped                      # a Python bool (fp16 reads it anyway)
             lr = engine.lr                                          # the rate this step used
@@ -192,7 +201,6 @@ class Trainer:
                 self.lr_scheduler.step()
             # ------------------------------ TRAINING SECTION END --------------------------------
             s.step += 1
-            step_loss = torch.stack(micro_losses).float().mean()    # this rank's mean, still on the device
             self._add_to_epoch(step_loss)
             s.metrics = StepMetrics(step=s.step, loss=step_loss, grad_norm=grad_norm, lr=lr, skipped=skipped,
                                     loss_scale=engine.loss_scale)
@@ -203,6 +211,11 @@ class Trainer:
         self.fire("after_train")
         return s
 
+    @property
+    def _pipeline(self) -> Any:
+        """The engine's pipeline schedule (zerogpt.parallel.pipeline) when its model is one stage, else None."""
+        return getattr(self.engine, "pipeline", None)
+
     def _start_window(self) -> None:
         s = self.state
         self._window = {"t": time.perf_counter(), "step": s.step, "tokens": s.tokens_seen,
@@ -212,7 +225,7 @@ class Trainer:
     def _read_metrics(self, m: StepMetrics) -> None:
         """Bring a log step's numbers to the host: loss averaged over ranks, grad norm, window throughput."""
         loss = m.loss.detach().double().reshape(1)
-        self.all_reduce_sum(loss)
+        self._share_loss(loss)
         m.loss = loss.item() / self.world_size
         m.grad_norm = host_float(m.grad_norm)
         if self.device.type == "cuda":   # kernels are asynchronous: read the clock after the device is done
@@ -253,7 +266,7 @@ class Trainer:
         total = torch.tensor([0.0, float(self._epoch_steps)], dtype=torch.float64, device=self.device)
         if self._epoch_loss is not None:
             total[0] += self._epoch_loss                    # (sum of step losses, steps) of this rank
-        self.all_reduce_sum(total)
+        self._share_loss(total)
         loss_sum, steps = total.tolist()                    # one sync per epoch
         s.epoch_metrics = EpochMetrics(s.epoch, loss_sum / steps if steps else None, self._epoch_steps)
         self._epoch_loss, self._epoch_steps = None, 0
@@ -310,11 +323,14 @@ class Trainer:
             if num_batches is not None and i >= num_batches:
                 break
             inputs, labels = (t.to(self.device, non_blocking=True) for t in split_batch(batch))
-            out = self.engine(inputs)
-            total[0] += self.engine.criterion(getattr(out, "logits", out), labels).double()
+            if self._pipeline is not None:   # forward through the stages; the loss on the last one
+                total[0] += self._pipeline.eval_loss(inputs, labels).double()
+            else:
+                out = self.engine(inputs)
+                total[0] += self.engine.criterion(getattr(out, "logits", out), labels).double()
             total[1] += 1
         self.engine.train()
-        self.all_reduce_sum(total)
+        self._share_loss(total)
         loss = (total[0] / total[1].clamp(min=1)).item()
         self.state.eval_results = {"step": self.state.step, "loss": loss,
                                    "ppl": math.exp(loss) if loss < 700 else float("inf")}
@@ -398,6 +414,13 @@ class Trainer:
         """In-place sum over ranks (no-op on one process)."""
         if self.world_size > 1 and torch.distributed.is_initialized():
             torch.distributed.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def _share_loss(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In place: a loss sum over the data-parallel ranks, on every rank (a pipeline's is its last stage's)."""
+        self.all_reduce_sum(tensor)
+        if self._pipeline is not None:
+            self._pipeline.from_last_stage(tensor)
         return tensor
 
     def barrier(self) -> None:

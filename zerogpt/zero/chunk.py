@@ -315,6 +315,13 @@ class Chunk:
             self._written.add(slot_index)
         self.slots_ready.add(slot_index)
 
+    def local_grad(self, slot_index: int) -> torch.Tensor:
+        """One slot's accumulated local gradient (not yet reduced) as a view, zero-filled if none arrived."""
+        slot = self.plan.slots[slot_index]
+        if self.grad_full is None or slot_index not in self._written:
+            self.add_param_grad(slot_index, torch.zeros(slot.shape, dtype=self.dtype, device=self.device))
+        return self.grad_full[slot.offset : slot.end].view(slot.shape)
+
     def _zero_unwritten(self) -> None:
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)

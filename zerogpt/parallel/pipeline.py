@@ -1,0 +1,167 @@
+"""Pipeline parallelism: a GPT split into contiguous stages, run by torch's 1F1B schedule around a ZeRO engine.
+
+`split_stage` cuts model_zoo's GPT from outside: stage r of P keeps blocks [r*L/P, (r+1)*L/P) in a ModuleDict
+keyed by layer index (parameter names stay those of the whole model, which checkpoints and HF export are keyed
+by), the embeddings on the first stage and ln_f + lm_head on the last. The last stage's head becomes its own
+Parameter with wte's values; after every backward the two gradients are summed over a two-rank "tied" group,
+so both copies take the same update and stay equal. `Pipeline` runs one optimizer step's micro-batches
+(GRADIENT_ACCUMULATION of them) through `torch.distributed.pipelining.Schedule1F1B` inside the engine's
+`scheduled_backward`, which reduces each chunk once after the last micro-batch; `engine.step()` follows as at P=1.
+ZeRO-3 is refused (see Engine.scheduled_backward).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from zerogpt.parallel.mesh import ParallelDims
+
+HEAD = "lm_head.weight"
+EMBEDDING = "transformer.wte.weight"
+
+
+def stage_layers(n_layer: int, stage: int, stages: int) -> range:
+    """The block indices stage `stage` of `stages` holds (contiguous, equal counts)."""
+    per = n_layer // stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    """Keep, in place, the modules of pipeline stage `stage` of `stages` of a model_zoo GPT; return it.
+
+    stages == 1 leaves the model untouched. Build the whole model with the same seed on every rank first:
+    the stages then start from the values one process would have, and the last stage's head from wte's.
+    """
+    if stages == 1:
+        return model
+    c = model.config
+    ParallelDims(pp=stages).check_model(n_head=c.n_head, n_layer=c.n_layer, padded_vocab_size=c.padded_vocab_size,
+                                        n_inner=c.n_inner or 4 * c.n_embd)
+    t = model.transformer
+    t["h"] = nn.ModuleDict({str(i): t.h[i] for i in stage_layers(c.n_layer, stage, stages)})
+    if stage == stages - 1:  # untie: the head is its own Parameter, kept equal to wte by summing the gradients
+        model.lm_head.weight = nn.Parameter(t.wte.weight.detach().clone())
+    else:
+        del t["ln_f"]
+        model.lm_head = None
+    if stage > 0:
+        del t["wte"], t["wpe"], t["drop"]
+    return model
+
+
+def norm_skip(stage: int, stages: int) -> tuple[str, ...]:
+    """Parameters left out of the grad norm on this stage: the last stage's head, a copy of wte's gradient."""
+    return (HEAD,) if stages > 1 and stage == stages - 1 else ()
+
+
+def tied_group(mesh: Any) -> dist.ProcessGroup | None:
+    """The two-rank group of the first and last stage at this rank's (dp, tp) coordinate (None off them).
+
+    Every rank creates every such group, in the same order (torch's new_group is collective).
+    """
+    ranks = mesh.mesh  # (pp, dp, tp) global ranks
+    mine = None
+    for d in range(ranks.size(1)):
+        for t in range(ranks.size(2)):
+            pair = [int(ranks[0, d, t]), int(ranks[-1, d, t])]
+            group = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                mine = group
+    return mine
+
+
+class Pipeline:
+    """One stage's 1F1B schedule around its engine: `train_step` and `eval_loss`; the Trainer drives it.
+
+    Every rank of a pipeline reads the same batches (the data loader is per data-parallel rank); the first
+    stage feeds the inputs, the last computes `criterion(logits, labels)`.
+    """
+
+    def __init__(self, engine: Any, mesh: Any,
+                 criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+        if engine.stage == 3:
+            raise ValueError("zero.stage=3 does not compose with parallel.pipeline > 1: stage 3 gathers a module's "
+                             "parameters for one forward and its backward, and a 1F1B schedule interleaves the "
+                             "micro-batches' forwards and backwards, so every parameter would stay gathered "
+                             "(or be gathered twice per micro-batch); use zero.stage=1 or 2 with a pipeline")
+        pp = mesh["pp"]
+        self.engine, self.criterion = engine, criterion or engine.criterion
+        if self.criterion is None:
+            raise ValueError("Pipeline needs a criterion(logits, labels): pass one or initialize(criterion=...)")
+        self.stage, self.stages, self.group = pp.get_local_rank(), pp.size(), pp.get_group()
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
+        self.device = engine.ctx.device
+        self.tied_group = tied_group(mesh)
+        params = dict(engine.module.named_parameters())
+        self.tied_param = params.get(EMBEDDING if self.is_first else HEAD) if (self.is_first or self.is_last) else None
+        self._micro_losses: list[torch.Tensor] = []
+        stage = PipelineStage(engine.module, self.stage, self.stages, self.device, group=self.group)
+        # The engine scales the loss (1/accumulation, fp16's scale) so gradients mean what they mean at P=1.
+        self.schedule = Schedule1F1B(stage, engine.gradient_accumulation, loss_fn=self._train_loss,
+                                     scale_grads=False)
+        self._eval_schedule: ScheduleGPipe | None = None  # one micro-batch per call, built at the first eval
+        engine.pipeline = self
+        if self.is_last and self.stages > 1:  # checkpoints save wte once and fill this copy from it
+            engine.tied_copies = {HEAD: EMBEDDING}
+
+    def _train_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.criterion(logits, labels)
+        self._micro_losses.append(loss.detach())
+        return self.engine.scale_loss(loss)
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of one optimizer step's (inputs, labels) micro-batches; gradients reduced.
+
+        Returns the mean loss over the micro-batches on the last stage, zero elsewhere (a device tensor:
+        no host sync). Call `engine.step()` next.
+        """
+        if len(micro_batches) != self.engine.gradient_accumulation:
+            raise ValueError(f"a pipeline step takes GRADIENT_ACCUMULATION={self.engine.gradient_accumulation} "
+                             f"micro-batches (the schedule's n_microbatches), got {len(micro_batches)}")
+        inputs = torch.cat([x for x, _ in micro_batches])  # the schedule splits it back into the micro-batches
+        labels = torch.cat([y for _, y in micro_batches])
+        self._micro_losses = []
+        with self.engine.scheduled_backward(before_reduce=self._sum_tied_grads):
+            if self.is_first:
+                self.schedule.step(inputs)
+            elif self.is_last:
+                self.schedule.step(target=labels, return_outputs=False)
+            else:
+                self.schedule.step()
+        # The schedule's first step also calls the loss once on its shape-inference pass: keep the real ones.
+        return self._mean(self._micro_losses[-len(micro_batches):])
+
+    def _sum_tied_grads(self) -> None:
+        """wte's gradient (first stage) and the head's (last stage) summed: the tied weight's whole gradient."""
+        if self.tied_param is not None:
+            dist.all_reduce(self.engine.local_grad(self.tied_param), group=self.tied_group)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only through the stages: `criterion` of one batch on the last stage, zero elsewhere."""
+        if self._eval_schedule is None:
+            stage = PipelineStage(self.engine.module, self.stage, self.stages, self.device, group=self.group)
+            self._eval_schedule = ScheduleGPipe(stage, 1, loss_fn=self.criterion, scale_grads=False)
+            # (a second stage object: the training one inferred its buffers for the training micro-batch)
+        losses: list[torch.Tensor] = []
+        if self.is_first:
+            self._eval_schedule.eval(inputs)
+        elif self.is_last:
+            self._eval_schedule.eval(target=labels, losses=losses)
+        else:
+            self._eval_schedule.eval()
+        return self._mean(losses)
+
+    def _mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        if not self.is_last:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        return torch.stack(losses).float().mean()
+
+    def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In place: the last stage's value on every stage (a loss is computed there only)."""
+        dist.broadcast(tensor, group=self.group, group_src=self.stages - 1)
+        return tensor
