@@ -122,7 +122,9 @@ class Trainer:
                  schedule_by_epoch: bool = False, logger: logging.Logger | None = None):
         self.engine = engine
         ctx = getattr(engine, "ctx", None)
-        self.rank: int = getattr(ctx, "rank", 0)
+        # The writer of files and logs is global rank 0; the loop's math runs over the data-parallel group
+        # (with tensor/pipeline parallelism ctx.rank is the data-parallel rank, which T x P ranks share).
+        self.rank: int = torch.distributed.get_rank() if torch.distributed.is_initialized() else getattr(ctx, "rank", 0)
         self.world_size: int = getattr(ctx, "world_size", 1)
         self.device = torch.device(getattr(ctx, "device", "cpu"))
         self.group = getattr(ctx, "group", None)
