@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from zerogpt.amp import DynamicLossScaler, compute_dtype
 from zerogpt.config import Config, EngineConfig, engine_config, optimizer_class
 from zerogpt.engine import Engine
 from zerogpt.host_memory import keep_freed_host_memory
+from zerogpt.parallel.context import EngineContext
 from zerogpt.zero.chunk import Chunk, local_tensor, plan_chunks
 from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
@@ -36,29 +36,15 @@ from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.sharded_optim import ShardedOptimizer
 
 
-@dataclass
-class _Context:
-    """What the engine needs from `launch_from_torch`'s context (duck-typed)."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    group: Any = None
-    logger: Any = None
-    model_parallel_group: Any = None
-    """Tensor/pipeline runs: the ranks sharing this rank's data-parallel coordinate (the grad norm sums over them)."""
-    norm_skip: frozenset = frozenset()
-    """Parameters whose gradient another rank of model_parallel_group also holds: left out of the norm here."""
-
-
-def _default_context() -> _Context:
+def _default_context() -> EngineContext:
+    """Without a ctx: the whole world is the data-parallel group (EngineContext says what a ctx holds)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     else:
         device = torch.device("cpu")
-    return _Context(rank, world, device)
+    return EngineContext(rank, world, device, group=None)
 
 
 def _logger(ctx: Any):

@@ -1,7 +1,7 @@
 """The engine's view of a (pp, dp, tp) mesh: ZeRO shards over "dp"; the grad norm also sums over "pp" x "tp".
 
 `initialize(ctx=...)` takes a duck-typed context (rank, world_size, device, group, logger, model_parallel_group,
-norm_skip; see build_engine._Context). With tensor or pipeline parallelism its rank, world size and group are
+norm_skip; EngineContext below). With tensor or pipeline parallelism its rank, world size and group are
 the data-parallel ones: every ZeRO collective runs among the ranks that hold the same part of the model.
 """
 from __future__ import annotations
