@@ -178,14 +178,18 @@ class GPT(nn.Module):
         # seed as a plain one; device="cpu" even under torch.device("meta"). Every rank seeds alike
         # (launch_from_torch), so all ranks agree on it.
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.max_position_embeddings, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        # nn.Linear and nn.Embedding draw a default init that reset_parameters overwrites. The CPU RNG is forked
+        # around them so that building a GPT consumes exactly the draw above (a meta build draws nothing else
+        # either), and dropout afterwards sees the same stream however the model was built.
+        with torch.random.fork_rng(devices=[]):
+            self.transformer = nn.ModuleDict(dict(
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.max_position_embeddings, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+            ))
+            self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         # Tie: the head OWNS the same Parameter object, so module hooks on lm_head see it (named_parameters
         # lists it once, as transformer.wte.weight).
         self.lm_head.weight = self.transformer.wte.weight
