@@ -99,30 +99,37 @@ def test_meta_build_holds_the_plain_weights_and_trains_identically():
 
 
 # ----------------------------------------------------------------------------------------------
-# memory: gpt2_medium on meta at stage 3 never holds the whole model on a rank
+# memory: a GPT-2 medium-wide model on meta at stage 3 never holds the whole model on a rank
 
 
 def _medium(rank: int, world: int) -> dict:
+    from zerogpt.zero import shm
+
+    # Opened before the watch: the shared-memory transport's staging buffer is communication, not model state.
+    transport_opened = shm.open_transport(None) is not None
     watch = LargestAllocation()
     with watch:
         with torch.device("meta"):
-            model = gpt2_medium()
+            model = gpt2_medium(n_layer=6)  # medium's widths (1024, vocab 50257); 6 of its 24 layers keep it fast
+        model_bytes = sum(p.numel() for p in model.parameters()) * 4
         engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                         config=zerogpt.Config(dict(zero=dict(stage=3))), ctx=cpu_ctx(rank, world))
     out = dict(max_bytes=watch.max_bytes, largest_shard=max(c.plan.shard_numel for c in engine.chunks) * 4,
                params_bytes=sum(engine.memory_stats()["params"].values()), num_chunks=len(engine.chunks),
-               model_bytes=sum(p.numel() for p in model.parameters()) * 4)
+               model_bytes=model_bytes)
     engine.close()
+    if transport_opened:
+        shm.close_transport(None)
     return out
 
 
 @pytest.mark.timeout(300)
-def test_gpt2_medium_on_meta_at_stage_3_never_holds_the_whole_model():
+def test_medium_width_gpt_on_meta_at_stage_3_never_holds_the_whole_model():
     world = 2
     for r in run_distributed(_medium, world, timeout=280):
-        assert r["model_bytes"] > 1.4e9, r  # 355M parameters, fp32
+        assert r["model_bytes"] > 5e8, r  # 128M parameters, fp32
         # one chunk shard (or one init block) at a time, the rank's shards at rest: 1/N, plus padding
-        assert r["max_bytes"] <= r["largest_shard"] < r["model_bytes"] / 8, r
+        assert r["max_bytes"] <= r["largest_shard"] < r["model_bytes"] / 4, r
         assert r["params_bytes"] <= r["model_bytes"] / world + 4 * r["num_chunks"], r
 
 
