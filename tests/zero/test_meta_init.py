@@ -161,6 +161,20 @@ def test_a_meta_model_the_engine_cannot_fill_is_a_clear_error():
         _initialize(model)
 
 
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (2, "bf16")])
+def test_one_rank_meta_build_equals_plain_build_in_the_compute_dtype(stage, precision):
+    states = []
+    for meta in (False, True):
+        model = build(meta)
+        cfg = zerogpt.Config(dict(zero=dict(stage=stage), precision=precision))
+        engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg, ctx=cpu_ctx())
+        states.append({n: p.detach().clone() for n, p in model.named_parameters()})  # compute dtype, gathered
+        engine.close()
+    assert all(t.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32) for t in states[1].values())
+    for n, t in states[0].items():
+        assert torch.equal(states[1][n], t), n
+
+
 def test_real_parameters_of_a_meta_model_are_kept():
     """A meta GPT whose embedding was given real weights keeps them; the rest comes from init_param_range."""
     plain, model = build(meta=False), build(meta=True)
