@@ -14,6 +14,7 @@ A mistake found before training (config, data, paths, vocabulary: zerogpt/prefli
 rank 0; a crash on any rank keeps its traceback and ends every rank, never a hang (zerogpt/errors.py).
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -29,7 +30,7 @@ from zerogpt.optim.lr_scheduler import build_lr_scheduler
 from zerogpt.preflight import is_jsonl
 from zerogpt.trainer import (EvalHook, LogMetricByStepHook, MemoryHook, NaNGuardHook, PlotHook, ProgressBarHook,
                              SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer, latest_checkpoint)
-from model_zoo import GPTLMLoss, build_model
+from model_zoo import GPTLMLoss, build_model, builds_on_meta
 import data_pipeline
 
 # A data.path named stdlib_docs (configs/demo_cpu.py: .cache/demo/stdlib_docs) is the bundled sample corpus:
@@ -173,8 +174,12 @@ def setup(cfg, train, data, ctx, resume):
         prepare_sample(data, ctx)
     train_dl, valid_dl, vocab_size = build_data(cfg, data, ctx)
 
-    # 4. model (GPT-2 family or a local HF model); the criterion compares position t with token t+1
-    model = build_model(dict(cfg.model), vocab_size=vocab_size)
+    # 4. model (GPT-2 family or a local HF model); the criterion compares position t with token t+1. A fresh
+    #    model_zoo GPT is built on the meta device (no storage, no init): initialize fills each rank's shards
+    #    from GPT.init_param_range, so no rank ever holds the whole model (DESIGN §7).
+    model_cfg = dict(cfg.model)
+    with torch.device("meta") if builds_on_meta(model_cfg) else contextlib.nullcontext():
+        model = build_model(model_cfg, vocab_size=vocab_size)
     check_run_vocab(train_dl.dataset, data, model)
     flops = model.flops_per_token(cfg.SEQ_LEN) if hasattr(model, "flops_per_token") else None
 

@@ -11,7 +11,18 @@ from model_zoo.gpt import (GPT, GPTConfig, GPTLMLoss, GPTOutput, from_hf, gpt2_l
                            gpt2_tiny, gpt2_xl, to_hf)
 
 __all__ = ["GPT", "GPTConfig", "GPTLMLoss", "GPTOutput", "from_hf", "to_hf", "gpt2_tiny", "gpt2_small",
-           "gpt2_medium", "gpt2_large", "gpt2_xl", "build_model"]
+           "gpt2_medium", "gpt2_large", "gpt2_xl", "build_model", "builds_on_meta"]
+
+GPT_FACTORIES = (gpt2_tiny, gpt2_small, gpt2_medium, gpt2_large, gpt2_xl)
+
+
+def builds_on_meta(model_cfg: dict[str, Any]) -> bool:
+    """Whether `build_model(model_cfg)` may run under torch.device("meta"): a model_zoo GPT with fresh weights.
+
+    Such a model has no storage until zerogpt.initialize fills each rank's shards from GPT.init_param_range.
+    A pretrained GPT (pretrained=DIR), a Hugging Face model (type="hf") or another callable needs real weights.
+    """
+    return model_cfg.get("type") in GPT_FACTORIES and model_cfg.get("pretrained") is None
 
 
 def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None) -> nn.Module:

@@ -11,6 +11,7 @@ never affect the loss or sampling and receive zero gradient.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -25,6 +26,9 @@ __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "GPTOutput
            "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf", "model_from_config", "SIZES"]
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each (B, nh, T_past, hs)
+
+INIT_BLOCK = 1 << 16
+"""Elements per independently seeded block of a parameter's random init (GPT.init_param_range)."""
 
 _GELU_APPROXIMATE = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
@@ -82,6 +86,12 @@ class GPTOutput:
     loss: torch.Tensor | None = None
     """Scalar mean cross-entropy over labels != -100 (fp32)."""
     past_key_values: KVCache | None = None
+
+
+def _block_seed(init_seed: int, name: str, block: int) -> int:
+    """A generator seed for one init block, the same in every process (Python's hash() of a str is not)."""
+    digest = hashlib.blake2b(f"{init_seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed takes < 2**64; keep it positive for readability
 
 
 class CausalSelfAttention(nn.Module):
@@ -183,37 +193,95 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.max_position_embeddings, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        # The weights are a function of this seed and the config alone (init_param_range). It is drawn before any
+        # submodule touches the RNG, so torch.manual_seed(s) decides the weights and a meta build draws the same
+        # seed as a plain one; device="cpu" even under torch.device("meta"). Every rank seeds alike
+        # (launch_from_torch), so all ranks agree on it.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        # nn.Linear and nn.Embedding draw a default init that reset_parameters overwrites. The CPU RNG is forked
+        # around them so that building a GPT consumes exactly the draw above (a meta build draws nothing else
+        # either), and dropout afterwards sees the same stream however the model was built.
+        with torch.random.fork_rng(devices=[]):
+            self.transformer = nn.ModuleDict(dict(
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.max_position_embeddings, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+            ))
+            self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         # Tie: the head OWNS the same Parameter object, so module hooks on lm_head see it (named_parameters
         # lists it once, as transformer.wte.weight).
         self.lm_head.weight = self.transformer.wte.weight
         self.real_vocab = RealVocab(config.vocab_size)
         self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections N(0, 0.02/sqrt(2*n_layer))."""
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                # GPT-2 paper §2.3: scale the weights of residual layers by 1/sqrt(N), N = 2 residual adds per block.
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj") else 0.02
-                if module is not self.lm_head:  # the head's weight is wte's, initialised below
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-        with torch.no_grad():  # padded vocab rows: never a real token; keep them zero (they get zero grad)
-            self.transformer.wte.weight[self.config.vocab_size:].zero_()
+        """GPT-2 init of every parameter, from `init_param_range` on whole parameters.
+
+        A model built under `torch.device("meta")` has nothing to fill and returns at once; its values come
+        later, range by range, from `init_param_range` (zerogpt.initialize fills each rank's shards with it), and
+        are bit-identical to the ones this method gives a plainly built model with the same seed.
+        """
+        if any(p.is_meta for p in self.parameters()):
+            return
+        for name, p in self.named_parameters():
+            p.copy_(self.init_param_range(name, 0, p.numel()).view(p.shape))
+
+    def init_param_range(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of flattened parameter `name` exactly as initialised, however it is split.
+
+        GPT-2 init: N(0, 0.02) weights and embeddings, N(0, 0.02/sqrt(2*n_layer)) for `c_proj` weights (GPT-2
+        paper §2.3: 2 residual adds per block), zero biases, LayerNorm ones/zeros, padded vocab rows zero.
+        Random values are counter-based: each block of INIT_BLOCK elements of a parameter is drawn whole from
+        its own generator seeded by (init_seed, name, block index), so a range costs its overlapping blocks
+        only (memory: the range plus one block) and any split concatenates to the whole parameter bit for bit.
+
+        Args:
+            name: a parameter name as in named_parameters(); the tied "lm_head.weight" is "transformer.wte.weight".
+            start, end: element offsets into the flattened (unsharded) parameter, 0 <= start <= end <= numel.
+        Returns:
+            (end - start,) float32 CPU tensor.
+        Example:
+            >>> model = gpt2_tiny()
+            >>> part = model.init_param_range("transformer.wpe.weight", 5, 9)
+            >>> torch.equal(part, model.transformer.wpe.weight.view(-1)[5:9])
+            True
+        """
+        name, numel, std, fill = self._init_rule(name)
+        if not 0 <= start <= end <= numel:
+            raise ValueError(f"init_param_range({name!r}, {start}, {end}): the range must lie within the "
+                             f"parameter's {numel} elements (0 <= start <= end <= {numel})")
+        if std is None:
+            return torch.full((end - start,), fill, dtype=torch.float32, device="cpu")
+        out = torch.empty(end - start, dtype=torch.float32, device="cpu")
+        for block in range(start // INIT_BLOCK, -(-end // INIT_BLOCK)):
+            lo, hi = block * INIT_BLOCK, min(numel, (block + 1) * INIT_BLOCK)
+            gen = torch.Generator(device="cpu").manual_seed(_block_seed(self.init_seed, name, block))
+            values = torch.randn(hi - lo, generator=gen, dtype=torch.float32, device="cpu")  # whole block, always
+            a, b = max(start, lo), min(end, hi)
+            out[a - start : b - start] = values[a - lo : b - lo]
+        out.mul_(std)
+        if name == "transformer.wte.weight":  # padded vocab rows: never a real token; zero (they get zero grad)
+            out[max(0, self.config.vocab_size * self.config.n_embd - start):] = 0.0
+        return out
+
+    def _init_rule(self, name: str) -> tuple[str, int, float | None, float]:
+        """(canonical name, numel, std of its normal init or None, constant fill when std is None)."""
+        every = dict(self.named_parameters(remove_duplicate=False))
+        if name not in every:
+            raise KeyError(f"GPT has no parameter {name!r}; names are those of named_parameters(), e.g. "
+                           f"'transformer.h.0.attn.c_attn.weight'")
+        param = every[name]
+        name = next(n for n, p in self.named_parameters() if p is param)  # a tied parameter has one init
+        module_name, _, kind = name.rpartition(".")
+        if kind == "bias":
+            return name, param.numel(), None, 0.0
+        if module_name.rpartition(".")[2].startswith("ln_"):  # LayerNorm weight
+            return name, param.numel(), None, 1.0
+        std = 0.02 / math.sqrt(2 * self.config.n_layer) if module_name.endswith("c_proj") else 0.02
+        return name, param.numel(), std, 0.0
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 past_key_values: KVCache | None = None, use_cache: bool = False) -> torch.Tensor | GPTOutput:

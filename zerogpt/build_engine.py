@@ -5,7 +5,8 @@ Order and why:
      apply the process-wide `host.*` settings (malloc);
   2. resolve the optimizer and map every parameter to its param group (chunks never mix groups; a dict
      optimizer's no-decay parameters share chunks with the weights, see sharded_optim.py);
-  3. plan chunks (pure: sizes only) and pack the parameters into them, in the compute dtype;
+  3. plan chunks (pure: sizes only) and pack the parameters into them, in the compute dtype (a meta model:
+     each rank fills only its shards, from the model's init_param_range or ZeroInitContext's record);
   4. register hooks (grad hooks at every stage; gather/release/prefetch at stage 3) - after packing,
      because hooks refer to chunk slots;
   5. place state (device / host / disk) and build the sharded optimizer: one ChunkState per chunk;
@@ -29,6 +30,7 @@ from zerogpt.parallel.context import EngineContext
 from zerogpt.zero.chunk import Chunk, local_tensor, plan_chunks
 from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
+from zerogpt.zero.meta_init import range_init
 from zerogpt.zero.offload import Placement, check_disk_path
 from zerogpt.zero.shm import open_transport
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
@@ -146,7 +148,7 @@ def _build_chunks(params, plans, ecfg: EngineConfig, ctx, placement: Placement, 
         chunk = Chunk(plan, chunk_params, dtype=dtype, device=ctx.device, rank=ctx.rank, group=ctx.group,
                       persistent_full=stage < 3, shard_device=placement.torch_device(param_home),
                       pin_memory=ecfg.zero.offload_param.pin_memory, shard_home=param_home)
-        if init_values is not None:  # ZeroInitContext: this rank replays only its shard; params leave meta
+        if init_values is not None:  # meta model: this rank fills only its shard; params leave meta
             chunk.load_shard(init_values.chunk_shard(plan, chunk.shard_index, dtype))
             swap_meta_for_empty(chunk_params)
         else:
@@ -163,7 +165,9 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
 
     Args:
         model: any nn.Module (model_zoo GPT, HF GPT2LMHeadModel, ...); its parameters become views
-            into chunk buffers (stage 3: empty between uses).
+            into chunk buffers (stage 3: empty between uses). Its parameters may be on the meta device if it
+            has `init_param_range(name, start, end)` (model_zoo GPT built under torch.device("meta")) or was
+            built inside zerogpt.ZeroInitContext: each rank then fills only its own shards.
         optimizer: a torch optimizer built on model.parameters() (class, hyperparameters and param
             groups are kept; its state will exist only for this rank's shard), or dict(type=..., **kw).
         config: a zerogpt.Config (or dict) with `zero`, `precision`, `GRADIENT_ACCUMULATION`,
@@ -194,7 +198,9 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     params = _param_groups(model, optimizer)
     _check_devices(params)
 
-    init_values = recorded_init(model)  # built under ZeroInitContext: meta params, values replayed per shard
+    # A meta model: values per shard from its init_param_range (model_zoo GPT built on meta, meta_init.py) or
+    # replayed from what ZeroInitContext recorded (any model, init_ctx.py); None for a model with real weights.
+    init_values = range_init(model) or recorded_init(model)
     num_shards = 1 if zero.stage == 0 else ctx.world_size
     element_size = torch.empty(0, dtype=compute_dtype(ecfg.precision)).element_size()
     # the local shapes: with tensor parallelism a chunk holds this rank's shard of a DTensor parameter

@@ -72,6 +72,23 @@ def test_each_slot_is_split_exactly_across_shards(num_shards):
             assert owned.sum() == slot.numel
 
 
+@pytest.mark.parametrize("num_shards", [1, 2, 3])
+def test_shard_pieces_rebuild_every_shard_from_parameter_ranges(num_shards):
+    """Filling each shard from (name, start, end, at) pieces of the flattened parameters rebuilds the chunk."""
+    _, Bucket = _strategies()
+    for plan in plan_chunks(UNEVEN, Bucket(bucket_mb=1e-4), num_shards, element_size=4):
+        values = {s.name: torch.arange(s.numel, dtype=torch.float32) + 1000 * i for i, s in enumerate(plan.slots)}
+        flat = torch.zeros(plan.padded_numel)
+        flat[: plan.numel] = torch.cat([values[s.name] for s in plan.slots])
+        for r in range(num_shards):
+            shard = torch.zeros(plan.shard_numel)
+            for name, start, end, at in plan.shard_pieces(r):
+                assert 0 <= start < end and at + end - start <= plan.shard_numel
+                shard[at : at + end - start] = values[name][start:end]
+            lo, hi = plan.shard_range(r)
+            assert torch.equal(shard, flat[lo:hi]), (plan.index, r)
+
+
 def test_three_ranks_padding_values():
     """World sizes that divide nothing: 3 ranks over sizes 35, 11, 1, 39, 29 (one param per chunk)."""
     Tensor, _ = _strategies()

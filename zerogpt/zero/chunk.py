@@ -85,6 +85,17 @@ class ChunkPlan:
         start, end = max(lo, slot.offset), min(hi, slot.end)
         return (start, end) if start < end else None
 
+    def shard_pieces(self, shard: int) -> list[tuple[str, int, int, int]]:
+        """What `shard` holds, parameter by parameter: (name, start, end, offset in the shard), with [start, end)
+        an element range of the flattened parameter. The rest of the shard is padding."""
+        lo, _ = self.shard_range(shard)
+        pieces = []
+        for slot in self.slots:
+            overlap = self.slot_overlap(slot, shard)
+            if overlap is not None:
+                pieces.append((slot.name, overlap[0] - slot.offset, overlap[1] - slot.offset, overlap[0] - lo))
+        return pieces
+
 
 def plan_chunks(
     params: Sequence[tuple[str, tuple[int, ...], int]],

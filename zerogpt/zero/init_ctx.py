@@ -27,7 +27,7 @@ from zerogpt.zero.chunk import ChunkPlan
 from zerogpt.zero.init_modes import _CpuFacade, _is_meta, _Recorder
 from zerogpt.zero.init_record import _key, _Recording, _Ref
 
-__all__ = ["ZeroInitContext", "RecordedInit", "recorded_init", "swap_meta_for_empty"]
+__all__ = ["ZeroInitContext", "RecordedInit", "recorded_init", "built_in_context", "swap_meta_for_empty"]
 
 
 def _recording_now() -> bool:
@@ -127,15 +127,9 @@ class RecordedInit:
 
         Peak memory: the shard plus one parameter, since each overlapping parameter is replayed in turn.
         """
-        lo, _ = plan.shard_range(shard_index)
         out = torch.zeros(plan.shard_numel, dtype=dtype)
-        for slot in plan.slots:
-            overlap = plan.slot_overlap(slot, shard_index)
-            if overlap is None:
-                continue
-            start, end = overlap
-            flat = self.param_value(slot.name).reshape(-1)
-            out[start - lo : end - lo].copy_(flat[start - slot.offset : end - slot.offset])
+        for name, start, end, at in plan.shard_pieces(shard_index):
+            out[at : at + end - start].copy_(self.param_value(name).reshape(-1)[start:end])
         return out
 
     def buffer_values(self) -> dict[str, torch.Tensor]:
@@ -158,6 +152,11 @@ def _value_of(source: tuple[_Recording, _Ref] | torch.Tensor) -> torch.Tensor:
         return recording.value(ref)
 
 
+def built_in_context(model: nn.Module) -> bool:
+    """Whether any module of `model` was built inside a ZeroInitContext (its record is kept)."""
+    return any(m in _RECORDINGS for m in model.modules())
+
+
 def recorded_init(model: nn.Module) -> RecordedInit | None:
     """What ZeroInitContext recorded for `model`'s meta tensors, or None when it has none.
 
@@ -176,9 +175,11 @@ def recorded_init(model: nn.Module) -> RecordedInit | None:
         owner = next((r for r in recordings if _key(t) in r.roots), None)
         if owner is None:
             raise ValueError(f"{kind} {name!r} is on the meta device but was not built inside "
-                             f"zerogpt.ZeroInitContext (or was converted after it, e.g. by .to()/.half()), so its "
-                             f"values are unknown; build the model inside `with zerogpt.ZeroInitContext(cfg):` or "
-                             f"give it real weights before zerogpt.initialize")
+                             f"zerogpt.ZeroInitContext (or was converted after it, e.g. by .to()/.half()), and "
+                             f"{type(model).__name__} has no init_param_range(name, start, end), so its values "
+                             f"are unknown; build the model inside `with zerogpt.ZeroInitContext(cfg):`, give it "
+                             f"init_param_range (as model_zoo's GPT has) or give it real weights before "
+                             f"zerogpt.initialize")
         if owner.exit_versions.get(id(t), t._version) != t._version:
             raise ValueError(f"{kind} {name!r} was modified in place after its ZeroInitContext exited; ops on meta "
                              f"tensors outside the context are not recorded. Move that initialisation inside the "

@@ -169,8 +169,6 @@ class _Recorder(TorchDispatchMode):
                                f"part outside the context") from e
         if gen is not None:
             self._advance(func, args, kwargs, {_key(t) for t in mutated})
-            if gen is not torch.default_generator and all(g is not gen for g in rec.generators):
-                rec.generators.append(gen)
         for key in dict.fromkeys(_key(t) for t in mutated):
             rec.roots[key].log.append(_Op(func, encoded, rng))
         for i, t in enumerate(tree_flatten(out)[0]):

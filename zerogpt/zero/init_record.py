@@ -71,7 +71,9 @@ class _Recording:
 
     def __init__(self) -> None:
         self.roots: dict[int, _Root] = {}
-        self.generators: list[torch.Generator] = []
+        # While replaying inside rng_preserved: id -> (generator, its state before the replay touched it). Saved
+        # lazily, so a model that seeds a generator per block (model_zoo GPT) costs only the ones a replay uses.
+        self._rng_saved: dict[int, tuple[torch.Generator, torch.Tensor]] | None = None
         self.exit_versions: dict[int, int] = {}  # id(param or buffer) -> tensor._version when the context exited
 
     def ref(self, t: torch.Tensor) -> _Ref:
@@ -89,13 +91,18 @@ class _Recording:
     @contextlib.contextmanager
     def rng_preserved(self) -> Iterable[None]:
         """Replay sets generators to recorded states; leave every one as the caller had it."""
-        gens = [torch.default_generator, *self.generators]
-        states = [g.get_state() for g in gens]
+        outer, self._rng_saved = self._rng_saved, {}
+        self._save_rng(torch.default_generator)
         try:
             yield
         finally:
-            for g, s in zip(gens, states):
-                g.set_state(s)
+            for g, state in self._rng_saved.values():
+                g.set_state(state)
+            self._rng_saved = outer
+
+    def _save_rng(self, gen: torch.Generator) -> None:
+        if self._rng_saved is not None and id(gen) not in self._rng_saved:
+            self._rng_saved[id(gen)] = (gen, gen.get_state())
 
     def value(self, ref: _Ref, memo: dict | None = None) -> torch.Tensor:
         """The CPU value `ref` had when it was recorded (call inside `rng_preserved`)."""
@@ -127,6 +134,7 @@ class _Recording:
 
             args, kwargs = tree_map(resolve, op.args)
             if op.rng is not None:
+                self._save_rng(op.rng[0])
                 op.rng[0].set_state(op.rng[1])
             out = op.func(*args, **kwargs)
             if op.out_index is not None:
