@@ -6,8 +6,9 @@ files in `checkpoint.py`. Built by `zerogpt.initialize()`, never directly.
 """
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -52,6 +53,11 @@ class Engine:
         self.last_step_skipped = False  # the last optimizer step was an fp16 overflow, skipped
         self._pending_backward = False
         self.pipeline: Any = None  # the pipeline schedule when the module is one stage (parallel/pipeline.py)
+        # Set by parallel.plan.ParallelModel.attach: where each local tensor lies in the unsharded parameter
+        # (checkpoints; absent = whole), and the context a loss and its backward run in (tensor parallelism's
+        # vocab-parallel cross-entropy).
+        self.param_layouts: dict[str, Any] = {}
+        self.loss_context: Callable[[], ContextManager] = contextlib.nullcontext
         # Offloaded grads on CUDA: each chunk's reduced shard is copied to the host on a side stream as
         # soon as its reduction is launched, so the copies run under the rest of backward.
         offload_grads = placement.device.type == "cuda" and sharded_optim.grad_home != "device"

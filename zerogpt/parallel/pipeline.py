@@ -125,7 +125,7 @@ class Pipeline:
         inputs = torch.cat([x for x, _ in micro_batches])  # the schedule splits it back into the micro-batches
         labels = torch.cat([y for _, y in micro_batches])
         self._micro_losses = []
-        with self.engine.scheduled_backward(before_reduce=self._sum_tied_grads):
+        with self.engine.scheduled_backward(before_reduce=self._sum_tied_grads), self.engine.loss_context():
             if self.is_first:
                 self.schedule.step(inputs)
             elif self.is_last:
@@ -148,12 +148,13 @@ class Pipeline:
             self._eval_schedule = ScheduleGPipe(stage, 1, loss_fn=self.criterion, scale_grads=False)
             # (a second stage object: the training one inferred its buffers for the training micro-batch)
         losses: list[torch.Tensor] = []
-        if self.is_first:
-            self._eval_schedule.eval(inputs)
-        elif self.is_last:
-            self._eval_schedule.eval(target=labels, losses=losses)
-        else:
-            self._eval_schedule.eval()
+        with self.engine.loss_context():
+            if self.is_first:
+                self._eval_schedule.eval(inputs)
+            elif self.is_last:
+                self._eval_schedule.eval(target=labels, losses=losses)
+            else:
+                self._eval_schedule.eval()
         return self._mean(losses)
 
     def _mean(self, losses: list[torch.Tensor]) -> torch.Tensor:

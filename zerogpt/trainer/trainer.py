@@ -8,6 +8,8 @@ run in list order. Numbers reach the host only on log steps: a step that logs no
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 import time
@@ -178,9 +180,10 @@ class Trainer:
                     break                                           # data exhausted mid-step: stop
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in split_batch(batch))
                 if pipeline is None:
-                    out = engine(inputs)                            # (B, T, vocab) logits
-                    loss = engine.criterion(getattr(out, "logits", out), labels)  # scalar mean over B*T
-                    engine.backward(loss)                           # scales by 1/accum (and fp16 scale)
+                    with self._loss_context():                      # tensor parallelism's vocab-parallel loss
+                        out = engine(inputs)                        # (B, T, vocab) logits
+                        loss = engine.criterion(getattr(out, "logits", out), labels)  # scalar mean over B*T
+                        engine.backward(loss)                       # scales by 1/accum (and fp16 scale)
                     grad_norm = engine.step()                       # a device tensor at the boundary, else None
                     micro_losses.append(loss.detach())
                 else:
@@ -212,6 +215,10 @@ class Trainer:
         self._finish_epoch_if_complete(train_dataloader)
         self.fire("after_train")
         return s
+
+    def _loss_context(self) -> Any:
+        """What a loss and its backward run inside (tensor parallelism: torch's loss_parallel), else nothing."""
+        return getattr(self.engine, "loss_context", contextlib.nullcontext)()
 
     @property
     def _pipeline(self) -> Any:
@@ -328,8 +335,9 @@ class Trainer:
             if self._pipeline is not None:   # forward through the stages; the loss on the last one
                 total[0] += self._pipeline.eval_loss(inputs, labels).double()
             else:
-                out = self.engine(inputs)
-                total[0] += self.engine.criterion(getattr(out, "logits", out), labels).double()
+                with self._loss_context():
+                    out = self.engine(inputs)
+                    total[0] += self.engine.criterion(getattr(out, "logits", out), labels).double()
             total[1] += 1
         self.engine.train()
         self._share_loss(total)

@@ -147,6 +147,20 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def grad_as_param(param: torch.Tensor) -> torch.Tensor:
+    """`param.grad` placed as `param` is, so its local tensor lines up with the parameter's local tensor.
+
+    DTensor does not promise a gradient the parameter's placement: a vocab-parallel embedding's own gradient
+    comes back Replicate (each rank computes all rows) while the weight is Shard(0). When wte is tied to the
+    head the two gradients are summed into Shard(0), but a first pipeline stage has no head. Replicate ->
+    Shard is a local slice, no communication.
+    """
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
 def bind_param(param: torch.Tensor, data: torch.Tensor) -> None:
     """Make `data` the values `param` computes with (its local shard for a DTensor).
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from zerogpt.zero.chunk import Chunk
+from zerogpt.zero.chunk import Chunk, grad_as_param
 
 
 class GradReduceHooks:
@@ -46,7 +46,7 @@ class GradReduceHooks:
                 f"parameter {chunk.plan.slots[slot_index].name!r} got a second gradient in one backward, after "
                 f"its chunk {chunk_index} was already reduced; this happens when a parameter is used in several "
                 f"reentrant activation-checkpoint segments: checkpoint with use_reentrant=False")
-        chunk.add_param_grad(slot_index, param.grad)
+        chunk.add_param_grad(slot_index, grad_as_param(param))
         param.grad = None
         if self.stage == 3 and chunk.grads_complete:
             chunk.release()  # no later backward op reads these params: their grads are final
