@@ -72,3 +72,60 @@ def test_tp2_pp2_matches_one_process(stage):
     # ranks 0, 1 (pp 0) hold the embeddings and blocks 0-1; ranks 2, 3 (pp 1) blocks 2-3 and the head
     assert "transformer.wte.weight" in runs[1]["local_names"] and "lm_head.weight" in runs[3]["local_names"]
     assert "transformer.h.2.mlp.c_fc.weight" not in runs[0]["local_names"]
+
+
+def _resume(rank: int, world: int, root: str) -> dict:
+    """Three steps uninterrupted; and two, save, a fresh build loads them and takes the third."""
+    from tests.parallel.test_pipeline import train
+
+    def run(steps: range, load: str | None = None, save: str | None = None) -> dict:
+        engine, parallel = build(2, 2, 1)
+        if load:
+            engine.load_checkpoint(load)
+        out = train(engine, engine.pipeline, parallel.mesh["dp"].get_local_rank(), parallel.mesh["dp"].size(), steps)
+        if save:
+            engine.save_checkpoint(save)
+        engine.close()
+        return out
+
+    whole = run(range(STEPS))
+    run(range(STEPS - 1), save=f"{root}/step")
+    torch.manual_seed(99)  # the resumed process's own RNG: the checkpoint restores it
+    return {"whole": whole, "resumed": run(range(STEPS - 1, STEPS), load=f"{root}/step")}
+
+
+@pytest.mark.timeout(300)
+def test_tp2_pp2_resumes_exactly_and_the_checkpoint_reads_whole(tmp_path):
+    """Exact resume at (T, P, D) = (2, 2, 1); the one checkpoint, read at (1, 1, 1), holds the parameters one
+    process has after the same steps (the QKV rows in their standard order, the tied head equal to wte)."""
+    import zerogpt
+    from zerogpt.checkpoint import CheckpointReader
+
+    for run in run_distributed(_resume, 4, str(tmp_path), timeout=280):
+        assert run["resumed"]["losses"] == run["whole"]["losses"][-1:]
+        assert run["resumed"]["norms"] == run["whole"]["norms"][-1:]
+    with single_thread():
+        model = tiny_gpt4()
+        engine, *_ = zerogpt.initialize(model, adamw(model), config=_config(1), ctx=cpu_ctx())
+        _one_process_steps(engine, STEPS - 1)
+        ref_params = engine.state_dict_full()
+        engine.close()
+    reader = CheckpointReader(str(tmp_path / "step"))
+    assert reader.parallel == {"tp": 2, "pp": 2, "dp": 1}
+    for name, value in ref_params.items():
+        torch.testing.assert_close(reader.tensor(name), value, rtol=RTOL, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(reader.tensor("lm_head.weight"), reader.tensor("transformer.wte.weight"),
+                               rtol=0, atol=0)
+
+
+def _one_process_steps(engine, steps: int) -> None:
+    """`steps` optimizer steps of the pipeline tests' data (dp 1) in one process."""
+    from tests.zero.recipes import token_batches
+
+    data = token_batches(STEPS, 1, ACCUM)
+    for step in range(steps):
+        for j in range(ACCUM):
+            batch = data[step, j, 0]
+            engine.backward(criterion(engine(batch[:, :-1]), batch[:, 1:]))
+            engine.step()
+        engine.zero_grad()
