@@ -24,9 +24,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import zerogpt
 from zerogpt import preflight
 from zerogpt.cli import HelpFormatter
-from zerogpt.config import data_config, lr_scheduler_config, train_config
+from zerogpt.config import data_config, lr_scheduler_config, parallel_config, train_config
 from zerogpt.errors import USER_ERRORS, env_rank, report_crash, report_user_error
 from zerogpt.optim.lr_scheduler import build_lr_scheduler
+from zerogpt.parallel.plan import parallelize
 from zerogpt.preflight import is_jsonl
 from zerogpt.trainer import (EvalHook, LogMetricByStepHook, MemoryHook, NaNGuardHook, PlotHook, ProgressBarHook,
                              SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer, latest_checkpoint)
@@ -89,8 +90,9 @@ class RandomTokens(torch.utils.data.Dataset):
         return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
 
 
-def build_data(cfg, data, ctx):
-    """Train and validation dataloaders (each rank reads its slice of every global batch) and the vocab size."""
+def build_data(cfg, data, ctx, dp_rank: int, dp_size: int):
+    """Train and validation dataloaders and the vocab size. Each data-parallel rank reads its slice of every
+    global batch; the T x P ranks that hold one copy of the model between them read the same slice."""
     if data.mock:
         vocab_size = data.vocab_size or 50257
         datasets = [RandomTokens(n, cfg.SEQ_LEN, vocab_size, data.seed + i) for i, n in enumerate((1 << 24, 4096))]
@@ -106,7 +108,7 @@ def build_data(cfg, data, ctx):
             len(data_pipeline.load_tokenizer(data.tokenizer))
     loaders = []
     for ds, shuffle in zip(datasets, (not data.mock, False)):
-        sampler = data_pipeline.DistributedBatchSampler(ds, cfg.BATCH_SIZE, ctx.rank, ctx.world_size,
+        sampler = data_pipeline.DistributedBatchSampler(ds, cfg.BATCH_SIZE, dp_rank, dp_size,
                                                         shuffle=shuffle, seed=data.seed)
         loaders.append(torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=data.num_workers,
                                                    pin_memory=ctx.device.type == "cuda"))
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
         ctx.logger.info(f"--overwrite: deleted {', '.join(removed) or 'nothing'} in {train.output_dir}")
     trainer = None
     try:
-        trainer, train_dl, valid_dl = setup(cfg, train, data, ctx, args.resume)
+        trainer, train_dl, valid_dl = setup(cfg, train, data, ctx, dims, args.resume)
         if trainer is not None:
             fit(trainer, cfg, train, train_dl, valid_dl, ctx)
     except Exception as e:  # before training, a mistake (data, vocabulary, checkpoint) is one line; then, a crash
@@ -162,37 +164,46 @@ def model_on_meta(cfg, data):
         return build_model(model_cfg, vocab_size=preflight.known_vocab_size(data))
 
 
-def setup(cfg, train, data, ctx, resume):
+def setup(cfg, train, data, ctx, dims, resume):
     """Data, model, engine, hooks and the resumed state: (trainer, train_dl, valid_dl), or Nones when done."""
     out = train.output_dir
     if ctx.rank == 0:
         with open(os.path.join(out, "config.py"), "w") as f:
             f.write(cfg.to_python())
 
-    # 3. data
+    # 3. data; with tensor or pipeline parallelism the (pp, dp, tp) mesh first: ZeRO and the data split over "dp"
     if is_sample(data):
         prepare_sample(data, ctx)
-    train_dl, valid_dl, vocab_size = build_data(cfg, data, ctx)
+    mesh = dims.build_mesh(ctx.device.type) if dims.model_parallel else None
+    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else ctx.rank
+    train_dl, valid_dl, vocab_size = build_data(cfg, data, ctx, dp_rank, dims.dp)
 
     # 4. model (GPT-2 family or a local HF model); the criterion compares position t with token t+1. A fresh
     #    model_zoo GPT is built on the meta device (no storage, no init): initialize fills each rank's shards
-    #    from GPT.init_param_range, so no rank ever holds the whole model (DESIGN §7).
+    #    from GPT.init_param_range, so no rank ever holds the whole model (DESIGN §7). The tensor-parallel plan
+    #    slices whole weights, so a model-parallel run builds the model whole and keeps its part (DESIGN §9).
     model_cfg = dict(cfg.model)
-    with torch.device("meta") if builds_on_meta(model_cfg) else contextlib.nullcontext():
+    with torch.device("meta") if builds_on_meta(model_cfg) and mesh is None else contextlib.nullcontext():
         model = build_model(model_cfg, vocab_size=vocab_size)
     check_run_vocab(train_dl.dataset, data, model)
     flops = model.flops_per_token(cfg.SEQ_LEN) if hasattr(model, "flops_per_token") else None
+    engine_ctx, parallel = ctx, None
+    if mesh is not None:
+        parallel = parallelize(model, mesh, parallel_config(cfg).tensor.sequence_parallel)
+        model, engine_ctx = parallel.module, parallel.context(ctx.device, ctx.logger)
 
-    # 5. initialize: ZeRO sharding, offload, precision, optimizer, LR schedule
+    # 5. initialize: ZeRO sharding (over "dp"), offload, precision, optimizer, LR schedule
     engine, train_dl, valid_dl, lr_scheduler = zerogpt.initialize(
         model, dict(cfg.optimizer), criterion=GPTLMLoss(shift=False), train_dataloader=train_dl,
-        eval_dataloader=valid_dl, config=cfg, ctx=ctx)
+        eval_dataloader=valid_dl, config=cfg, ctx=engine_ctx)
+    if parallel is not None:
+        parallel.attach(engine)  # checkpoint layouts, the vocab-parallel loss, the pipeline schedule
     accum = engine.gradient_accumulation
     if lr_scheduler is None and "lr_scheduler" in cfg:
         total_steps = train.max_steps or (cfg.NUM_EPOCHS or 1) * len(train_dl) // accum
         lr_scheduler = build_lr_scheduler(engine.optimizer, lr_scheduler_config(cfg), total_steps)
     ctx.logger.info(f"tokens/step: {cfg.BATCH_SIZE} seqs x {cfg.SEQ_LEN} tokens x {accum} accumulation x "
-                    f"{ctx.world_size} ranks = {cfg.BATCH_SIZE * cfg.SEQ_LEN * accum * ctx.world_size:,}")
+                    f"{dims.dp} data-parallel ranks = {cfg.BATCH_SIZE * cfg.SEQ_LEN * accum * dims.dp:,}")
 
     # 6. train: the built-in hooks in the order they run (loggers after the numbers they log, checkpoint last
     #    but the plot), then the config's own

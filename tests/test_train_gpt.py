@@ -263,3 +263,41 @@ def test_resume_at_another_world_size_and_stage(run_dir, data_dir, tmp_path):
     assert set(resumed) == {("train", 4), ("train", 6), ("valid", 6)}
     for key, loss in resumed.items():
         assert loss == pytest.approx(first[key], rel=1e-5), key
+
+
+@pytest.fixture(scope="module")
+def tp_run_dir(tmp_path_factory, data_dir, run_dir):
+    """The run_dir run's global batches (GLOBAL_BATCH_SIZE 8) at parallel.tensor.size=2: T=2, D=1, accumulation 2."""
+    out = tmp_path_factory.mktemp("tp2")
+    proc = torchrun(["--config", DEMO, *overrides(SHORT + [f"train.output_dir={out}", *data_args(data_dir),
+                                                           "GLOBAL_BATCH_SIZE=8", "parallel.tensor.size=2"])])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_run_matches_the_data_parallel_one(run_dir, tp_run_dir):
+    """train_gpt builds the mesh and applies the plan: same global batches, same losses (float tolerance)."""
+    (dp_out, _), (tp_out, log) = run_dir, tp_run_dir
+    assert "mesh (pp=1, dp=1, tp=2) over 2 ranks" in log and "x 1 data-parallel ranks" in log
+    first = {(r["split"], r["step"]): r["loss"] for r in read_jsonl(dp_out / "metrics.jsonl")}
+    tp = {(r["split"], r["step"]): r["loss"] for r in read_jsonl(tp_out / "metrics.jsonl")}
+    assert set(tp) == set(first)
+    for key, loss in tp.items():
+        assert loss == pytest.approx(first[key], rel=1e-5), key
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_checkpoint_resumes_as_a_pipeline(tp_run_dir, data_dir, tmp_path):
+    """A checkpoint saved at (T, P, D) = (2, 1, 1) resumes at (1, 2, 1): the losses continue."""
+    tp_out, _ = tp_run_dir
+    proc = torchrun(["--config", DEMO, "--resume", str(tp_out / "checkpoints" / "step_3"),
+                     *overrides(SHORT + [f"train.output_dir={tmp_path}", *data_args(data_dir), "GLOBAL_BATCH_SIZE=8",
+                                         "parallel.pipeline=2"])])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "mesh (pp=2, dp=1, tp=1)" in proc.stdout + proc.stderr
+    first = {(r["split"], r["step"]): r["loss"] for r in read_jsonl(tp_out / "metrics.jsonl")}
+    resumed = {(r["split"], r["step"]): r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
+    assert set(resumed) == {("train", 4), ("train", 6), ("valid", 6)}
+    for key, loss in resumed.items():
+        assert loss == pytest.approx(first[key], rel=1e-5), key

@@ -22,7 +22,8 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from zerogpt.config import Config, EngineConfig, engine_config
+from zerogpt.config import Config, EngineConfig, engine_config, parallel_config
+from zerogpt.parallel.mesh import ParallelDims
 from zerogpt.zero.chunk import ChunkPlan
 from zerogpt.zero.init_modes import _CpuFacade, _is_meta, _Recorder
 from zerogpt.zero.init_record import _key, _Recording, _Ref
@@ -67,8 +68,9 @@ class ZeroInitContext:
             raise TypeError(f"ZeroInitContext(config) takes a zerogpt.Config, a dict or None, "
                             f"got {type(config).__name__}")
         if config is not None and not isinstance(config, EngineConfig):
-            engine_config(config if isinstance(config, Config) else Config(config),
-                          dist.get_world_size() if dist.is_initialized() else 1)
+            config = config if isinstance(config, Config) else Config(config)
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            engine_config(config, ParallelDims.from_config(parallel_config(config), world).dp)
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> "ZeroInitContext":
