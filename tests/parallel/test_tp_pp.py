@@ -14,6 +14,7 @@ from tests.parallel.test_pipeline import (ACCUM, RTOL, STEPS, Record, _config, _
                                           criterion, tiny_gpt4)
 from tests.zero.reference import adamw, cpu_ctx, single_thread
 from zerogpt.trainer import Trainer
+from zerogpt.zero.chunk import local_tensor
 
 
 def build(tp: int, pp: int, stage: int):
@@ -39,9 +40,12 @@ def _fit(rank: int, world: int, tp: int, pp: int, stage: int) -> dict:
     trainer = Trainer(engine, hooks=[record])
     state = trainer.fit([b[dp_rank] for b in train_data], max_steps=STEPS)
     evaluation = trainer.evaluate([b[dp_rank] for b in eval_data])
+    local_numel = sum(local_tensor(p).numel() for p in engine.module.parameters())
+    memory = engine.memory_stats()
     engine.close()
     return {"losses": record.losses, "norms": record.norms, "eval": evaluation["loss"], "steps": state.step,
-            "local_names": sorted(n for n, _ in engine.module.named_parameters())}
+            "local_names": sorted(n for n, _ in engine.module.named_parameters()), "local_numel": local_numel,
+            "memory": memory, "num_chunks": len(engine.chunks)}
 
 
 def reference(dp: int) -> dict:
@@ -69,6 +73,7 @@ def test_tp2_pp2_matches_one_process(stage):
         assert run["steps"] == STEPS
         for key in ("losses", "norms", "eval"):
             torch.testing.assert_close(run[key], ref[key], rtol=RTOL, atol=0, msg=lambda m: f"rank {r} {key}: {m}")
+    _assert_states_are_the_zero_formula(runs, stage)
     # ranks 0, 1 (pp 0) hold the embeddings and blocks 0-1; ranks 2, 3 (pp 1) blocks 2-3 and the head
     assert "transformer.wte.weight" in runs[1]["local_names"] and "lm_head.weight" in runs[3]["local_names"]
     assert "transformer.h.2.mlp.c_fc.weight" not in runs[0]["local_names"]
@@ -129,3 +134,19 @@ def _one_process_steps(engine, steps: int) -> None:
             engine.backward(criterion(engine(batch[:, :-1]), batch[:, 1:]))
             engine.step()
         engine.zero_grad()
+
+
+def _assert_states_are_the_zero_formula(runs: list[dict], stage: int) -> None:
+    """Each rank's parameters, masters and optimizer state = the ZeRO formula (zerogpt_tools.estimate) over its
+    TP x PP share of the model, about a quarter of it (the last stage also holds the head's copy of wte)."""
+    from zerogpt_tools.estimate import model_state_bytes
+
+    whole = sum(p.numel() for p in tiny_gpt4().parameters())
+    for rank, run in enumerate(runs):
+        assert run["local_numel"] < 0.4 * whole, (rank, run["local_numel"], whole)
+        plan = model_state_bytes(run["local_numel"], stage, 1, "fp32", "none")
+        for category in ("params", "master", "optimizer"):
+            measured = sum(run["memory"][category].values())
+            expected = sum(plan[category].values())
+            assert abs(measured - expected) <= run["num_chunks"] * 8, (rank, category, measured, expected)
+

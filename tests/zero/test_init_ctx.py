@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import zerogpt
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
+from tests.zero.allocation import LargestAllocation
 from zerogpt.zero import BucketTensorShardStrategy, TensorShardStrategy
 from zerogpt.zero.init_ctx import ZeroInitContext, recorded_init
 
@@ -78,21 +78,6 @@ def make_config(stage: int, strategy=None, precision: str = "fp32") -> zerogpt.C
 def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """What engine.state_dict_full() holds: unique parameters (a tied one once) and every buffer."""
     return {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Watches every op (below ZeroInitContext's own mode, so also its scratch work) for the largest real storage."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.max_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                self.max_bytes = max(self.max_bytes, t.untyped_storage().nbytes())
-        return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import zerogpt
 from model_zoo.gpt import GPT, GPTLMLoss, gpt2_medium, gpt2_tiny
 from tests.dist_utils import run_distributed
+from tests.zero.allocation import LargestAllocation
 from tests.zero.reference import cpu_ctx
 from zerogpt.zero import BucketTensorShardStrategy
 
@@ -34,21 +33,6 @@ def build(meta: bool) -> GPT:
 
 def make_config(stage: int) -> zerogpt.Config:
     return zerogpt.Config(dict(zero=dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.1))))
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Watches every op for the largest real storage it returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.max_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                self.max_bytes = max(self.max_bytes, t.untyped_storage().nbytes())
-        return out
 
 
 # ----------------------------------------------------------------------------------------------
