@@ -180,10 +180,10 @@ def setup(cfg, train, data, ctx, dims, resume):
 
     # 4. model (GPT-2 family or a local HF model); the criterion compares position t with token t+1. A fresh
     #    model_zoo GPT is built on the meta device (no storage, no init): initialize fills each rank's shards
-    #    from GPT.init_param_range, so no rank ever holds the whole model (DESIGN §7). The tensor-parallel plan
-    #    slices whole weights, so a model-parallel run builds the model whole and keeps its part (DESIGN §9).
+    #    from GPT.init_param_range, so no rank ever holds the whole model (DESIGN §7); with tensor or pipeline
+    #    parallelism, its own part of it only (DESIGN §11).
     model_cfg = dict(cfg.model)
-    with torch.device("meta") if builds_on_meta(model_cfg) and mesh is None else contextlib.nullcontext():
+    with torch.device("meta") if builds_on_meta(model_cfg) else contextlib.nullcontext():
         model = build_model(model_cfg, vocab_size=vocab_size)
     check_run_vocab(train_dl.dataset, data, model)
     flops = model.flops_per_token(cfg.SEQ_LEN) if hasattr(model, "flops_per_token") else None

@@ -27,6 +27,8 @@ __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "GPTOutput
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each (B, nh, T_past, hs)
 
+_TIED_TO = {"lm_head.weight": "transformer.wte.weight"}
+
 INIT_BLOCK = 1 << 16
 """Elements per independently seeded block of a parameter's random init (GPT.init_param_range)."""
 
@@ -214,6 +216,10 @@ class GPT(nn.Module):
         # lists it once, as transformer.wte.weight).
         self.lm_head.weight = self.transformer.wte.weight
         self.real_vocab = RealVocab(config.vocab_size)
+        # What init_param_range needs of each parameter, fixed now: a parallel plan applied from outside may
+        # later split a parameter or drop it from this rank (a pipeline stage), and a stage's own copy of the
+        # tied head must still draw wte's values.
+        self._init_numel = {name: p.numel() for name, p in self.named_parameters()}
         self.reset_parameters()
 
     @torch.no_grad()
@@ -269,19 +275,18 @@ class GPT(nn.Module):
 
     def _init_rule(self, name: str) -> tuple[str, int, float | None, float]:
         """(canonical name, numel, std of its normal init or None, constant fill when std is None)."""
-        every = dict(self.named_parameters(remove_duplicate=False))
-        if name not in every:
+        name = _TIED_TO.get(name, name)  # the head is wte, tied or (on a last pipeline stage) a copy of it
+        if name not in self._init_numel:
             raise KeyError(f"GPT has no parameter {name!r}; names are those of named_parameters(), e.g. "
                            f"'transformer.h.0.attn.c_attn.weight'")
-        param = every[name]
-        name = next(n for n, p in self.named_parameters() if p is param)  # a tied parameter has one init
+        numel = self._init_numel[name]
         module_name, _, kind = name.rpartition(".")
         if kind == "bias":
-            return name, param.numel(), None, 0.0
+            return name, numel, None, 0.0
         if module_name.rpartition(".")[2].startswith("ln_"):  # LayerNorm weight
-            return name, param.numel(), None, 1.0
+            return name, numel, None, 1.0
         std = 0.02 / math.sqrt(2 * self.config.n_layer) if module_name.endswith("c_proj") else 0.02
-        return name, param.numel(), std, 0.0
+        return name, numel, std, 0.0
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 past_key_values: KVCache | None = None, use_cache: bool = False) -> torch.Tensor | GPTOutput:

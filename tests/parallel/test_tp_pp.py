@@ -17,23 +17,28 @@ from zerogpt.trainer import Trainer
 from zerogpt.zero.chunk import local_tensor
 
 
-def build(tp: int, pp: int, stage: int):
-    """(engine, parallel model) for this rank of a (pp, dp, tp) mesh over every rank."""
+def build(tp: int, pp: int, stage: int, meta: bool = False):
+    """(engine, parallel model) for this rank of a (pp, dp, tp) mesh over every rank; `meta`: the model is built
+    on the meta device, as train_gpt builds it, and `initialize` fills each rank's shards."""
+    import contextlib
+
     import zerogpt
     from zerogpt.parallel import ParallelDims
     from zerogpt.parallel.plan import parallelize
 
     torch.set_num_threads(1)
     dims = ParallelDims(tp=tp, pp=pp, dp=torch.distributed.get_world_size() // (tp * pp))
-    parallel = parallelize(tiny_gpt4(), dims.build_mesh("cpu"))
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = tiny_gpt4()
+    parallel = parallelize(model, dims.build_mesh("cpu"))
     engine, *_ = zerogpt.initialize(parallel.module, adamw(parallel.module), criterion=criterion,
                                     config=_config(stage), ctx=parallel.context(torch.device("cpu")))
     parallel.attach(engine)
     return engine, parallel
 
 
-def _fit(rank: int, world: int, tp: int, pp: int, stage: int) -> dict:
-    engine, parallel = build(tp, pp, stage)
+def _fit(rank: int, world: int, tp: int, pp: int, stage: int, meta: bool = False) -> dict:
+    engine, parallel = build(tp, pp, stage, meta)
     dp, dp_rank = parallel.mesh["dp"].size(), parallel.mesh["dp"].get_local_rank()
     train_data, eval_data = _trainer_data(dp)
     record = Record()
@@ -77,6 +82,19 @@ def test_tp2_pp2_matches_one_process(stage):
     # ranks 0, 1 (pp 0) hold the embeddings and blocks 0-1; ranks 2, 3 (pp 1) blocks 2-3 and the head
     assert "transformer.wte.weight" in runs[1]["local_names"] and "lm_head.weight" in runs[3]["local_names"]
     assert "transformer.h.2.mlp.c_fc.weight" not in runs[0]["local_names"]
+
+
+def _plain_and_meta(rank: int, world: int) -> tuple[dict, dict]:
+    return _fit(rank, world, 2, 2, 2), _fit(rank, world, 2, 2, 2, meta=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_meta_build_trains_bit_for_bit_as_a_whole_build():
+    """Built on the meta device, the TP x PP shards are filled per rank from GPT.init_param_range through the
+    layouts (QKV blocks, vocab rows, the last stage's head copy of wte): the same run, to the bit."""
+    for plain, meta in run_distributed(_plain_and_meta, 4, timeout=280):
+        for key in ("losses", "norms", "eval"):
+            assert meta[key] == plain[key], key
 
 
 def _resume(rank: int, world: int, root: str) -> dict:

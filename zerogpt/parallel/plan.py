@@ -22,11 +22,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from zerogpt.parallel.context import EngineContext, engine_context
-from zerogpt.parallel.layout import ParamLayout
+from zerogpt.parallel.layout import ParamLayout, global_runs
 from zerogpt.parallel.pipeline import EMBEDDING, HEAD, Pipeline, norm_skip, split_stage
 from zerogpt.parallel.tensor import apply_tensor_parallel, tensor_parallel_layout
 
-__all__ = ["ParallelModel", "parallelize", "local_loss"]
+__all__ = ["ParallelModel", "parallelize", "local_loss", "init_local_ranges"]
 
 
 @dataclass
@@ -87,7 +87,8 @@ def local_loss(criterion: Callable | None) -> Callable | None:
 def parallelize(model: nn.Module, mesh: Any, sequence_parallel: bool = False) -> ParallelModel:
     """Apply the tensor-parallel plan, then keep this rank's pipeline stage, in place (every rank calls).
 
-    `model` is a fully built model_zoo GPT with the same weights on every rank (same seed); `mesh` the
+    `model` is a model_zoo GPT built with the same seed on every rank, whole or on the meta device (then
+    `initialize` fills each rank's shards, and no rank ever holds the whole model); `mesh` the
     ("pp", "dp", "tp") DeviceMesh from `ParallelDims.build_mesh`.
     """
     tp, pp = mesh["tp"], mesh["pp"]
@@ -104,4 +105,35 @@ def parallelize(model: nn.Module, mesh: Any, sequence_parallel: bool = False) ->
     names = {n for n, _ in model.named_parameters()}
     if HEAD in names and EMBEDDING in layouts and HEAD not in layouts:  # the last stage's copy of wte
         layouts[HEAD] = layouts[EMBEDDING]
-    return ParallelModel(model, mesh, {n: lay for n, lay in layouts.items() if n in names}, frozenset(skip))
+    layouts = {n: lay for n, lay in layouts.items() if n in names}
+    if layouts and any(p.is_meta for p in model.parameters()):
+        init_local_ranges(model, layouts)
+    return ParallelModel(model, mesh, layouts, frozenset(skip))
+
+
+def init_local_ranges(model: nn.Module, layouts: dict[str, ParamLayout]) -> None:
+    """Make a meta-built model's `init_param_range` speak of this rank's local tensors, in place.
+
+    `initialize` fills each shard of a meta model from `model.init_param_range(name, start, end)`, with
+    [start, end) a range of the tensor the chunk holds: under tensor parallelism the local tensor, whose
+    elements lie in the unsharded parameter where its layout says. Each range is drawn as the unsharded
+    parameter's span that covers it (at most one parameter at a time, never the model) and its runs are
+    picked out, so a rank's shard holds exactly the values a whole build would have given it.
+    """
+    whole = model.init_param_range
+
+    def init_param_range(name: str, start: int, end: int) -> torch.Tensor:
+        layout = layouts.get(name)
+        if layout is None:
+            return whole(name, start, end)
+        runs = global_runs(layout, start, end)
+        if not runs:
+            return torch.empty(0)
+        lo, hi = min(g for g, _, _ in runs), max(g + n for g, _, n in runs)
+        span = whole(name, lo, hi)
+        out = torch.empty(end - start, dtype=span.dtype)
+        for g, local, n in runs:
+            out[local - start: local - start + n] = span[g - lo: g - lo + n]
+        return out
+
+    model.init_param_range = init_param_range

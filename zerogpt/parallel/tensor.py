@@ -48,8 +48,9 @@ replicated, the local tensor is the whole parameter) and `blocks` the (start, le
 parameter, that this rank's local tensor concatenates along `dim`, in order. A c_attn weight on rank r of T
 has blocks [(r*C/T, C/T), (C + r*C/T, C/T), (2C + r*C/T, C/T)]; a Shard(d) parameter has one block.
 
-Not done: sequence parallelism (LayerNorm/dropout on sequence shards), and ZeroInitContext models (the plan
-needs materialised weights to slice).
+A model built on the meta device works (the plan only reshapes meta tensors; plan.py fills the shards). Not
+done: sequence parallelism (LayerNorm/dropout on sequence shards), and models built in ZeroInitContext (the
+plan's row permutation and slicing happen outside the context, where nothing records them).
 """
 from __future__ import annotations
 

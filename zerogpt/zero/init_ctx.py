@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -202,8 +203,14 @@ def swap_meta_for_empty(params: Iterable[nn.Parameter]) -> None:
     stays the same one the optimizer, tied modules and hooks hold, with its attributes and class.
     """
     for p in params:
-        if p.is_meta:
+        if not p.is_meta:
+            continue
+        if isinstance(p, DTensor):  # a tensor-parallel shard: a CPU DTensor of the same spec, its local set later
+            local = torch.empty(0, dtype=p.dtype, device="cpu")
+            shell = nn.Parameter(DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                    shape=p.shape, stride=p.stride()), requires_grad=p.requires_grad)
+        else:
             shell = nn.Parameter(torch.empty(0, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad)
             shell.__class__ = type(p)
-            shell.__dict__.update(p.__dict__)
-            torch.utils.swap_tensors(p, shell)
+        shell.__dict__.update(p.__dict__)
+        torch.utils.swap_tensors(p, shell)
