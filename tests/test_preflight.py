@@ -175,6 +175,16 @@ def test_parallel_layout_is_checked_against_the_models_shape():
         check_parallel(parallel_run(tp=2), 2, lambda: torch.nn.Linear(2, 2, device="meta"))
 
 
+def test_sequence_parallelism_needs_the_sequence_to_divide_by_t():
+    run = parallel_run(tp=2, SEQ_LEN=63)
+    run.parallel.tensor.sequence_parallel = True
+    with pytest.raises(PreflightError, match=r"parallel.tensor.sequence_parallel=True .* SEQ_LEN=63 is not "
+                                             r"divisible by 2"):
+        check_parallel(run, 2, tiny_on_meta)
+    run.SEQ_LEN = 64
+    assert check_parallel(run, 2, tiny_on_meta).tp == 2
+
+
 def test_without_model_parallelism_the_model_is_not_built():
     def never():
         raise AssertionError("built")

@@ -233,6 +233,10 @@ def check_parallel(cfg: Any, world_size: int, model: Callable[[], Any]) -> Paral
                              f"(parallel.tensor.size {t} x parallel.pipeline {p})) = {per_step}; pick a multiple "
                              f"of {per_step} or change BATCH_SIZE")
     stage = engine_config(cfg, dims.dp).zero.stage  # GLOBAL_BATCH_SIZE vs GRADIENT_ACCUMULATION at D ranks
+    if parallel.tensor.sequence_parallel and cfg.SEQ_LEN % t:
+        raise PreflightError(f"parallel.tensor.sequence_parallel=True splits each sequence over the "
+                             f"parallel.tensor.size={t} ranks, but SEQ_LEN={cfg.SEQ_LEN} is not divisible by {t}; "
+                             f"pick a SEQ_LEN that is a multiple of {t}")
     if stage == 3 and p > 1:
         raise PreflightError(f"zero.stage=3 with parallel.pipeline={p} is not supported: a pipeline stage runs "
                              f"each layer once per micro-batch, and stage 3 would gather its parameters each "

@@ -36,7 +36,7 @@ def lm_loss(model, batch: torch.Tensor, step: int) -> torch.Tensor:
 RECIPE = Recipe(build=tiny_gpt, data=token_batches, loss=lm_loss, steps=STEPS)
 
 
-def _tp_engine(tp: int, world: int, zero: dict, accum: int, clip: float | None):
+def _tp_engine(tp: int, world: int, zero: dict, accum: int, clip: float | None, sequence_parallel: bool = False):
     """A GPT sharded over "tp" and wrapped in a ZeRO engine over "dp" (call on every rank).
 
     The mesh comes back with `local_numel`: this rank's tensor-parallel share of the parameters, counted
@@ -49,7 +49,7 @@ def _tp_engine(tp: int, world: int, zero: dict, accum: int, clip: float | None):
 
     mesh = ParallelDims(tp=tp, dp=world // tp).build_mesh("cpu")
     model = tiny_gpt()
-    replicated = apply_tensor_parallel(model, mesh["tp"])
+    replicated = apply_tensor_parallel(model, mesh["tp"], sequence_parallel)
     layouts = tensor_parallel_layout(model)  # before initialize: stage 3 releases the parameters' storage
     mesh.local_numel = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     ctx = engine_context(mesh, torch.device("cpu"), norm_skip=replicated if mesh["tp"].get_local_rank() else ())
@@ -117,10 +117,12 @@ def _full_params(engine, mesh) -> dict[str, torch.Tensor] | None:
 
 
 def _run(rank: int, world: int, tp: int, stage: int, accum: int, clip: float | None,
-         offload: str = "none") -> dict:
+         offload: str = "none", sequence_parallel: bool = False) -> dict:
     torch.set_num_threads(1)
     zero = dict(zero_config(stage), offload_optimizer=dict(device=offload))
-    engine, mesh = _tp_engine(tp, world, zero, accum, clip)
+    engine, mesh = _tp_engine(tp, world, zero, accum, clip, sequence_parallel)
+    residual = []  # the shapes each block hands the next: sharded on the sequence under SP
+    engine.module.transformer.h[0].register_forward_hook(lambda m, i, out: residual.append(tuple(out[0].shape)))
     peak = {c: dict.fromkeys(("device", "host", "disk"), 0) for c in ("params", "grads", "master", "optimizer")}
 
     def snapshot() -> None:
@@ -132,7 +134,7 @@ def _run(rank: int, world: int, tp: int, stage: int, accum: int, clip: float | N
     params = _full_params(engine, mesh)
     engine.close()
     return dict(losses=losses, norms=norms, params=params, peak=peak, local_numel=mesh.local_numel,
-                num_chunks=len(engine.chunks))
+                num_chunks=len(engine.chunks), residual=set(residual))
 
 
 def _assert_matches_reference(results: list[dict], dp: int, accum: int, clip: float | None, what: str) -> None:
@@ -178,6 +180,18 @@ def _assert_memory_is_the_zero_formula(results: list[dict], stage: int, dp: int,
                 assert abs(measured - expected) <= tolerance, (
                     f"rank {rank} stage {stage}: {category}/{home} measured {measured} B, the ZeRO formula over "
                     f"{run['local_numel']} TP-local params gives {expected} B")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sequence_parallel_tp2_dp2_matches_one_process(stage):
+    """Megatron's sequence parallelism on top of TP2 x DP2: the residual stream is (B, T/2, C) per rank, the
+    LayerNorms' gradients are partial sums all-reduced by the engine, and the run is still one process's."""
+    results = run_distributed(_run, 4, 2, stage, 2, CLIP, "none", True, timeout=280)
+    _assert_matches_reference(results, 2, 2, CLIP, f"TP2 x DP2 + SP stage {stage}")
+    assert all(run["residual"] == {(MICRO_BATCH, SEQ // 2, 64)} for run in results)
+    plain = run_distributed(_run, 2, 2, 1, 1, CLIP, timeout=220)
+    assert all(run["residual"] == {(MICRO_BATCH, SEQ, 64)} for run in plain)  # without SP: the whole sequence
 
 
 @pytest.mark.timeout(240)

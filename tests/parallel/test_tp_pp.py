@@ -17,7 +17,7 @@ from zerogpt.trainer import Trainer
 from zerogpt.zero.chunk import local_tensor
 
 
-def build(tp: int, pp: int, stage: int, meta: bool = False):
+def build(tp: int, pp: int, stage: int, meta: bool = False, sequence_parallel: bool = False):
     """(engine, parallel model) for this rank of a (pp, dp, tp) mesh over every rank; `meta`: the model is built
     on the meta device, as train_gpt builds it, and `initialize` fills each rank's shards."""
     import contextlib
@@ -30,15 +30,16 @@ def build(tp: int, pp: int, stage: int, meta: bool = False):
     dims = ParallelDims(tp=tp, pp=pp, dp=torch.distributed.get_world_size() // (tp * pp))
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = tiny_gpt4()
-    parallel = parallelize(model, dims.build_mesh("cpu"))
+    parallel = parallelize(model, dims.build_mesh("cpu"), sequence_parallel)
     engine, *_ = zerogpt.initialize(parallel.module, adamw(parallel.module), criterion=criterion,
                                     config=_config(stage), ctx=parallel.context(torch.device("cpu")))
     parallel.attach(engine)
     return engine, parallel
 
 
-def _fit(rank: int, world: int, tp: int, pp: int, stage: int, meta: bool = False) -> dict:
-    engine, parallel = build(tp, pp, stage, meta)
+def _fit(rank: int, world: int, tp: int, pp: int, stage: int, meta: bool = False,
+         sequence_parallel: bool = False) -> dict:
+    engine, parallel = build(tp, pp, stage, meta, sequence_parallel)
     dp, dp_rank = parallel.mesh["dp"].size(), parallel.mesh["dp"].get_local_rank()
     train_data, eval_data = _trainer_data(dp)
     record = Record()
@@ -70,9 +71,10 @@ def reference(dp: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_tp2_pp2_matches_one_process(stage):
-    runs = run_distributed(_fit, 4, 2, 2, stage, timeout=280)
+@pytest.mark.parametrize("stage, sequence_parallel", [(1, False), (2, False), (2, True)])
+def test_tp2_pp2_matches_one_process(stage, sequence_parallel):
+    """With sequence parallelism the stages hand each other (B, T/2, C) sequence shards."""
+    runs = run_distributed(_fit, 4, 2, 2, stage, False, sequence_parallel, timeout=280)
     ref = reference(dp=1)
     for r, run in enumerate(runs):
         assert run["steps"] == STEPS

@@ -1,8 +1,8 @@
 """Tensor and pipeline parallelism applied to a model_zoo GPT in one call, and what the engine then needs to know.
 
 `parallelize(model, mesh)` is the one place the plans meet: Megatron's tensor-parallel plan over "tp" first
-(tensor.py: it slices whole weights), then the stage split over "pp" (pipeline.py: it keeps this stage's
-blocks; the last stage's head copy is cut from the already vocab-parallel wte). What comes back records
+(tensor.py), then the stage split over "pp" (pipeline.py: it keeps this stage's blocks; the last stage's head
+copy is cut from the already vocab-parallel wte). What comes back records
 what the engine cannot see in the module: which parameters another rank of the model-parallel group also
 holds (left out of the grad norm, `norm_skip`) and where each local tensor lies in the unsharded parameter
 (`layouts`, taken here because ZeRO-3 releases the parameters' storage once the engine owns them).

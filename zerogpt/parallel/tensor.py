@@ -48,9 +48,11 @@ replicated, the local tensor is the whole parameter) and `blocks` the (start, le
 parameter, that this rank's local tensor concatenates along `dim`, in order. A c_attn weight on rank r of T
 has blocks [(r*C/T, C/T), (C + r*C/T, C/T), (2C + r*C/T, C/T)]; a Shard(d) parameter has one block.
 
-A model built on the meta device works (the plan only reshapes meta tensors; plan.py fills the shards). Not
-done: sequence parallelism (LayerNorm/dropout on sequence shards), and models built in ZeroInitContext (the
-plan's row permutation and slicing happen outside the context, where nothing records them).
+Sequence parallelism (`sequence_parallel=True`, see `_plan`) shards the residual stream on the sequence dim
+between the matmuls. A model built on the meta device works (the plan only reshapes meta tensors; plan.py fills
+the shards). Not done: models built in ZeroInitContext (the plan's row permutation and slicing happen outside
+the context, where nothing records them), and a per-rank RNG for dropout inside a rank's own heads or
+sequence positions.
 """
 from __future__ import annotations
 
@@ -58,7 +60,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
 from zerogpt.parallel.layout import ParamLayout
 
@@ -108,8 +111,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     Returns the names of the parameters that stay replicated over the tensor-parallel ranks: their gradient
     is the same on every rank, so ranks other than tensor-parallel rank 0 put them in `norm_skip`.
     """
-    if sequence_parallel:
-        raise NotImplementedError("parallel.tensor.sequence_parallel=True is not implemented; set it to False")
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs the 1-D tensor-parallel mesh (mesh['tp']), "
                          f"got a {tp_mesh.ndim}-D mesh")
@@ -121,18 +122,42 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             rows = _qkv_rows(qkv.out_features // 3, tp)
             qkv.weight.data = qkv.weight.data[rows]
             qkv.bias.data = qkv.bias.data[rows]
-    plan = {}
-    for i in range(len(model.transformer.h)):
-        plan.update({f"transformer.h.{i}.attn.c_attn": ColwiseParallel(),
-                     f"transformer.h.{i}.attn.c_proj": RowwiseParallel(),
-                     f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(),
-                     f"transformer.h.{i}.mlp.c_proj": RowwiseParallel()})
-    plan["transformer.wte"] = RowwiseParallel(input_layouts=Replicate())
-    plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    parallelize_module(model, tp_mesh, plan)
+    parallelize_module(model, tp_mesh, _plan(len(model.transformer.h), sequence_parallel))
     model.lm_head.weight = model.transformer.wte.weight  # re-tie: one Shard(0) DTensor parameter
     model.real_vocab = _MaskPaddedVocab(model.config.vocab_size)
     return {name for name, p in model.named_parameters() if _shard_dim(name, p) is None}
+
+
+def _plan(n_layer: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The parallelize_module plan: Megatron's TP, and with `sequence_parallel` Megatron's SP on top of it.
+
+    Under SP the residual stream between the matmuls is sharded on the sequence dim (Shard(1)): the embedding's
+    and each row-parallel output's all-reduce becomes a reduce-scatter, each LayerNorm runs on its rank's
+    positions (`SequenceParallel`: its weights a Replicate DTensor whose gradient is a Partial sum, all-reduced
+    when the engine takes it), and each attention / MLP / head input is all-gathered back to the whole sequence.
+    Same communication volume as plain TP; the LayerNorm and dropout activations and the residual stream are
+    1/T per rank.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's placement between blocks
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(n_layer):
+        block = f"transformer.h.{i}"
+        plan.update({f"{block}.attn.c_attn": ColwiseParallel(), f"{block}.mlp.c_fc": ColwiseParallel(),
+                     f"{block}.attn.c_proj": RowwiseParallel(output_layouts=seq),
+                     f"{block}.mlp.c_proj": RowwiseParallel(output_layouts=seq)})
+        if sequence_parallel:
+            gather = Replicate()
+            plan.update({f"{block}.ln_1": SequenceParallel(), f"{block}.ln_2": SequenceParallel(),
+                         # attn(x, layer_past, use_cache), mlp(x): the whole sequence in
+                         f"{block}.attn": PrepareModuleInput(input_layouts=(seq, None, None),
+                                                             desired_input_layouts=(gather, None, None)),
+                         f"{block}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(gather,))})
+    plan["transformer.wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    if sequence_parallel:  # wpe's (T, C) rows for this rank's positions; ln_f on them
+        plan["transformer.wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+        plan["transformer.ln_f"] = SequenceParallel()
+    return plan
 
 
 def _shard_dim(name: str, p: torch.Tensor) -> int | None:
