@@ -9,6 +9,7 @@ Every system trains the same model (GPT-2, dropout 0, fp32) from the same weight
     ddp        torch DDP, D=2: each rank half the batch, the whole model and optimizer state
     zerogpt-3  ZeRO-3, D=2: each rank half the batch, a half of every parameter, gradient and optimizer state
     tp2        zerogpt, T=2, D=1: each rank the whole batch, half of every matmul (Megatron's layout, DTensor)
+    tp2-sp     tp2 with Megatron's sequence parallelism: between the matmuls, half of every sequence per rank
     pp2        zerogpt, P=2, D=1: half the layers per rank, the batch as `--micro-batches` micro-batches
                through torch's 1F1B schedule (the accumulation micro-batches, so the step is the same size)
 
@@ -16,7 +17,7 @@ Reported per system: the median step time after warm-up (forward, backward, opti
 every rank's step ends at a barrier), global tokens/s, the ratio to DDP's step time, and per rank: the
 model-state bytes (parameters, gradients, fp32 masters and optimizer state, where they live) and the peak
 resident memory of the process (ru_maxrss; the whole process: Python, torch, activations and buffers).
-The loss of the first step is printed too: all four compute the same step, so it must agree.
+The loss of the first step is printed too: all of them compute the same step, so it must agree.
 
 One GPU cannot show TP or PP: each needs a rank per device (NCCL refuses two ranks on one GPU). On a GPU
 machine with several devices run it with `--device cuda`.
@@ -38,7 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-SYSTEMS = ["ddp", "zerogpt-3", "tp2", "pp2"]
+SYSTEMS = ["ddp", "zerogpt-3", "tp2", "tp2-sp", "pp2"]
 MODELS = {"gpt2_6l384": dict(n_layer=6, n_head=6, n_embd=384), "gpt2_small": dict(n_layer=12, n_head=12, n_embd=768),
           "gpt2_tiny": dict(n_layer=2, n_head=2, n_embd=64)}  # tiny: the smoke run of tests/test_bench.py
 VOCAB = 50257
@@ -113,13 +114,13 @@ def make_zero3(args, rank: int, world: int):
     return step, lambda: engine_bytes(engine)
 
 
-def make_model_parallel(args, tp: int, pp: int):
+def make_model_parallel(args, tp: int, pp: int, sequence_parallel: bool = False):
     import zerogpt
     from zerogpt.parallel import ParallelDims
     from zerogpt.parallel.plan import parallelize
 
     mesh = ParallelDims(tp=tp, pp=pp, dp=1).build_mesh(args.device)
-    parallel = parallelize(build_model(args), mesh)
+    parallel = parallelize(build_model(args), mesh, sequence_parallel)
     accum = args.micro_batches if pp > 1 else 1
     cfg = zerogpt.Config(dict(zero=dict(stage=1), precision="fp32", GRADIENT_ACCUMULATION=accum))
     model = parallel.module
@@ -149,6 +150,8 @@ def make_system(system: str, args, rank: int, world: int):
         return make_zero3(args, rank, world)
     if system == "tp2":
         return make_model_parallel(args, 2, 1)
+    if system == "tp2-sp":
+        return make_model_parallel(args, 2, 1, sequence_parallel=True)
     if system == "pp2":
         return make_model_parallel(args, 1, 2)
     raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")
