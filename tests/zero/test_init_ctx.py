@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import zerogpt
-from model_zoo.gpt import GPTLMLoss, gpt2_tiny
+from model_zoo.gpt import gpt2_tiny
 from tests.dist_utils import run_distributed
-from tests.zero.allocation import LargestAllocation
+from tests.zero.init_checks import LargestAllocation, mean_losses
 from zerogpt.zero import BucketTensorShardStrategy, TensorShardStrategy
 from zerogpt.zero.init_ctx import ZeroInitContext, recorded_init
 
@@ -304,17 +303,7 @@ def _train(rank: int, world: int) -> dict:
             cfg = make_config(stage, precision=precision)
             model, _ = build("gpt_odd", under_ctx, cfg)  # dropout 0.1: the RNG stream after initialize matters
             engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config=cfg)
-            g = torch.Generator().manual_seed(100 + rank)
-            losses = []
-            for _ in range(STEPS):
-                ids = torch.randint(0, 100, (2, 17), generator=g)
-                loss = GPTLMLoss(shift=False)(engine(ids[:, :-1]), ids[:, 1:])
-                engine.backward(loss)
-                engine.step()
-                engine.zero_grad()
-                total = loss.detach().float()
-                dist.all_reduce(total)
-                losses.append(total.item() / world)
+            losses = mean_losses(engine, 100, STEPS, rank, world)
             out[(stage, precision, under_ctx)] = (losses, engine.state_dict_full())
             engine.close()
     return out

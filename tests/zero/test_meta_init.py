@@ -9,13 +9,12 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zerogpt
-from model_zoo.gpt import GPT, GPTLMLoss, gpt2_medium, gpt2_tiny
+from model_zoo.gpt import GPT, gpt2_medium, gpt2_tiny
 from tests.dist_utils import run_distributed
-from tests.zero.allocation import LargestAllocation
+from tests.zero.init_checks import LargestAllocation, mean_losses
 from tests.zero.reference import cpu_ctx
 from zerogpt.zero import BucketTensorShardStrategy
 
@@ -49,17 +48,7 @@ def _train(rank: int, world: int) -> dict:
             left_meta = [n for n, p in model.named_parameters() if p.is_meta]
             tied = model.lm_head.weight is model.transformer.wte.weight
             init = engine.state_dict_full()
-            g = torch.Generator().manual_seed(100 + rank)
-            losses = []
-            for _ in range(STEPS):
-                ids = torch.randint(0, MODEL["vocab_size"], (2, 17), generator=g)
-                loss = GPTLMLoss(shift=False)(engine(ids[:, :-1]), ids[:, 1:])
-                engine.backward(loss)
-                engine.step()
-                engine.zero_grad()
-                total = loss.detach().clone()
-                dist.all_reduce(total)
-                losses.append(total.item() / world)
+            losses = mean_losses(engine, MODEL["vocab_size"], STEPS, rank, world)
             out[(stage, meta)] = dict(init=init, losses=losses, final=engine.state_dict_full(), left_meta=left_meta,
                                       tied=tied, num_chunks=len(engine.chunks))
             engine.close()
