@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "GPTOutput", "GPTLMLoss",
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "CausalAttention", "MLP", "GPTOutput", "GPTLMLoss",
            "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "from_hf", "to_hf", "hf_config",
            "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf", "model_from_config", "SIZES"]
 
@@ -96,11 +96,37 @@ def _block_seed(init_seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") >> 1  # manual_seed takes < 2**64; keep it positive for readability
 
 
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v with dropout on the probabilities (SDPA), per head.
+
+    A module of its own, without parameters, so a parallel plan can tell its dropout where to draw from: a
+    tensor-parallel rank computes only its own heads and gives them their own random stream
+    (zerogpt.parallel.rng), while every other dropout must draw alike on every rank.
+    """
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, T, hs), k and v (B, nh, T_past + T, hs): the last T positions attend to all before them."""
+        T, T_past = q.size(2), k.size(2) - q.size(2)
+        dropout_p = self.dropout if self.training else 0.0
+        if T_past == 0:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if T == 1:  # one new token sees the whole cache
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        # SDPA's is_causal aligns top-left; with a cache the mask must align bottom-right
+        mask = torch.ones(T, T_past + T, dtype=torch.bool, device=q.device).tril(diagonal=T_past)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.head_dim, self.dropout = config.head_dim, config.dropout
+        self.head_dim = config.head_dim
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads in one matmul
+        self.attend = CausalAttention(config.dropout)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -117,15 +143,7 @@ class CausalSelfAttention(nn.Module):
             k = torch.cat([layer_past[0], k], dim=2)  # (B, nh, T_past + T, hs)
             v = torch.cat([layer_past[1], v], dim=2)
         present = (k, v) if use_cache else None
-        T_past = k.size(2) - T
-        dropout_p = self.dropout if self.training else 0.0
-        if T_past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        elif T == 1:  # one new token sees the whole cache
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-        else:  # SDPA's is_causal aligns top-left; with a cache the mask must align bottom-right
-            mask = torch.ones(T, T_past + T, dtype=torch.bool, device=x.device).tril(diagonal=T_past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        y = self.attend(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, width)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y)), present
 

@@ -36,11 +36,10 @@ computes Megatron's max / sum-exp / target-logit all-reduces. Its backward must 
 a training step wraps the loss *and* `engine.backward(loss)` in `loss_parallel()`. The loss is a replicated
 DTensor; `.to_local()` gives the plain scalar (differentiably).
 
-Dropout. Every tensor-parallel rank must be seeded alike (model_zoo's tests use dropout 0): the dropouts
-on replicated activations (embeddings, residual branches) then draw the same masks on every rank, which
-keeps those activations replicated. Attention dropout inside a rank's own heads draws from the same stream
-on every rank, so heads on different ranks get correlated masks (Megatron forks a per-rank RNG for these;
-not done here).
+Dropout. Every tensor-parallel rank must be seeded alike: the dropouts on replicated activations
+(embeddings, residual branches) then draw the same masks on every rank, which keeps those activations
+replicated. The attention dropout of a rank's own heads, and under SP the dropouts of its own positions, draw
+from a stream of the rank's own, forked from the shared one (rng.py), as Megatron does.
 
 Layout (for checkpoints): `tensor_parallel_layout(model)[name]` is a `layout.ParamLayout(global_shape, dim,
 blocks)`: `global_shape` is the unsharded parameter's shape, `dim` the dim it is split along (`is_whole`:
@@ -51,8 +50,7 @@ has blocks [(r*C/T, C/T), (C + r*C/T, C/T), (2C + r*C/T, C/T)]; a Shard(d) param
 Sequence parallelism (`sequence_parallel=True`, see `_plan`) shards the residual stream on the sequence dim
 between the matmuls. A model built on the meta device works (the plan only reshapes meta tensors; plan.py fills
 the shards). Not done: models built in ZeroInitContext (the plan's row permutation and slicing happen outside
-the context, where nothing records them), and a per-rank RNG for dropout inside a rank's own heads or
-sequence positions.
+the context, where nothing records them).
 """
 from __future__ import annotations
 
@@ -64,6 +62,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
 from zerogpt.parallel.layout import ParamLayout
+from zerogpt.parallel.rng import own_stream
 
 __all__ = ["apply_tensor_parallel", "tensor_parallel_layout"]
 
@@ -123,6 +122,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             qkv.weight.data = qkv.weight.data[rows]
             qkv.bias.data = qkv.bias.data[rows]
     parallelize_module(model, tp_mesh, _plan(len(model.transformer.h), sequence_parallel))
+    _own_dropout_streams(model, tp_mesh.get_local_rank(), sequence_parallel)
     model.lm_head.weight = model.transformer.wte.weight  # re-tie: one Shard(0) DTensor parameter
     model.real_vocab = _MaskPaddedVocab(model.config.vocab_size)
     return {name for name, p in model.named_parameters() if _shard_dim(name, p) is None}
@@ -158,6 +158,17 @@ def _plan(n_layer: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
         plan["transformer.wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
         plan["transformer.ln_f"] = SequenceParallel()
     return plan
+
+
+def _own_dropout_streams(model: nn.Module, rank: int, sequence_parallel: bool) -> None:
+    """The dropouts on what only this rank holds draw from its own stream (rng.py): the attention
+    probabilities of its heads, and under SP the embedding and residual dropouts of its positions."""
+    own = [block.attn.attend for block in model.transformer.h]
+    if sequence_parallel:
+        own += [model.transformer.drop]
+        own += [m for block in model.transformer.h for m in (block.attn.resid_dropout, block.mlp.dropout)]
+    for module in own:
+        own_stream(module, rank)
 
 
 def _shard_dim(name: str, p: torch.Tensor) -> int | None:
