@@ -9,7 +9,6 @@ run in list order. Numbers reach the host only on log steps: a step that logs no
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import math
 import time

@@ -152,8 +152,9 @@ def grad_as_param(param: torch.Tensor) -> torch.Tensor:
 
     DTensor does not promise a gradient the parameter's placement: a vocab-parallel embedding's own gradient
     comes back Replicate (each rank computes all rows) while the weight is Shard(0). When wte is tied to the
-    head the two gradients are summed into Shard(0), but a first pipeline stage has no head. Replicate ->
-    Shard is a local slice, no communication.
+    head the two gradients are summed into Shard(0), but a first pipeline stage has no head. Under sequence
+    parallelism a LayerNorm's gradient is a Partial sum over the sequence shards. Replicate -> Shard is a
+    local slice; Partial -> Replicate an all-reduce over the tensor-parallel ranks.
     """
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
