@@ -71,9 +71,10 @@ def reference(dp: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage, sequence_parallel", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("stage, sequence_parallel", [(1, False), (2, True)])
 def test_tp2_pp2_matches_one_process(stage, sequence_parallel):
-    """With sequence parallelism the stages hand each other (B, T/2, C) sequence shards."""
+    """With sequence parallelism the stages hand each other (B, T/2, C) sequence shards. (ZeRO-2 without it:
+    test_a_meta_build_trains_bit_for_bit_as_a_whole_build.)"""
     runs = run_distributed(_fit, 4, 2, 2, stage, False, sequence_parallel, timeout=280)
     ref = reference(dp=1)
     for r, run in enumerate(runs):
