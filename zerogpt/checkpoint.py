@@ -200,10 +200,10 @@ def _saved_elsewhere(engine: Any, place: _Place, layouts: dict[str, ParamLayout]
     return {n for n in names if n in tied or (place.tp_rank != 0 and layouts[n].is_whole)}
 
 
-def _write_rank_files(engine: Any, state: dict, place: _Place, tmp: str) -> dict[str, dict]:
+def _write_rank_files(engine: Any, state: dict, place: _Place, tmp: str, layouts: dict[str, ParamLayout],
+                      tied: dict[str, str]) -> dict[str, dict]:
     """This rank's chunk shard files; returns {file name: {"pieces": [...], "layouts": {name: layout}}}."""
     ctx = engine.ctx
-    layouts, tied = engine_layouts(engine), engine_tied(engine)
     skip = _saved_elsewhere(engine, place, layouts, tied)
     files: dict[str, dict] = {}
     optimizer_state = state["optimizer"]["chunks"]  # {chunk index: {kind: shard or scalar}}, trainable
@@ -225,9 +225,9 @@ def _write_rank_files(engine: Any, state: dict, place: _Place, tmp: str) -> dict
     return files
 
 
-def _rank_meta(engine: Any, state: dict, place: _Place, files: dict) -> dict:
+def _rank_meta(engine: Any, state: dict, files: dict, layouts: dict[str, ParamLayout],
+               tied: dict[str, str]) -> dict:
     """What this rank contributes to meta.json (rank 0 merges every rank's, in rank order = model order)."""
-    layouts, tied = engine_layouts(engine), engine_tied(engine)
     params = {slot.name: {"shape": list(layouts[slot.name].global_shape), "trainable": chunk.plan.trainable}
               for chunk in engine.chunks for slot in chunk.plan.slots if slot.name not in tied}
     return {"files": files, "params": params, "tied": tied,
@@ -256,7 +256,8 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
     _barrier(place)
 
     state = engine.state_dict()
-    files = _write_rank_files(engine, state, place, tmp)
+    layouts, tied = engine_layouts(engine), engine_tied(engine)
+    files = _write_rank_files(engine, state, place, tmp, layouts, tied)
     rng_tensors, rng_plain = _rng_state()
     _save_safetensors_atomic(rng_tensors, os.path.join(tmp, f"rng_r{place.rank:05d}.safetensors"))
     buffer_file = None
@@ -264,7 +265,7 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
         buffer_file = BUFFERS if place.rank == 0 else f"buffers_r{place.rank:05d}.safetensors"
         buffers = {n: b.detach().cpu().clone() for n, b in state["buffers"].items()}
         _save_safetensors_atomic(buffers, os.path.join(tmp, buffer_file))
-    mine = _rank_meta(engine, state, place, files)
+    mine = _rank_meta(engine, state, files, layouts, tied)
     mine.update(rng=rng_plain, buffer_file=buffer_file)
     gathered = _all_gather_objects(mine, place)
     if place.rank == 0:

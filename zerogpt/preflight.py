@@ -248,9 +248,8 @@ def check_parallel(cfg: Any, world_size: int, model: Callable[[], Any]) -> Paral
             raise PreflightError(f"parallel.tensor.size={t} / parallel.pipeline={p} split a model_zoo GPT "
                                  f"(model = dict(type=gpt2_medium, ...)); {type(built).__name__} cannot be split")
         try:
-            dims.check_model(n_head=config.n_head, n_layer=config.n_layer, padded_vocab_size=config.padded_vocab_size,
-                             n_inner=config.n_inner or 4 * config.n_embd, where=f"model ({type(built).__name__}, "
-                             f"vocab {config.vocab_size:,} padded to {config.padded_vocab_size:,})")
+            dims.check_gpt(config, where=f"model ({type(built).__name__}, vocab {config.vocab_size:,} padded to "
+                                         f"{config.padded_vocab_size:,})")
         except ValueError as e:
             raise PreflightError(str(e)) from None
     return dims

@@ -17,7 +17,8 @@ from typing import Any, Iterable, Literal
 from zerogpt.config.colossalai import ColossalZeroConfig, zero_config
 from zerogpt.config.render import to_python
 from zerogpt.config.schema import (OPTIMIZER_NAMES, DataConfig, EngineConfig, HostConfig, LRSchedulerConfig,
-                                   ParallelConfig, TensorParallelConfig, TrainConfig, ZeroConfig, all_paths, check_fields, check_tree, section_types, suggest)
+                                   ParallelConfig, TensorParallelConfig, TrainConfig, ZeroConfig, all_paths,
+                                   check_fields, check_tree, section_types, suggest)
 
 
 @dataclass

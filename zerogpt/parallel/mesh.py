@@ -56,6 +56,11 @@ class ParallelDims:
             raise ValueError(f"{where}: n_layer={n_layer} is not divisible by parallel.pipeline={p}; every "
                              f"stage holds the same number of blocks")
 
+    def check_gpt(self, config: Any, where: str = "model") -> None:
+        """`check_model` on a model_zoo GPTConfig (n_inner None: the MLP is 4 x n_embd wide)."""
+        self.check_model(n_head=config.n_head, n_layer=config.n_layer, padded_vocab_size=config.padded_vocab_size,
+                         n_inner=config.n_inner or 4 * config.n_embd, where=where)
+
     def build_mesh(self, device_type: str) -> Any:
         """The run's DeviceMesh over the default process group, dims ("pp", "dp", "tp")."""
         from torch.distributed.device_mesh import init_device_mesh

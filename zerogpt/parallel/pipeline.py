@@ -39,8 +39,7 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     if stages == 1:
         return model
     c = model.config
-    ParallelDims(pp=stages).check_model(n_head=c.n_head, n_layer=c.n_layer, padded_vocab_size=c.padded_vocab_size,
-                                        n_inner=c.n_inner or 4 * c.n_embd)
+    ParallelDims(pp=stages).check_gpt(c)
     t = model.transformer
     t["h"] = nn.ModuleDict({str(i): t.h[i] for i in stage_layers(c.n_layer, stage, stages)})
     if stage == stages - 1:  # untie: the head is its own Parameter, kept equal to wte by summing the gradients
@@ -126,12 +125,7 @@ class Pipeline:
         labels = torch.cat([y for _, y in micro_batches])
         self._micro_losses = []
         with self.engine.scheduled_backward(before_reduce=self._sum_tied_grads), self.engine.loss_context():
-            if self.is_first:
-                self.schedule.step(inputs)
-            elif self.is_last:
-                self.schedule.step(target=labels, return_outputs=False)
-            else:
-                self.schedule.step()
+            self._feed(self.schedule.step, inputs, labels, return_outputs=False)
         # The schedule's first step also calls the loss once on its shape-inference pass: keep the real ones.
         return self._mean(self._micro_losses[-len(micro_batches):])
 
@@ -149,13 +143,18 @@ class Pipeline:
             # (a second stage object: the training one inferred its buffers for the training micro-batch)
         losses: list[torch.Tensor] = []
         with self.engine.loss_context():
-            if self.is_first:
-                self._eval_schedule.eval(inputs)
-            elif self.is_last:
-                self._eval_schedule.eval(target=labels, losses=losses)
-            else:
-                self._eval_schedule.eval()
+            self._feed(self._eval_schedule.eval, inputs, labels, losses=losses)
         return self._mean(losses)
+
+    def _feed(self, run: Callable[..., Any], inputs: torch.Tensor, labels: torch.Tensor, **last: Any) -> None:
+        """Call a schedule's `run` as this stage takes it: the inputs on the first stage, the labels (and
+        `last`) on the last, nothing in between (the activations come from the neighbours)."""
+        if self.is_first:
+            run(inputs)
+        elif self.is_last:
+            run(target=labels, **last)
+        else:
+            run()
 
     def _mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if not self.is_last:

@@ -62,6 +62,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
 from zerogpt.parallel.layout import ParamLayout
+from zerogpt.parallel.mesh import ParallelDims
 from zerogpt.parallel.rng import own_stream
 
 __all__ = ["apply_tensor_parallel", "tensor_parallel_layout"]
@@ -93,16 +94,6 @@ def _qkv_rows(width: int, tp: int) -> torch.Tensor:
                       for r in range(tp) for part in range(3)])
 
 
-def _check_shape(model: nn.Module, tp: int) -> None:
-    config = model.config
-    n_inner = config.n_inner or 4 * config.n_embd
-    for what, size in (("n_head", config.n_head), ("the MLP width", n_inner),
-                       ("the padded vocabulary", config.padded_vocab_size)):
-        if size % tp:
-            raise ValueError(f"tensor parallelism over {tp} ranks: {what} ({size}) is not divisible by {tp}; "
-                             f"see ParallelDims.check_model")
-
-
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> set[str]:
     """Shard a model_zoo GPT over `tp_mesh` (1-D) in Megatron's layout, in place; call before `initialize`.
 
@@ -114,7 +105,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         raise ValueError(f"apply_tensor_parallel needs the 1-D tensor-parallel mesh (mesh['tp']), "
                          f"got a {tp_mesh.ndim}-D mesh")
     tp = tp_mesh.size()
-    _check_shape(model, tp)
+    ParallelDims(tp=tp).check_gpt(model.config)
     with torch.no_grad():
         for block in model.transformer.h:
             qkv = block.attn.c_attn

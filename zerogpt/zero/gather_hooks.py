@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from zerogpt.zero.chunk import Chunk, local_tensor
+from zerogpt.zero.chunk import Chunk
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
@@ -101,7 +102,7 @@ class Stage3GatherHooks:
         chunk's memory is not freed between forward and backward).
         """
         param = tensor._base if tensor._base is not None else tensor
-        if id(param) not in self.param_to_chunk or local_tensor(param) is not param:
+        if id(param) not in self.param_to_chunk or isinstance(param, DTensor):
             return tensor
         return param, tensor.size(), tensor.stride(), tensor.storage_offset() - param.storage_offset()
 
