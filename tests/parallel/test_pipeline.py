@@ -12,7 +12,8 @@ from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
 from tests.zero.recipes import CLIP, MICRO_BATCH, SEQ, VOCAB, token_batches, zero_config
 from tests.zero.reference import adamw, cpu_ctx, single_thread
-from zerogpt.trainer import Hook, Trainer
+from tests.trainer.test_trainer import KeepLosses
+from zerogpt.trainer import Trainer
 
 STEPS = 3
 ACCUM = 4
@@ -65,17 +66,15 @@ def reference(dp: int, stage: int = 1) -> dict:
 def build_pp(pp: int, stage: int, offload: bool = False):
     """(engine, pipeline, dp rank, dp size) for this rank of a (pp, dp) mesh."""
     import zerogpt
-    from zerogpt.parallel import ParallelDims, engine_context
-    from zerogpt.parallel.pipeline import Pipeline, norm_skip, split_stage
+    from zerogpt.parallel import ParallelDims
+    from zerogpt.parallel.plan import parallelize
 
     torch.set_num_threads(1)
     dims = ParallelDims(pp=pp, dp=torch.distributed.get_world_size() // pp)
-    mesh = dims.build_mesh("cpu")
-    me = mesh["pp"].get_local_rank()
-    model = split_stage(tiny_gpt4(), me, pp)
-    ctx = engine_context(mesh, torch.device("cpu"), norm_skip=norm_skip(me, pp))
+    parallel = parallelize(tiny_gpt4(), dims.build_mesh("cpu"))
+    model, ctx = parallel.module, parallel.context(torch.device("cpu"))
     engine, *_ = zerogpt.initialize(model, adamw(model), config=_config(stage, offload), ctx=ctx)
-    return engine, Pipeline(engine, mesh, criterion), ctx.rank, ctx.world_size
+    return engine, parallel.attach(engine, criterion), ctx.rank, ctx.world_size
 
 
 def train(engine, pipe, dp_rank: int, dp: int, steps: range) -> dict:
@@ -224,18 +223,12 @@ def _trainer_data(dp: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return list(data.reshape(-1, dp, MICRO_BATCH, SEQ + 1).unbind(0)), list(data[0, :2].unbind(0))
 
 
-class Record(Hook):
-    """Logs at every step (the loop reads the loss then) and keeps the numbers."""
+class Record(KeepLosses):
+    """Logs at every step (the loop reads the loss then) and keeps the numbers: losses, and the grad norms."""
 
-    def __init__(self):
-        self.losses, self.norms = [], []
-
-    def logs_at(self, step, max_steps):
-        return True
-
-    def after_step(self, trainer):
-        self.losses.append(trainer.state.metrics.loss)
-        self.norms.append(trainer.state.metrics.grad_norm)
+    @property
+    def norms(self) -> list[float]:
+        return [m.grad_norm for m in self.metrics]
 
 
 def _fit(engine, dp_rank: int, dp: int) -> dict:

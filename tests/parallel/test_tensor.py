@@ -41,21 +41,18 @@ def _tp_engine(tp: int, world: int, zero: dict, accum: int, clip: float | None, 
 
     The mesh comes back with `local_numel`: this rank's tensor-parallel share of the parameters, counted
     before the engine packs them."""
-    from torch.distributed.tensor import DTensor
-
     import zerogpt
-    from zerogpt.parallel import ParallelDims, engine_context
-    from zerogpt.parallel.tensor import apply_tensor_parallel, tensor_parallel_layout
+    from zerogpt.parallel import ParallelDims
+    from zerogpt.parallel.plan import parallelize
+    from zerogpt.zero.chunk import local_tensor
 
     mesh = ParallelDims(tp=tp, dp=world // tp).build_mesh("cpu")
-    model = tiny_gpt()
-    replicated = apply_tensor_parallel(model, mesh["tp"], sequence_parallel)
-    layouts = tensor_parallel_layout(model)  # before initialize: stage 3 releases the parameters' storage
-    mesh.local_numel = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-    ctx = engine_context(mesh, torch.device("cpu"), norm_skip=replicated if mesh["tp"].get_local_rank() else ())
+    parallel = parallelize(tiny_gpt(), mesh, sequence_parallel)
+    model = parallel.module
+    mesh.local_numel = sum(local_tensor(p).numel() for p in model.parameters())
     cfg = zerogpt.Config(dict(zero=zero, precision="fp32", GRADIENT_ACCUMULATION=accum, clip_grad_norm=clip))
-    engine, *_ = zerogpt.initialize(model, adamw(model), config=cfg, ctx=ctx)
-    engine.param_layouts = layouts  # what checkpoints read each piece's place from
+    engine, *_ = zerogpt.initialize(model, adamw(model), config=cfg, ctx=parallel.context(torch.device("cpu")))
+    parallel.attach(engine)  # engine.param_layouts: what checkpoints read each piece's place from
     return engine, mesh
 
 
@@ -102,8 +99,9 @@ def _full_params(engine, mesh) -> dict[str, torch.Tensor] | None:
     if dist.get_rank() != 0:
         return None
     full = {}
-    for name, spec in layout.items():
-        if spec.is_whole:
+    for name in local:
+        spec = layout.get(name)
+        if spec is None:  # not split over "tp": every rank's local tensor is the whole parameter
             full[name] = local[name]
             continue
         out = torch.empty(spec.global_shape)
