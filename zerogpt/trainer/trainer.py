@@ -18,7 +18,8 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from zerogpt.trainer.hooks.base import Hook
-from zerogpt.trainer.hooks.lr import LRSchedulerHook, json_safe
+from zerogpt.trainer.hooks.lr import LRSchedulerHook
+from zerogpt.trainer.json_safe import json_safe
 from zerogpt.trainer.metrics import EpochMetrics, StepMetrics, host_float
 
 EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_step", "after_step",

@@ -23,17 +23,3 @@ class LRSchedulerHook(Hook):
         self.lr_scheduler = lr_scheduler
         self.by_epoch = by_epoch
 
-
-def json_safe(obj: Any) -> Any:
-    """Keep numbers, strings, lists and dicts (a scheduler's state_dict may hold a config object)."""
-    if isinstance(obj, dict):
-        return {str(k): json_safe(v) for k, v in obj.items() if _is_plain(v)}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
-def _is_plain(v: Any) -> bool:
-    if isinstance(v, (dict, list, tuple)):
-        return all(_is_plain(x) for x in (v.values() if isinstance(v, dict) else v))
-    return v is None or isinstance(v, (bool, int, float, str))
