@@ -6,13 +6,23 @@ does not own when it is stepped (Trainer.fit calls `scheduler.step()` once per o
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from zerogpt.config.schema import LRSchedulerConfig
-
 __all__ = ["build_lr_scheduler", "WarmupDecay"]
+
+
+class ScheduleConfig(Protocol):
+    """The fields of `zerogpt.config.LRSchedulerConfig` the schedule reads (a Protocol, because the config
+    schema imports zerogpt.optim to resolve optimizer names, so zerogpt.optim does not import the schema)."""
+
+    type: str
+    warmup_steps: int
+    total_steps: int | None
+    min_lr: float
+
 
 class WarmupDecay:
     """LR multiplier at optimizer step `s` (0-based): the LambdaLR lambda, a plain object so that
@@ -39,14 +49,14 @@ class WarmupDecay:
         return self.min_ratio + (1.0 - self.min_ratio) * f
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig,
                        total_steps: int | None = None) -> LambdaLR:
     """Build the run's LR schedule over `optimizer`.
 
     Args:
         optimizer: any torch optimizer; each group's current lr is its peak (base) lr.
-        cfg: the checked `lr_scheduler` section; min_lr is an absolute floor applied to group 0 (other
-            groups keep the same ratio to their own base lr).
+        cfg: the checked `lr_scheduler` section (`zerogpt.config.LRSchedulerConfig`); min_lr is an absolute
+            floor applied to group 0 (other groups keep the same ratio to their own base lr).
         total_steps: the run's length in optimizer steps; used when cfg.total_steps is None.
     Returns:
         torch.optim.lr_scheduler.LambdaLR; call .step() after each optimizer step (Trainer.fit does).
