@@ -11,33 +11,34 @@ bit-identical to plain CPU construction with the same seed, for any world size. 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from zerogpt.config import Config, EngineConfig, engine_config, parallel_config
-from zerogpt.parallel.mesh import ParallelDims
 from zerogpt.zero.chunk import ChunkPlan
 from zerogpt.zero.init_modes import _CpuFacade, _is_meta, _Recorder
 from zerogpt.zero.init_record import _key, _Recording, _Ref
 
 __all__ = ["ZeroInitContext", "RecordedInit", "recorded_init", "built_in_context", "swap_meta_for_empty"]
 
+RECORDING_ATTR = "_zerogpt_recording"
+"""The attribute under which each module that registered a parameter or buffer inside a ZeroInitContext keeps
+that context's record: the record travels with the model (`recorded_init(model)` reads it from
+`model.modules()`) and is dropped with it."""
+
 
 def _recording_now() -> bool:
     return any(isinstance(m, _Recorder) for m in _get_current_dispatch_mode_stack())
 
 
-# module -> what the context it was built in recorded. Keyed weakly: dropping the model drops the record.
-_RECORDINGS: "weakref.WeakKeyDictionary[nn.Module, _Recording]" = weakref.WeakKeyDictionary()
+def _recording_of(module: nn.Module) -> _Recording | None:
+    return vars(module).get(RECORDING_ATTR)
 
 
 class ZeroInitContext:
@@ -51,27 +52,20 @@ class ZeroInitContext:
     plainly meta. All initialisation must happen inside the block: ops on meta tensors after it are not recorded
     (`initialize` raises if a parameter was changed in place). Data-dependent ops with no meta form (nonzero,
     masked_select, ...), other devices than the CPU and nesting raise errors naming the op and the parameter.
-    The record is kept, weakly keyed by the modules built, until the model is garbage collected.
+    The record travels with the model: each module that registered a tensor inside the block keeps it (under
+    `RECORDING_ATTR`) until the module is garbage collected.
 
     Args:
-        config: optional; a zerogpt.Config, dict or EngineConfig. Nothing in it changes how the model is built
-            (the chunk layout is decided by `initialize`); it is validated here so a typo fails before a long
-            construction.
+        config: accepted and not read, so `ZeroInitContext(cfg)` call sites keep working. Nothing in a config
+            changes how the model is built (the chunk layout is decided by `initialize`, which checks the config).
 
     Example:
-        >>> with zerogpt.ZeroInitContext(cfg):
+        >>> with zerogpt.ZeroInitContext():
         ...     model = gpt2_small()
-        >>> engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg)
+        >>> engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg, ctx=ctx)
     """
 
     def __init__(self, config: Any = None) -> None:
-        if config is not None and not isinstance(config, (Config, dict, EngineConfig)):
-            raise TypeError(f"ZeroInitContext(config) takes a zerogpt.Config, a dict or None, "
-                            f"got {type(config).__name__}")
-        if config is not None and not isinstance(config, EngineConfig):
-            config = config if isinstance(config, Config) else Config(config)
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            engine_config(config, ParallelDims.from_config(parallel_config(config), world).dp)
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> "ZeroInitContext":
@@ -91,10 +85,10 @@ class ZeroInitContext:
         stack.close()  # facade, recorder and hooks, in reverse order, even on an exception
         if exc_type is None:
             for module in self._modules.values():
-                for t in [*module._parameters.values(), *module._buffers.values()]:
+                for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
                     if _is_meta(t):
                         self._recording.exit_versions[id(t)] = t._version
-                _RECORDINGS[module] = self._recording
+                vars(module)[RECORDING_ATTR] = self._recording
         self._modules = {}
         return False
 
@@ -157,7 +151,7 @@ def _value_of(source: tuple[_Recording, _Ref] | torch.Tensor) -> torch.Tensor:
 
 def built_in_context(model: nn.Module) -> bool:
     """Whether any module of `model` was built inside a ZeroInitContext (its record is kept)."""
-    return any(m in _RECORDINGS for m in model.modules())
+    return any(_recording_of(m) is not None for m in model.modules())
 
 
 def recorded_init(model: nn.Module) -> RecordedInit | None:
@@ -170,7 +164,7 @@ def recorded_init(model: nn.Module) -> RecordedInit | None:
     if _recording_now():
         raise RuntimeError("zerogpt.initialize was called inside a ZeroInitContext; call it after the `with` block, "
                            "when the model's initialisation is fully recorded")
-    recordings = list({id(r): r for m in model.modules() if (r := _RECORDINGS.get(m)) is not None}.values())
+    recordings = list({id(r): r for m in model.modules() if (r := _recording_of(m)) is not None}.values())
 
     def source(name: str, t: torch.Tensor, kind: str):
         if not t.is_meta:
@@ -180,7 +174,7 @@ def recorded_init(model: nn.Module) -> RecordedInit | None:
             raise ValueError(f"{kind} {name!r} is on the meta device but was not built inside "
                              f"zerogpt.ZeroInitContext (or was converted after it, e.g. by .to()/.half()), and "
                              f"{type(model).__name__} has no init_param_range(name, start, end), so its values "
-                             f"are unknown; build the model inside `with zerogpt.ZeroInitContext(cfg):`, give it "
+                             f"are unknown; build the model inside `with zerogpt.ZeroInitContext():`, give it "
                              f"init_param_range (as model_zoo's GPT has) or give it real weights before "
                              f"zerogpt.initialize")
         if owner.exit_versions.get(id(t), t._version) != t._version:

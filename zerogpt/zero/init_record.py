@@ -76,6 +76,11 @@ class _Recording:
         self._rng_saved: dict[int, tuple[torch.Generator, torch.Tensor]] | None = None
         self.exit_versions: dict[int, int] = {}  # id(param or buffer) -> tensor._version when the context exited
 
+    def __deepcopy__(self, memo: dict) -> "_Recording":
+        # A deep copy of a model shares its modules' record (init_ctx.RECORDING_ATTR) instead of copying the
+        # generators and storages in it: the copy's meta tensors have new storages, which it does not know.
+        return self
+
     def ref(self, t: torch.Tensor) -> _Ref:
         return _Ref(_key(t), len(self.roots[_key(t)].log), *_geometry(t), t.dtype)
 
