@@ -1,5 +1,7 @@
-"""Models for zerogpt: the GPT-2 family (gpt.py), local Hugging Face causal LMs (hf.py), and `build_model`,
-which turns a config's `model = dict(type=..., **kwargs)` into an nn.Module. Knows nothing about ZeRO or data.
+"""Models for zerogpt, and `build_model`, which turns a config's `model = dict(type=..., **kwargs)` into an nn.Module.
+
+The GPT-2 family (gpt.py) with its loss (loss.py), weight init (weight_init.py) and sampling (generation.py);
+Hugging Face conversion and local HF causal LMs (hf.py). Knows nothing about ZeRO or data.
 """
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ from typing import Any
 
 from torch import nn
 
-from model_zoo.gpt import (GPT, GPTConfig, GPTLMLoss, GPTOutput, from_hf, gpt2_large, gpt2_medium, gpt2_small,
-                           gpt2_tiny, gpt2_xl, to_hf)
+from model_zoo.gpt import GPT, GPTConfig, GPTOutput, gpt2_large, gpt2_medium, gpt2_small, gpt2_tiny, gpt2_xl
+from model_zoo.hf import from_hf, to_hf
+from model_zoo.loss import GPTLMLoss
 
 __all__ = ["GPT", "GPTConfig", "GPTLMLoss", "GPTOutput", "from_hf", "to_hf", "gpt2_tiny", "gpt2_small",
            "gpt2_medium", "gpt2_large", "gpt2_xl", "build_model", "builds_on_meta"]

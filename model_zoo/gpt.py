@@ -1,9 +1,10 @@
-"""GPT-2 in plain PyTorch: model, factories (tiny .. xl), GPTLMLoss, and exact Hugging Face conversion.
+"""GPT-2 in plain PyTorch: GPTConfig, the modules and their forward, and the factories (gpt2_tiny .. gpt2_xl).
 
-Module names follow GPT-2/HF (transformer.wte, h[i].attn.c_attn, ln_f, lm_head) so conversion is a lookup
-table. This file knows nothing about ZeRO; its only promise to the engine is that every parameter is used
-inside the forward of the module that owns it (stage 3 gathers parameters in module pre-forward hooks), e.g.
-position embeddings go through `self.wpe(pos)` and the tied head through `self.lm_head(x)`.
+Beside it: the loss (loss.py), the weight init (weight_init.py), sampling (generation.py) and Hugging Face
+conversion (hf.py). Module names follow GPT-2/HF (transformer.wte, h[i].attn.c_attn, ln_f, lm_head) so
+conversion is a lookup table. This file knows nothing about ZeRO; its only promise to the engine is that every
+parameter is used inside the forward of the module that owns it (stage 3 gathers parameters in module
+pre-forward hooks), e.g. position embeddings go through `self.wpe(pos)` and the tied head through `self.lm_head(x)`.
 
 Vocabulary padding: the embedding/head have `padded_vocab_size` rows (a multiple of 64, for matmul speed),
 but logits are sliced to the real `vocab_size` before they are returned or fed to the loss, so padded rows
@@ -11,9 +12,7 @@ never affect the loss or sampling and receive zero gradient.
 """
 from __future__ import annotations
 
-import hashlib
-import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -21,18 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "CausalAttention", "MLP", "GPTOutput", "GPTLMLoss",
-           "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "from_hf", "to_hf", "hf_config",
-           "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf", "model_from_config", "SIZES"]
+from model_zoo import generation, weight_init
+from model_zoo.loss import GPTLMLoss
+
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "CausalAttention", "MLP", "GPTOutput",
+           "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "SIZES", "as_gpt_config",
+           "model_from_config", "hf_config", "to_hf_tensor"]
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each (B, nh, T_past, hs)
 
-_TIED_TO = {"lm_head.weight": "transformer.wte.weight"}
-
-INIT_BLOCK = 1 << 16
-"""Elements per independently seeded block of a parameter's random init (GPT.init_param_range)."""
-
-_GELU_APPROXIMATE = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+GELU_APPROXIMATE = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+"""GPTConfig.activation -> nn.GELU's `approximate` (the names are transformers' activation_function values)."""
 
 
 @dataclass
@@ -61,8 +59,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.activation not in _GELU_APPROXIMATE:
-            raise ValueError(f"activation must be one of {sorted(_GELU_APPROXIMATE)}, got {self.activation!r}")
+        if self.activation not in GELU_APPROXIMATE:
+            raise ValueError(f"activation must be one of {sorted(GELU_APPROXIMATE)}, got {self.activation!r}")
         for name in ("vocab_size", "max_position_embeddings", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -88,12 +86,6 @@ class GPTOutput:
     loss: torch.Tensor | None = None
     """Scalar mean cross-entropy over labels != -100 (fp32)."""
     past_key_values: KVCache | None = None
-
-
-def _block_seed(init_seed: int, name: str, block: int) -> int:
-    """A generator seed for one init block, the same in every process (Python's hash() of a str is not)."""
-    digest = hashlib.blake2b(f"{init_seed}/{name}/{block}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # manual_seed takes < 2**64; keep it positive for readability
 
 
 class CausalAttention(nn.Module):
@@ -153,7 +145,7 @@ class MLP(nn.Module):
         super().__init__()
         hidden = config.n_inner or 4 * config.n_embd
         self.c_fc = nn.Linear(config.n_embd, hidden)
-        self.act = nn.GELU(approximate=_GELU_APPROXIMATE[config.activation])
+        self.act = nn.GELU(approximate=GELU_APPROXIMATE[config.activation])
         self.c_proj = nn.Linear(hidden, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -256,11 +248,8 @@ class GPT(nn.Module):
     def init_param_range(self, name: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of flattened parameter `name` exactly as initialised, however it is split.
 
-        GPT-2 init: N(0, 0.02) weights and embeddings, N(0, 0.02/sqrt(2*n_layer)) for `c_proj` weights (GPT-2
-        paper §2.3: 2 residual adds per block), zero biases, LayerNorm ones/zeros, padded vocab rows zero.
-        Random values are counter-based: each block of INIT_BLOCK elements of a parameter is drawn whole from
-        its own generator seeded by (init_seed, name, block index), so a range costs its overlapping blocks
-        only (memory: the range plus one block) and any split concatenates to the whole parameter bit for bit.
+        GPT-2's init, drawn block by block from generators seeded by (init_seed, name, block): see
+        model_zoo/weight_init.py. zerogpt.initialize calls this on a meta-built model to fill each rank's shards.
 
         Args:
             name: a parameter name as in named_parameters(); the tied "lm_head.weight" is "transformer.wte.weight".
@@ -273,38 +262,7 @@ class GPT(nn.Module):
             >>> torch.equal(part, model.transformer.wpe.weight.view(-1)[5:9])
             True
         """
-        name, numel, std, fill = self._init_rule(name)
-        if not 0 <= start <= end <= numel:
-            raise ValueError(f"init_param_range({name!r}, {start}, {end}): the range must lie within the "
-                             f"parameter's {numel} elements (0 <= start <= end <= {numel})")
-        if std is None:
-            return torch.full((end - start,), fill, dtype=torch.float32, device="cpu")
-        out = torch.empty(end - start, dtype=torch.float32, device="cpu")
-        for block in range(start // INIT_BLOCK, -(-end // INIT_BLOCK)):
-            lo, hi = block * INIT_BLOCK, min(numel, (block + 1) * INIT_BLOCK)
-            gen = torch.Generator(device="cpu").manual_seed(_block_seed(self.init_seed, name, block))
-            values = torch.randn(hi - lo, generator=gen, dtype=torch.float32, device="cpu")  # whole block, always
-            a, b = max(start, lo), min(end, hi)
-            out[a - start : b - start] = values[a - lo : b - lo]
-        out.mul_(std)
-        if name == "transformer.wte.weight":  # padded vocab rows: never a real token; zero (they get zero grad)
-            out[max(0, self.config.vocab_size * self.config.n_embd - start):] = 0.0
-        return out
-
-    def _init_rule(self, name: str) -> tuple[str, int, float | None, float]:
-        """(canonical name, numel, std of its normal init or None, constant fill when std is None)."""
-        name = _TIED_TO.get(name, name)  # the head is wte, tied or (on a last pipeline stage) a copy of it
-        if name not in self._init_numel:
-            raise KeyError(f"GPT has no parameter {name!r}; names are those of named_parameters(), e.g. "
-                           f"'transformer.h.0.attn.c_attn.weight'")
-        numel = self._init_numel[name]
-        module_name, _, kind = name.rpartition(".")
-        if kind == "bias":
-            return name, numel, None, 0.0
-        if module_name.rpartition(".")[2].startswith("ln_"):  # LayerNorm weight
-            return name, numel, None, 1.0
-        std = 0.02 / math.sqrt(2 * self.config.n_layer) if module_name.endswith("c_proj") else 0.02
-        return name, numel, std, 0.0
+        return weight_init.init_param_range(self.config, self.init_seed, self._init_numel, name, start, end)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 past_key_values: KVCache | None = None, use_cache: bool = False) -> torch.Tensor | GPTOutput:
@@ -342,27 +300,13 @@ class GPT(nn.Module):
         loss = GPTLMLoss(shift=False)(logits, labels) if labels is not None else None
         return GPTOutput(logits=logits, loss=loss, past_key_values=tuple(presents) if use_cache else None)
 
-    @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample `max_new_tokens` tokens after `input_ids` (B, T) with a KV cache; temperature 0 = greedy."""
-        out_ids, past, step_ids = input_ids, None, input_ids
-        for _ in range(max_new_tokens):
-            if (past[0][0].size(2) if past else 0) + step_ids.size(1) > self.config.max_position_embeddings:
-                past, step_ids = None, out_ids[:, -self.config.max_position_embeddings:]  # window slides: recompute
-            out = self(step_ids, past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1, :].float()
-            if temperature == 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            out_ids = torch.cat([out_ids, next_id], dim=1)
-            step_ids = next_id
-        return out_ids
+        """Sample `max_new_tokens` tokens after `input_ids` (B, T) with a KV cache; temperature 0 = greedy.
+
+        See model_zoo/generation.py for the arguments; returns (B, T + max_new_tokens) token ids.
+        """
+        return generation.generate(self, input_ids, max_new_tokens, temperature, top_k, generator)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters counted once (the tied head is wte). non_embedding=True drops the position embedding and
@@ -377,32 +321,6 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 * L * H * Q * T."""
         c = self.config
         return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_head * c.head_dim * seq_len
-
-
-class GPTLMLoss(nn.Module):
-    """Next-token cross-entropy, mean over targets != ignore_index, computed in fp32.
-
-    shift=True (default, the Colossal-AI tutorial form): `loss(logits, input_ids)` predicts input_ids[t+1]
-    from position t. shift=False: `loss(logits, labels)` with labels already aligned (labels[t] = next token
-    of input_ids[t]), as zerogpt's datasets yield them. `logits` may also be any output object with `.logits`
-    (GPTOutput, Hugging Face CausalLMOutput).
-
-    Example:
-        >>> logits, ids = torch.randn(2, 8, 100), torch.randint(0, 100, (2, 8))
-        >>> GPTLMLoss()(logits, ids).shape
-        torch.Size([])
-    """
-
-    def __init__(self, ignore_index: int = -100, shift: bool = True):
-        super().__init__()
-        self.ignore_index, self.shift = ignore_index, shift
-
-    def forward(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
-        logits = getattr(logits, "logits", logits)
-        if self.shift:
-            logits, labels = logits[..., :-1, :], labels[..., 1:]
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                               ignore_index=self.ignore_index)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -429,18 +347,9 @@ def _build(size: str, pretrained: str | None, overrides: dict[str, Any]) -> GPT:
     config = GPTConfig(**{**SIZES[size], **overrides})
     if pretrained is None:
         return GPT(config)
-    from transformers import GPT2LMHeadModel  # optional dependency, only for pretrained=DIR
-    from model_zoo.hf import check_hf_dir  # names a corrupt model.safetensors instead of a traceback
+    from model_zoo.hf import load_pretrained_gpt  # hf.py imports this module; transformers only for pretrained=DIR
 
-    check_hf_dir(pretrained)
-    model = from_hf(GPT2LMHeadModel.from_pretrained(pretrained, local_files_only=True),
-                    dropout=config.dropout, checkpoint=config.checkpoint)
-    arch = ("n_layer", "n_head", "n_embd")
-    if any(getattr(model.config, k) != getattr(config, k) for k in arch):
-        got = ", ".join(f"{k}={getattr(model.config, k)}" for k in arch)
-        raise ValueError(f"{size}(pretrained={pretrained!r}): the checkpoint has {got}, which is not {size}; "
-                         f"use the matching factory or model = dict(type='hf', path=...)")
-    return model
+    return load_pretrained_gpt(pretrained, size, config)
 
 
 def gpt2_tiny(pretrained: str | None = None, **overrides: Any) -> GPT:
@@ -473,106 +382,29 @@ def gpt2_xl(pretrained: str | None = None, **overrides: Any) -> GPT:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Hugging Face conversion. HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
-# The rules live in four small functions (configs both ways, one tensor at a time both ways) that from_hf /
-# to_hf and zerogpt's checkpoint exporter share, so there is one copy of them. zerogpt finds them through
-# the model class a checkpoint records ("model_zoo.gpt.GPT" -> this module), never by a static import:
-#   hf_config(config) -> GPT2Config,  to_hf_tensor(name, tensor, config) -> (hf_name, tensor),
-#   model_from_config(config) -> GPT  (config: a GPTConfig or its asdict() form, as checkpoints store it).
+# The checkpoint plugin protocol: zerogpt_tools.export (ModelPlugin) looks up model_from_config, hf_config and
+# to_hf_tensor in the module of the class a checkpoint records ("model_zoo.gpt.GPT" -> this module). The
+# Hugging Face rules live in model_zoo/hf.py, which imports this module, so the two hooks import it on call.
 
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-_VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # (padded_vocab_size, n_embd): pad rows dropped in HF
-
-
-def _as_config(config: GPTConfig | dict[str, Any]) -> GPTConfig:
+def as_gpt_config(config: GPTConfig | dict[str, Any]) -> GPTConfig:
     """A GPTConfig from itself or from its `dataclasses.asdict` form (what checkpoints record)."""
     return config if isinstance(config, GPTConfig) else GPTConfig(**config)
 
 
 def model_from_config(config: GPTConfig | dict[str, Any]) -> GPT:
     """A freshly initialised GPT of a recorded config (zerogpt_tools.generate loads checkpoint tensors into it)."""
-    return GPT(_as_config(config))
-
-
-def gpt_config_from_hf(hc: Any, **overrides: Any) -> GPTConfig:
-    """The GPTConfig of a transformers GPT2Config; ValueError for GPT-2 variants our GPT cannot reproduce.
-
-    overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
-    """
-    unsupported = {k: getattr(hc, k, None) for k in ("scale_attn_by_inverse_layer_idx", "add_cross_attention")
-                   if getattr(hc, k, False)}
-    if not getattr(hc, "scale_attn_weights", True):
-        unsupported["scale_attn_weights"] = False
-    if unsupported or hc.activation_function not in _GELU_APPROXIMATE:
-        raise ValueError(f"from_hf supports standard GPT-2 configs only; unsupported settings: "
-                         f"{unsupported or {'activation_function': hc.activation_function}}")
-    config = GPTConfig(vocab_size=hc.vocab_size, max_position_embeddings=hc.n_positions, n_layer=hc.n_layer,
-                       n_head=hc.n_head, n_embd=hc.n_embd, n_inner=hc.n_inner, dropout=hc.resid_pdrop,
-                       layer_norm_epsilon=hc.layer_norm_epsilon, activation=hc.activation_function)
-    return replace(config, **overrides)
+    return GPT(as_gpt_config(config))
 
 
 def hf_config(config: GPTConfig | dict[str, Any]) -> Any:
-    """The transformers GPT2Config of a GPTConfig (real vocab_size: the padded rows are not exported)."""
-    from transformers import GPT2Config
+    """The transformers GPT2Config of a GPTConfig: model_zoo.hf.hf_config."""
+    from model_zoo import hf
 
-    c = _as_config(config)
-    return GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.n_embd,
-                      n_layer=c.n_layer, n_head=c.n_head, n_inner=c.n_inner, activation_function=c.activation,
-                      resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
-                      layer_norm_epsilon=c.layer_norm_epsilon, tie_word_embeddings=True,
-                      # GPT-2's <|endoftext|> is 50256; a smaller (own-tokenizer) vocab has no such id.
-                      bos_token_id=50256 if c.vocab_size > 50256 else None,
-                      eos_token_id=50256 if c.vocab_size > 50256 else None)
+    return hf.hf_config(config)
 
 
 def to_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
-    """One of our tensors as HF GPT-2 stores it: Conv1D weights transposed, padded vocab rows dropped.
+    """One of our tensors as HF GPT-2 stores it: model_zoo.hf.to_hf_tensor."""
+    from model_zoo import hf
 
-    Names are the same on both sides (GPT-2's module names); the result is contiguous, ready for safetensors.
-    """
-    if name.endswith(_CONV1D):
-        tensor = tensor.t()
-    if name in _VOCAB_ROWS:
-        tensor = tensor[: _as_config(config).vocab_size]
-    return name, tensor.contiguous()
-
-
-def from_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
-    """One HF GPT-2 tensor in our layout: Conv1D weights transposed, vocab rows zero-padded to padded_vocab_size."""
-    c = _as_config(config)
-    if name.endswith(_CONV1D):
-        tensor = tensor.t()
-    if name in _VOCAB_ROWS and tensor.size(0) < c.padded_vocab_size:
-        tensor = torch.cat([tensor, tensor.new_zeros(c.padded_vocab_size - tensor.size(0), tensor.size(1))])
-    return name, tensor.contiguous()
-
-
-def from_hf(hf_model: Any, **overrides: Any) -> GPT:
-    """Convert a transformers GPT2LMHeadModel into a GPT with identical outputs (fp32 logits within 1e-5).
-
-    Args:
-        hf_model: transformers.GPT2LMHeadModel (any size).
-        overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
-    """
-    config = gpt_config_from_hf(hf_model.config, **overrides)
-    model = GPT(config)
-    hf_state = hf_model.state_dict()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(from_hf_tensor(name, hf_state[name], config)[1].to(param.dtype))
-    return model
-
-
-def to_hf(model: GPT) -> Any:
-    """Convert a GPT into a transformers GPT2LMHeadModel with identical outputs (padded vocab rows dropped)."""
-    from transformers import GPT2LMHeadModel
-
-    hf_model = GPT2LMHeadModel(hf_config(model.config))
-    hf_params = dict(hf_model.named_parameters())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            hf_name, src = to_hf_tensor(name, param.detach(), model.config)
-            hf_params[hf_name].copy_(src.to(hf_params[hf_name].dtype))
-    hf_model.tie_weights()
-    return hf_model.to(next(model.parameters()).device)
+    return hf.to_hf_tensor(name, tensor, config)

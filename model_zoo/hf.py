@@ -1,16 +1,144 @@
-"""Build any local Hugging Face causal LM from a config's `model = dict(type="hf", path=DIR, ...)`.
+"""Hugging Face interop: exact GPT-2 conversion to and from our GPT, and loading local HF models.
 
-Nothing is downloaded: the directory must hold a `save_pretrained` model. GPT-2 weight conversion to and
-from our own GPT lives in model_zoo/gpt.py (from_hf / to_hf).
+Conversion: HF GPT-2 uses Conv1D, whose weight is (in, out), the transpose of nn.Linear's; module names are the
+same on both sides (GPT-2's), so the rules are four small functions (configs both ways, one tensor at a time both
+ways) that from_hf / to_hf and zerogpt's checkpoint exporter share. The exporter reaches hf_config and
+to_hf_tensor through model_zoo/gpt.py (the module of the class a checkpoint records), which hands over to here.
+Loading: nothing is downloaded; a directory must hold a `save_pretrained` model, and its safetensors files are
+checked before transformers reads them. transformers is imported inside the functions that need it.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from model_zoo.gpt import GELU_APPROXIMATE, GPT, GPTConfig, as_gpt_config
+
+__all__ = ["from_hf", "to_hf", "hf_config", "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf",
+           "load_pretrained_gpt", "load_hf_causal_lm", "check_safetensors", "check_hf_dir"]
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # (padded_vocab_size, n_embd): pad rows dropped in HF
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPT-2 conversion: configs and tensors, both ways
+
+def gpt_config_from_hf(hc: Any, **overrides: Any) -> GPTConfig:
+    """The GPTConfig of a transformers GPT2Config; ValueError for GPT-2 variants our GPT cannot reproduce.
+
+    overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
+    """
+    unsupported = {k: getattr(hc, k, None) for k in ("scale_attn_by_inverse_layer_idx", "add_cross_attention")
+                   if getattr(hc, k, False)}
+    if not getattr(hc, "scale_attn_weights", True):
+        unsupported["scale_attn_weights"] = False
+    if unsupported or hc.activation_function not in GELU_APPROXIMATE:
+        raise ValueError(f"from_hf supports standard GPT-2 configs only; unsupported settings: "
+                         f"{unsupported or {'activation_function': hc.activation_function}}")
+    config = GPTConfig(vocab_size=hc.vocab_size, max_position_embeddings=hc.n_positions, n_layer=hc.n_layer,
+                       n_head=hc.n_head, n_embd=hc.n_embd, n_inner=hc.n_inner, dropout=hc.resid_pdrop,
+                       layer_norm_epsilon=hc.layer_norm_epsilon, activation=hc.activation_function)
+    return replace(config, **overrides)
+
+
+def hf_config(config: GPTConfig | dict[str, Any]) -> Any:
+    """The transformers GPT2Config of a GPTConfig (real vocab_size: the padded rows are not exported)."""
+    from transformers import GPT2Config
+
+    c = as_gpt_config(config)
+    return GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.n_embd,
+                      n_layer=c.n_layer, n_head=c.n_head, n_inner=c.n_inner, activation_function=c.activation,
+                      resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
+                      layer_norm_epsilon=c.layer_norm_epsilon, tie_word_embeddings=True,
+                      # GPT-2's <|endoftext|> is 50256; a smaller (own-tokenizer) vocab has no such id.
+                      bos_token_id=50256 if c.vocab_size > 50256 else None,
+                      eos_token_id=50256 if c.vocab_size > 50256 else None)
+
+
+def to_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
+    """One of our tensors as HF GPT-2 stores it: Conv1D weights transposed, padded vocab rows dropped.
+
+    Names are the same on both sides (GPT-2's module names); the result is contiguous, ready for safetensors.
+    """
+    if name.endswith(_CONV1D):
+        tensor = tensor.t()
+    if name in _VOCAB_ROWS:
+        tensor = tensor[: as_gpt_config(config).vocab_size]
+    return name, tensor.contiguous()
+
+
+def from_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
+    """One HF GPT-2 tensor in our layout: Conv1D weights transposed, vocab rows zero-padded to padded_vocab_size."""
+    c = as_gpt_config(config)
+    if name.endswith(_CONV1D):
+        tensor = tensor.t()
+    if name in _VOCAB_ROWS and tensor.size(0) < c.padded_vocab_size:
+        tensor = torch.cat([tensor, tensor.new_zeros(c.padded_vocab_size - tensor.size(0), tensor.size(1))])
+    return name, tensor.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPT-2 conversion: whole models
+
+def from_hf(hf_model: Any, **overrides: Any) -> GPT:
+    """Convert a transformers GPT2LMHeadModel into a GPT with identical outputs (fp32 logits within 1e-5).
+
+    Args:
+        hf_model: transformers.GPT2LMHeadModel (any size).
+        overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
+    """
+    config = gpt_config_from_hf(hf_model.config, **overrides)
+    model = GPT(config)
+    hf_state = hf_model.state_dict()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(from_hf_tensor(name, hf_state[name], config)[1].to(param.dtype))
+    return model
+
+
+def to_hf(model: GPT) -> Any:
+    """Convert a GPT into a transformers GPT2LMHeadModel with identical outputs (padded vocab rows dropped)."""
+    from transformers import GPT2LMHeadModel
+
+    hf_model = GPT2LMHeadModel(hf_config(model.config))
+    hf_params = dict(hf_model.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            hf_name, src = to_hf_tensor(name, param.detach(), model.config)
+            hf_params[hf_name].copy_(src.to(hf_params[hf_name].dtype))
+    hf_model.tie_weights()
+    return hf_model.to(next(model.parameters()).device)
+
+
+def load_pretrained_gpt(path: str, size: str, config: GPTConfig) -> GPT:
+    """Our GPT from a local HF GPT-2 directory, for the factories' pretrained=DIR (e.g. gpt2_small(pretrained=...)).
+
+    Args:
+        path: a `save_pretrained` GPT2LMHeadModel directory.
+        size: the factory's name ("gpt2_small"); the checkpoint must have its n_layer, n_head and n_embd.
+        config: the factory's GPTConfig; only its dropout and checkpoint are taken, the rest comes from the files.
+    """
+    from transformers import GPT2LMHeadModel
+
+    check_hf_dir(path)  # names a corrupt model.safetensors instead of a traceback
+    model = from_hf(GPT2LMHeadModel.from_pretrained(path, local_files_only=True),
+                    dropout=config.dropout, checkpoint=config.checkpoint)
+    arch = ("n_layer", "n_head", "n_embd")
+    if any(getattr(model.config, k) != getattr(config, k) for k in arch):
+        got = ", ".join(f"{k}={getattr(model.config, k)}" for k in arch)
+        raise ValueError(f"{size}(pretrained={path!r}): the checkpoint has {got}, which is not {size}; "
+                         f"use the matching factory or model = dict(type='hf', path=...)")
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Any local HF causal LM: model = dict(type="hf", path=DIR, ...) in a config
 
 def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.Module:
     """AutoModelForCausalLM.from_pretrained(path) from local files only.

@@ -1,5 +1,5 @@
-"""Tests for Hugging Face interop: from_hf / to_hf parity (model_zoo/gpt.py), pretrained=DIR factories, and
-`model = dict(type="hf", path=DIR)` (model_zoo/hf.py). Models are random, built and saved in tmp dirs."""
+"""Tests for model_zoo/hf.py: from_hf / to_hf parity, pretrained=DIR factories, and `model = dict(type="hf",
+path=DIR)`. Models are random, built and saved in tmp dirs."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model_zoo import build_model  # noqa: E402
-from model_zoo.gpt import GPTLMLoss, from_hf, gpt2_small, gpt2_tiny, to_hf  # noqa: E402
+from model_zoo.gpt import gpt2_small, gpt2_tiny  # noqa: E402
+from model_zoo.hf import from_hf, to_hf  # noqa: E402
+from model_zoo.loss import GPTLMLoss  # noqa: E402
 
 SHAPES = [  # (vocab, positions, n_embd, n_layer, n_head): odd vocab (padding), several head counts
     (100, 32, 32, 2, 4),

@@ -127,7 +127,7 @@ def _measured_peaks(rank: int, world: int, disk_path: str) -> dict:
     the peak of each (category, home).
     """
     import zerogpt
-    from model_zoo.gpt import GPTLMLoss, gpt2_tiny
+    from model_zoo import GPTLMLoss, gpt2_tiny
     from zerogpt.zero import BucketTensorShardStrategy
 
     out = {}

@@ -36,7 +36,7 @@ def train_and_save(rank: int, world: int, run_dir: str, tok_dir: str | None, sta
     """Train gpt2_tiny a few steps through the engine, save <run_dir>/checkpoints/step_N (+ latest) and return
     (engine logits on probe_ids, state_dict_full) from rank 0."""
     import zerogpt
-    from model_zoo.gpt import GPTLMLoss, gpt2_tiny
+    from model_zoo import GPTLMLoss, gpt2_tiny
 
     torch.manual_seed(0)
     model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=64)
@@ -82,7 +82,7 @@ def load_hf(path, **kwargs):
 
 def check_export(out, logits, full, tok_dir):
     """The export loads with transformers, holds the trained tensors exactly, and gives the trained logits."""
-    from model_zoo.gpt import to_hf_tensor
+    from model_zoo.hf import to_hf_tensor
 
     hf = load_hf(out)
     assert isinstance(hf, transformers.GPT2LMHeadModel) and hf.config.vocab_size == VOCAB
