@@ -25,40 +25,43 @@ def _collectives(rank: int, world: int, algorithm: str, shm_dir: str) -> dict:
 
     shm.SHM_DIR = shm_dir
     shm.STAGING_BYTES = 2 * world * 64  # 64-byte slots: 16 fp32 per piece, so 3 pieces below
+    transport = None  # without one, collectives run on gloo
     if algorithm == "flat-collectives":
         comm._uses_gloo = lambda tensor, group: False  # this process only: take torch's flat collectives
     elif algorithm == "shared-memory":
-        shm.open_transport(None)  # the engine opens it at initialize(); without it collectives run on gloo
+        transport = shm.open_transport(None)  # as the engine opens it at initialize()
     shard = 40
     out = {}
     full = torch.full((shard * world,), float("nan"))
-    comm.all_gather_flat(full, _values(rank, shard))
+    comm.all_gather_flat(full, _values(rank, shard), transport=transport)
     out["gather"] = full.clone()
 
     full = torch.full((shard * world,), float("nan"))
     full[rank * shard : (rank + 1) * shard] = _values(rank, shard)
-    comm.all_gather_flat(full, full[rank * shard : (rank + 1) * shard], async_op=True).wait()
+    comm.all_gather_flat(full, full[rank * shard : (rank + 1) * shard], async_op=True, transport=transport).wait()
     out["gather_in_place_async"] = full.clone()
 
     grads = _values(rank, shard * world)
     mine = torch.empty(shard)
-    work = comm.reduce_scatter_flat(mine, grads, async_op=True)
+    work = comm.reduce_scatter_flat(mine, grads, async_op=True, transport=transport)
     work.wait()
     out["reduce_scatter_async"] = mine.clone()
     mine = torch.empty(shard)
-    comm.reduce_scatter_flat(mine, _values(rank, shard * world))
+    comm.reduce_scatter_flat(mine, _values(rank, shard * world), transport=transport)
     out["reduce_scatter"] = mine.clone()
     mine = torch.empty(shard)
-    comm.reduce_scatter_flat(mine, _values(rank, shard * world), scale=0.5)
+    comm.reduce_scatter_flat(mine, _values(rank, shard * world), scale=0.5, transport=transport)
     out["reduce_scatter_scaled"] = mine.clone()
     every = _values(rank, 37)  # any size: stage 0 chunks are not padded to the world size
-    comm.all_reduce_flat(every, async_op=True, scale=0.25).wait()
+    comm.all_reduce_flat(every, async_op=True, scale=0.25, transport=transport).wait()
     out["all_reduce_scaled"] = every
-    out["used_shared_memory"] = comm._shared_memory(every, None) is not None
+    out["used_shared_memory"] = comm._shared_memory(every, None, transport) is not None
     out["files_left"] = os.listdir(shm_dir) if os.path.isdir(shm_dir) else []
     # sizes that do not split over the ranks: refused locally, before any rank waits on the others
-    bad = {"all_gather": lambda: comm.all_gather_flat(torch.empty(shard * world + 1), _values(rank, shard)),
-           "reduce_scatter": lambda: comm.reduce_scatter_flat(torch.empty(shard), torch.empty(shard * 2 + 1))}
+    bad = {"all_gather": lambda: comm.all_gather_flat(torch.empty(shard * world + 1), _values(rank, shard),
+                                                      transport=transport),
+           "reduce_scatter": lambda: comm.reduce_scatter_flat(torch.empty(shard), torch.empty(shard * 2 + 1),
+                                                              transport=transport)}
     for kind, call in bad.items():
         try:
             call()
@@ -76,6 +79,8 @@ def _collectives(rank: int, world: int, algorithm: str, shm_dir: str) -> dict:
         mine = torch.empty(shard)
         comm.reduce_scatter_flat(mine, _values(g_rank, shard * 2), group=group)
         out["sub_reduce_scatter"] = mine.clone()
+    if transport is not None:
+        transport.close()
     return out
 
 

@@ -18,8 +18,8 @@ def _fallback(rank: int, world: int, dirs: list[str]) -> dict:
     shm.SHM_DIR = dirs[rank]  # one rank cannot see the others' directory: as on another host
     opened = shm.open_transport(None)
     mine = torch.empty(4)
-    comm.reduce_scatter_flat(mine, torch.arange(4.0 * world) + rank)
-    return dict(transport=opened is not None or shm.transport_for(None) is not None, mine=mine,
+    comm.reduce_scatter_flat(mine, torch.arange(4.0 * world) + rank, transport=opened)
+    return dict(transport=opened is not None, mine=mine,
                 files=sorted(f for d in set(dirs) if os.path.isdir(d) for f in os.listdir(d)))
 
 
@@ -108,19 +108,30 @@ def _close(rank: int, world: int, shm_dir: str) -> dict:
     from zerogpt.zero import comm, shm
 
     shm.SHM_DIR = shm_dir
-    first, second = shm.open_transport(None), shm.open_transport(None)  # two engines of one process share it
-    shm.close_transport(None)
-    still_open = shm.transport_for(None) is first and first._worker.is_alive()
-    shm.close_transport(None)
+    first, second = shm.open_transport(None), shm.open_transport(None)  # two engines of one process: two transports
+    first.close()
     mine = torch.empty(2)
-    comm.reduce_scatter_flat(mine, torch.arange(2.0 * world) + rank)  # on gloo again
-    return dict(same=first is second, still_open=still_open, closed=shm.transport_for(None) is None,
-                thread_gone=not first._worker.is_alive(), mine=mine,
+    comm.reduce_scatter_flat(mine, torch.arange(2.0 * world) + rank, transport=second)  # unaffected by the close
+    first.close()  # a second close does nothing
+    try:
+        comm.reduce_scatter_flat(torch.empty(2), torch.arange(2.0 * world), transport=first)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    second.close()
+    on_gloo = torch.empty(2)
+    comm.reduce_scatter_flat(on_gloo, torch.arange(2.0 * world) + rank)  # no transport: gloo
+    return dict(distinct=first is not second, refused=refused, mine=mine, on_gloo=on_gloo,
+                thread_gone=not first._worker.is_alive() and not second._worker.is_alive(),
+                unmapped=first.buffers is None and second.buffers is None,
                 threads=[t.name for t in threading.enumerate() if t.name == "zerogpt-shm-comm"])
 
 
 @pytest.mark.timeout(60)
-def test_the_last_close_stops_the_worker_and_collectives_go_back_to_gloo(tmp_path):
+def test_each_open_is_a_transport_of_its_own_and_close_stops_it_once(tmp_path):
     for rank, r in enumerate(run_distributed(_close, 2, str(tmp_path), timeout=50)):
-        assert r["same"] and r["still_open"] and r["closed"] and r["thread_gone"] and r["threads"] == [], r
-        torch.testing.assert_close(r["mine"], (torch.arange(4.0) * 2 + 1)[rank * 2 : rank * 2 + 2])
+        assert r["distinct"] and r["thread_gone"] and r["unmapped"] and r["threads"] == [], r
+        assert "transport of rank" in r["refused"] and "is closed" in r["refused"], r["refused"]
+        expected = (torch.arange(4.0) * 2 + 1)[rank * 2 : rank * 2 + 2]
+        torch.testing.assert_close(r["mine"], expected)
+        torch.testing.assert_close(r["on_gloo"], expected)

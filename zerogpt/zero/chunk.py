@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from zerogpt.zero.comm import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from zerogpt.zero.shm import SharedMemoryTransport
 from zerogpt.zero.strategy import ShardStrategy
 
 
@@ -187,6 +188,8 @@ class Chunk:
     `shard` is this rank's slice of the parameters: a view of `full` at stages 0-2, its own storage
     (on the device or, with param offload, in host memory) at stage 3.
     `grad_full` accumulates the local gradient; `reduce()` turns it into this rank's shard.
+    `transport`, when given, is `group`'s shared-memory transport (zero/shm.py): every collective of the chunk
+    goes through it where it would run on gloo. The engine owns it and closes it.
     """
 
     def __init__(
@@ -202,6 +205,7 @@ class Chunk:
         shard_device: torch.device,
         pin_memory: bool,
         shard_home: str = "device",
+        transport: SharedMemoryTransport | None = None,
     ) -> None:
         assert len(params) == len(plan.slots), (len(params), len(plan.slots))
         self.plan = plan
@@ -211,6 +215,7 @@ class Chunk:
         self.rank = rank
         self.shard_index = rank if plan.num_shards > 1 else 0
         self.group = group
+        self.transport = transport
         self.persistent_full = persistent_full
         self.shard_home = "device" if persistent_full else shard_home  # for the memory accounting
         self.full: torch.Tensor | None = None
@@ -288,7 +293,7 @@ class Chunk:
             self.full = buffer
             self.bind_params()
             return
-        work = all_gather_flat(buffer, shard, group=self.group, async_op=True)
+        work = all_gather_flat(buffer, shard, group=self.group, async_op=True, transport=self.transport)
         self._gather_buffer, self._gather_work, self._gather_input = buffer, work, shard
         if not async_op:
             self.wait_gather()
@@ -317,7 +322,7 @@ class Chunk:
         """
         if self.plan.num_shards == 1 or self.full is None:
             return None
-        return all_gather_flat(self.full, self.shard, group=self.group, async_op=async_op)
+        return all_gather_flat(self.full, self.shard, group=self.group, async_op=async_op, transport=self.transport)
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -374,12 +379,13 @@ class Chunk:
             self._reduce_out, self._reduce_work = self.grad_full, None
             return
         if self.plan.num_shards == 1:
-            self._reduce_work = all_reduce_flat(self.grad_full, group=self.group, async_op=True, scale=1.0 / world)
+            self._reduce_work = all_reduce_flat(self.grad_full, group=self.group, async_op=True, scale=1.0 / world,
+                                                transport=self.transport)
             self._reduce_out = self.grad_full
         else:
             out = torch.empty(self.plan.shard_numel, dtype=self.dtype, device=self.device)
             self._reduce_work = reduce_scatter_flat(out, self.grad_full, group=self.group, async_op=True,
-                                                    scale=1.0 / world)
+                                                    scale=1.0 / world, transport=self.transport)
             self._reduce_out = out
 
     def finish_reduce(self) -> torch.Tensor:

@@ -3,8 +3,9 @@
 NCCL (and any backend but gloo): torch's `all_gather_single` / `reduce_scatter_single`. gloo's flat
 all-gather and reduce-scatter are several times slower than its broadcast and all-reduce, so on gloo the
 all-gather is a broadcast from every rank and the reduce-scatter an all-reduce whose slice is copied out
-(neither moves more than a ring all-reduce). Ranks on one host skip gloo's sockets: zero/shm.py exchanges
-through one shared mapping. bench/README.md has the measurements.
+(neither moves more than a ring all-reduce). Ranks on one host skip gloo's sockets when the caller passes
+`transport=` (zero/shm.py: one shared mapping, opened and closed by the engine); None keeps torch.distributed.
+bench/README.md has the measurements.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zerogpt.zero.shm import SharedMemoryTransport, check_flat, transport_for
+from zerogpt.zero.shm import SharedMemoryTransport, check_flat
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -43,9 +44,18 @@ def _uses_gloo(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
     return backend == "gloo" or "cpu:gloo" in backend
 
 
-def _shared_memory(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> SharedMemoryTransport | None:
-    """The shared-memory transport for this tensor's collectives: only where they would run on gloo."""
-    return transport_for(group) if _uses_gloo(tensor, group) else None
+def _shared_memory(tensor: torch.Tensor, group: dist.ProcessGroup | None,
+                   transport: SharedMemoryTransport | None) -> SharedMemoryTransport | None:
+    """`transport` where this tensor's collectives would run on gloo (a CUDA tensor keeps NCCL), else None."""
+    if transport is None or not _uses_gloo(tensor, group):
+        return None
+    assert _same_group(transport.group, group), (
+        f"a shared-memory transport opened for {transport.group} was passed with group={group}")
+    return transport
+
+
+def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
+    return (a if a is not None else dist.group.WORLD) is (b if b is not None else dist.group.WORLD)
 
 
 def _handle(pending: Pending, async_op: bool) -> Pending | None:
@@ -57,9 +67,13 @@ def _handle(pending: Pending, async_op: bool) -> Pending | None:
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    async_op: bool = False) -> Pending | None:
-    """output = concat of every rank's `input` (equal sizes). `input` may be this rank's slice of `output`."""
-    if (shm := _shared_memory(output, group)) is not None:  # the transport checks the sizes itself
+                    async_op: bool = False, *, transport: SharedMemoryTransport | None = None) -> Pending | None:
+    """output = concat of every rank's `input` (equal sizes). `input` may be this rank's slice of `output`.
+
+    `transport`: `group`'s shared-memory transport (zero/shm.py), used where the collective would run on gloo;
+    None = torch.distributed. The same holds for the two collectives below.
+    """
+    if (shm := _shared_memory(output, group, transport)) is not None:  # the transport checks the sizes itself
         return _handle(Pending([shm.all_gather(output.view(-1), input.view(-1))]), async_op)
     check_flat(input, output, dist.get_world_size(group), "all_gather")
     if not _uses_gloo(output, group):
@@ -77,13 +91,14 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
 
 
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
-                        async_op: bool = False, scale: float = 1.0) -> Pending | None:
+                        async_op: bool = False, scale: float = 1.0, *,
+                        transport: SharedMemoryTransport | None = None) -> Pending | None:
     """output = `scale` x this rank's slice of the sum of every rank's `input`; `input` may be overwritten.
 
     Where the sum is taken on the wire (NCCL, gloo) `input` is pre-scaled, so a half-precision sum of
     means cannot overflow where a sum of the raw values would; shared memory scales the shard after summing.
     """
-    if (shm := _shared_memory(input, group)) is not None:  # the transport checks the sizes itself
+    if (shm := _shared_memory(input, group, transport)) is not None:  # the transport checks the sizes itself
         return _handle(Pending([shm.reduce_scatter(output.view(-1), input.view(-1), scale)]), async_op)
     check_flat(output, input, dist.get_world_size(group), "reduce_scatter")
     if scale != 1.0:
@@ -98,9 +113,9 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.P
 
 
 def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False,
-                    scale: float = 1.0) -> Pending | None:
+                    scale: float = 1.0, *, transport: SharedMemoryTransport | None = None) -> Pending | None:
     """tensor = `scale` x the sum of every rank's `tensor` (in place; pre-scaled where summed on the wire)."""
-    if (shm := _shared_memory(tensor, group)) is not None:
+    if (shm := _shared_memory(tensor, group, transport)) is not None:
         return _handle(Pending([shm.all_reduce(tensor, scale)]), async_op)
     if scale != 1.0:
         tensor.mul_(scale)

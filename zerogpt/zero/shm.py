@@ -14,8 +14,10 @@ worker thread per group, so they overlap backward and the optimizer step like gl
 
 The file is unlinked once every rank has mapped it (a killed run leaves nothing), and its pages are
 reserved up front, so a full /dev/shm is a clear error at start-up, never a SIGBUS mid-step. Ranks that
-cannot all map the same file get None from `open_transport` and stay on gloo. The engine opens the
-transport at initialize() when `host.shm_collectives` is on (the default) and closes it at engine.close().
+cannot all map the same file get None from `open_transport` and stay on gloo. Nothing here is global:
+`open_transport` returns a new transport, which its owner hands to each collective (`transport=` in comm.py,
+`Chunk(transport=...)`) and closes. The engine opens one at initialize() when `host.shm_collectives` is on
+(the default) and closes it at engine.close().
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class SharedMemoryTransport:
         self.slot_bytes = _slot_bytes(self.world)
         self.buffers = staging.view(2, self.world, self.slot_bytes)
         self.pieces_done = 0
+        self.closed = False
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="zerogpt-shm-comm", daemon=True)
         self._worker.start()
@@ -82,14 +85,22 @@ class SharedMemoryTransport:
     # -- worker -----------------------------------------------------------------------------
 
     def _submit(self, fn, *args) -> _Job:
+        if self.closed:
+            raise RuntimeError(f"the shared-memory transport of rank {self.rank} of {self.world} is closed; "
+                               f"a collective after engine.close() must not use it (pass transport=None)")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put((future, fn, args))
         return _Job(future)
 
     def close(self) -> None:
-        """Finish the queued collectives and stop the worker thread."""
+        """Finish the queued collectives, stop the worker thread and unmap the staging file; a second call
+        does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         self._queue.put(None)
         self._worker.join()
+        self.buffers = None  # the mapping goes with its last reference
 
     def _run(self) -> None:
         while True:
@@ -196,50 +207,18 @@ def check_flat(small: torch.Tensor, large: torch.Tensor, world: int, kind: str) 
                          f"({world} ranks), got {large.numel()} and {small.numel()} elements")
 
 
-# group -> (the group, its open transport, how many engines opened it). Holding the group keeps its id unique.
-_OPEN: dict[int, tuple[object, SharedMemoryTransport, int]] = {}
-
-
-def _group_key(group: dist.ProcessGroup | None) -> object:
-    return group if group is not None else dist.group.WORLD
-
-
 def open_transport(group: dist.ProcessGroup | None) -> SharedMemoryTransport | None:
-    """Open (or share, when already open) the shared-memory transport of `group`; every rank of the group
-    calls it at the same point. None when its ranks cannot share a mapping and must stay on gloo."""
+    """A new shared-memory transport for `group` (None: the default group); every rank of the group calls it at
+    the same point. None when the group has one rank, or when its ranks cannot all map one file (another host,
+    no /dev/shm): collectives then stay on gloo. The caller owns the transport and closes it.
+
+    Example:
+        >>> transport = open_transport(group)
+        >>> reduce_scatter_flat(out, grads, group=group, transport=transport)  # zero/comm.py
+        >>> transport.close()
+    """
     if dist.get_world_size(group) < 2:
         return None
-    key_group = _group_key(group)
-    entry = _OPEN.get(id(key_group))
-    if entry is not None and entry[0] is key_group:
-        _OPEN[id(key_group)] = (key_group, entry[1], entry[2] + 1)
-        return entry[1]
-    transport = _create(group)
-    if transport is not None:
-        _OPEN[id(key_group)] = (key_group, transport, 1)
-    return transport
-
-
-def close_transport(group: dist.ProcessGroup | None) -> None:
-    """Undo one `open_transport`; the last one closes the transport and stops its thread."""
-    key_group = _group_key(group) if dist.is_initialized() else None
-    entry = _OPEN.get(id(key_group))
-    if entry is None or entry[0] is not key_group:
-        return
-    if entry[2] > 1:
-        _OPEN[id(key_group)] = (key_group, entry[1], entry[2] - 1)
-        return
-    del _OPEN[id(key_group)]
-    entry[1].close()
-
-
-def transport_for(group: dist.ProcessGroup | None) -> SharedMemoryTransport | None:
-    """The open shared-memory transport of `group`, or None (collectives then run on gloo)."""
-    entry = _OPEN.get(id(_group_key(group)))
-    return entry[1] if entry is not None and entry[0] is _group_key(group) else None
-
-
-def _create(group: dist.ProcessGroup | None) -> SharedMemoryTransport | None:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     sync = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
