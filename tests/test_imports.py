@@ -40,3 +40,113 @@ def test_atomic_write_creates_files_with_the_umask_mode(tmp_path):
     assert (tmp_path / "out.txt").read_text() == "x"
     assert (tmp_path / "out.txt").stat().st_mode & 0o777 == 0o640
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# no import cycles among zerogpt's modules, nor among its subpackages
+
+
+def _zerogpt_imports() -> dict[str, dict[str, int]]:
+    """module -> {zerogpt module it imports: line}, from every import statement in the source (inside functions
+    and `if TYPE_CHECKING:` too): a cycle is a design loop even when a deferred import keeps it from failing."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    paths = {}
+    for path in (root / "zerogpt").rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:  # the module a dotted name lives in (`a.b.f` -> `a.b`)
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges = graph.setdefault(module, {})
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # from . import x / from ..a import x, relative to this module's package
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parent, base] if base else parent)
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = known(name) if name.split(".")[0] == "zerogpt" else None
+                if target is not None and target != module:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _describe(cycles: list[list[str]], graph: dict[str, dict[str, int]], node_of=lambda m: m) -> str:
+    lines = []
+    for cycle in cycles:
+        lines.append(" <-> ".join(cycle))
+        lines += [f"    {m} line {line} imports {t}" for m in sorted(graph) for t, line in sorted(graph[m].items())
+                  if node_of(m) in cycle and node_of(t) in cycle and node_of(m) != node_of(t)]
+    return "\n".join(lines)
+
+
+def test_no_import_cycles_among_zerogpt_modules():
+    graph = _zerogpt_imports()
+    assert "zerogpt.zero.chunk" in graph and graph["zerogpt.zero.chunk"], "the import graph came out empty"
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (break each by moving what both sides need down a level):\n" + _describe(
+        cycles, graph)
+
+
+def test_no_import_cycles_among_zerogpt_subpackages():
+    """Collapsed to zerogpt.<subpackage> (config, zero, optim, parallel, trainer; a top-level module is its own
+    node): e.g. zero/init_ctx.py importing zerogpt.config while config/schema.py imports zerogpt.zero.strategy
+    is a loop between the two packages even though no module imports itself."""
+    graph = _zerogpt_imports()
+
+    def node_of(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    packages: dict[str, dict[str, int]] = {}
+    for module, edges in graph.items():
+        for target, line in edges.items():
+            if node_of(target) != node_of(module):
+                packages.setdefault(node_of(module), {}).setdefault(node_of(target), line)
+    cycles = _cycles(packages)
+    assert not cycles, "import cycles between zerogpt's packages:\n" + _describe(cycles, graph, node_of)
