@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from zerogpt.checkpoint import CheckpointReader, engine_layouts, engine_tied
-from zerogpt.parallel.layout import ParamLayout, local_tensor
+from zerogpt.parallel.layout import ParamLayout, local_from_full
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 TIED_HEAD = {"lm_head.weight": "transformer.wte.weight"}
@@ -41,7 +41,7 @@ def tp_local_model(model: nn.Module, tp: int, rank: int) -> dict[str, ParamLayou
         for name, param in list(model.named_parameters()):
             layout = megatron_layout(name, tuple(param.shape), tp, rank)
             layouts[name] = layout
-            local = nn.Parameter(local_tensor(param.detach(), layout).clone())
+            local = nn.Parameter(local_from_full(param.detach(), layout).clone())
             for module in model.modules():  # every owner, so a tied parameter stays one object
                 for attr, p in list(module._parameters.items()):
                     if p is param:
@@ -77,7 +77,7 @@ def _slot_ranges(engine: Any):
 
 def _expected(reference: dict, kind: str, name: str, layout: ParamLayout, tied: dict, start: int, end: int):
     full = reference[kind][tied.get(name, name) if name not in reference[kind] else name]
-    return local_tensor(full, layout).flatten()[start:end]
+    return local_from_full(full, layout).flatten()[start:end]
 
 
 def fill_engine(engine: Any, reference: dict, step: int) -> None:

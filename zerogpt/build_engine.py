@@ -27,7 +27,7 @@ from zerogpt.config import Config, EngineConfig, engine_config, optimizer_class
 from zerogpt.engine import Engine
 from zerogpt.host_memory import keep_freed_host_memory
 from zerogpt.parallel.context import EngineContext
-from zerogpt.zero.chunk import Chunk, local_tensor, plan_chunks
+from zerogpt.zero.chunk import Chunk, plan_chunks, to_local
 from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
 from zerogpt.zero.meta_init import range_init
@@ -152,7 +152,7 @@ def _build_chunks(params, plans, ecfg: EngineConfig, ctx, placement: Placement, 
             chunk.load_shard(init_values.chunk_shard(plan, chunk.shard_index, dtype))
             swap_meta_for_empty(chunk_params)
         else:
-            chunk.load_full(torch.cat([local_tensor(p).detach().reshape(-1).to(ctx.device, dtype)
+            chunk.load_full(torch.cat([to_local(p).detach().reshape(-1).to(ctx.device, dtype)
                                         for p in chunk_params]))
         chunk.bind_params()
         chunks.append(chunk)
@@ -204,7 +204,7 @@ def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_da
     num_shards = 1 if zero.stage == 0 else ctx.world_size
     element_size = torch.empty(0, dtype=compute_dtype(ecfg.precision)).element_size()
     # the local shapes: with tensor parallelism a chunk holds this rank's shard of a DTensor parameter
-    shapes = [(n, tuple(local_tensor(p).shape), g) for n, p, g in params]
+    shapes = [(n, tuple(to_local(p).shape), g) for n, p, g in params]
     plans = plan_chunks(shapes, zero.shard_strategy, num_shards, element_size)
     _check_same_plan(plans, ecfg, ctx)
     optim_home = {"none": "device", "cpu": "host", "disk": "disk"}[zero.offload_optimizer.device]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerogpt.parallel.layout import ParamLayout, as_layout, global_runs, local_tensor, overlaps
+from zerogpt.parallel.layout import ParamLayout, as_layout, global_runs, local_from_full, overlaps
 
 C = 8
 LAYOUTS = {
@@ -26,8 +26,8 @@ def _full(layout: ParamLayout) -> torch.Tensor:
 def test_global_runs_place_every_local_range(name):
     layout = LAYOUTS[name]
     full = _full(layout)
-    local = local_tensor(full, layout).flatten()
-    assert tuple(local_tensor(full, layout).shape) == layout.local_shape
+    local = local_from_full(full, layout).flatten()
+    assert tuple(local_from_full(full, layout).shape) == layout.local_shape
     n = local.numel()
     for start, end in [(0, n), (1, n - 1), (n // 3, n // 3 + 5), (n - 1, n), (3, 3)]:
         runs = global_runs(layout, start, end)
@@ -53,8 +53,8 @@ def test_overlaps_copy_a_piece_into_another_layout(saved, wanted):
     want_layout = {"whole-row": ParamLayout.whole((C, 4 * C)), "whole-qkv": ParamLayout.whole((3 * C, C))}.get(
         wanted, LAYOUTS.get(wanted))
     full = _full(have_layout)
-    have_local = local_tensor(full, have_layout).flatten()
-    want_local = local_tensor(full, want_layout).flatten()
+    have_local = local_from_full(full, have_layout).flatten()
+    want_local = local_from_full(full, want_layout).flatten()
     p0, p1 = 5, have_local.numel() - 3  # the piece
     w0, w1 = 2, want_local.numel() - 1  # the range a loading rank needs
     piece = have_local[p0:p1]

@@ -89,7 +89,7 @@ def as_layout(layout: Any, local_shape: Iterable[int], name: str = "parameter") 
     return layout
 
 
-def local_tensor(full: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+def local_from_full(full: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
     """The local tensor `layout` describes, cut from the unsharded parameter `full` (a copy unless whole)."""
     if tuple(full.shape) != layout.global_shape:
         raise ValueError(f"tensor of shape {list(full.shape)} does not match the layout's {list(layout.global_shape)}")

@@ -7,7 +7,7 @@ modules or optimizers; `grad_hooks.py`, `gather_hooks.py` and the engine drive i
 
 Tensor parallelism: a parameter may be a DTensor (zerogpt.parallel.tensor), whose global shape spans the
 tensor-parallel ranks. A chunk holds what this rank computes with, the DTensor's local shard: the planner,
-the packing, the gradient hooks and the binding all go through `local_tensor()`, and `bind_param()` points
+the packing, the gradient hooks and the binding all go through `to_local()`, and `bind_param()` points
 the DTensor's local tensor at the slot. ZeRO then shards those local tensors over the data-parallel group.
 """
 from __future__ import annotations
@@ -143,9 +143,13 @@ def plan_chunks(
 # runtime
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of `tensor` (no autograd): a DTensor's local shard, any other tensor itself."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+def to_local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`: a DTensor's local tensor (`DTensor.to_local()` outside autograd; for a
+    DTensor Parameter torch returns a view of it, same values and storage), any other tensor itself."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
 
 
 def grad_as_param(param: torch.Tensor) -> torch.Tensor:
@@ -168,7 +172,9 @@ def bind_param(param: torch.Tensor, data: torch.Tensor) -> None:
 
     `param.data = ...` cannot do it for a DTensor: `.data` swaps the wrapper's (storage-less) TensorImpl,
     while the values a DTensor computes with are the plain tensor in its `_local_tensor` slot. The DTensor's
-    spec (global shape, placements) stays; only the local values move into the chunk.
+    spec (global shape, placements) stays; only the local values move into the chunk. Assigning that slot is a
+    private torch API (zerogpt/private_torch.py): `DTensor.from_local` would build a new Parameter, and the
+    optimizer, tied modules and hooks hold this one.
     """
     if isinstance(param, DTensor):
         param._local_tensor = data
@@ -274,7 +280,7 @@ class Chunk:
         """Point every parameter's (local) values at its slot in `full` (or at an empty tensor)."""
         for param, slot in zip(self.params, self.plan.slots):
             if self.full is None:
-                local = local_tensor(param)
+                local = to_local(param)
                 bind_param(param, _empty_like_param(local if local.numel() else self.shard))
             else:
                 bind_param(param, self.full[slot.offset : slot.end].view(slot.shape))
@@ -337,7 +343,7 @@ class Chunk:
             self.grad_full = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
             self._written = set()
         slot = self.plan.slots[slot_index]
-        grad = local_tensor(grad)
+        grad = to_local(grad)
         target = self.grad_full[slot.offset : slot.end]
         if slot_index in self._written:
             target.add_(grad.reshape(-1))

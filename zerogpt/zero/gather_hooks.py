@@ -56,7 +56,7 @@ class Stage3GatherHooks:
         self.module_chunks: dict[int, list[int]] = {}
         uses: dict[int, int] = defaultdict(int)
         for sub in module.modules():
-            own = [p for p in sub._parameters.values() if p is not None and id(p) in self.param_to_chunk]
+            own = [p for p in sub.parameters(recurse=False) if id(p) in self.param_to_chunk]
             if not own:
                 continue
             chunk_ids = sorted({self.param_to_chunk[id(p)][0] for p in own})

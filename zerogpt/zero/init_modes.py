@@ -5,8 +5,9 @@ tensors, so init code written for the CPU runs unchanged. `_Recorder` (a TorchDi
 meta storage into the `_Recording`, runs random ops once on a scratch CPU tensor (the RNG stream advances
 exactly as in plain construction) and answers value reads by replaying the inputs.
 
-These rest on private torch APIs, listed in PRIVATE_TORCH_APIS; tests/zero/test_init_ctx.py checks each one
-exists, so a torch upgrade that removes one fails there by name instead of somewhere inside a model's init.
+These rest on private torch APIs, listed with every other one zerogpt uses in zerogpt/private_torch.py;
+tests/test_private_torch.py checks each one exists, so a torch upgrade that removes one fails there by name
+instead of somewhere inside a model's init.
 """
 from __future__ import annotations
 
@@ -18,17 +19,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from zerogpt.zero.init_record import _META, _Op, _Real, _Recording, _Root, _geometry, _key
-
-# (module, attribute, what it is used for): the private torch APIs the context relies on.
-PRIVATE_TORCH_APIS = (
-    ("torch.utils._python_dispatch", "TorchDispatchMode", "record every op on a meta storage"),
-    ("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack", "detect a recording in progress"),
-    ("torch.utils._pytree", "tree_map", "encode and decode op arguments"),
-    ("torch._ops", "OpOverload", "the recorded op"),
-    ("torch._C._nn", "_parse_to", "parse Tensor.to arguments in the CPU facade"),
-    ("torch._C", "DisableTorchFunction", "look past the CPU facade"),
-    ("torch.UntypedStorage", "_cdata", "identify a storage across views and Parameters"),
-)
 
 aten = torch.ops.aten
 # Ops that change which storage a tensor uses: a storage-level recipe cannot express them.

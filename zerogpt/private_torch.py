@@ -1,0 +1,45 @@
+"""The private torch APIs zerogpt uses, in one list: where each is used and why no public API does the job.
+
+tests/test_private_torch.py checks that every entry exists in the installed torch (a torch upgrade that removes
+one fails there, by name, instead of inside a model's initialisation or a step), and that no zerogpt module
+imports or names a private torch attribute (`torch._x`, `from torch.a._b import c`) missing from this list.
+Attributes read on objects (`tensor._version`) cannot be found that way: add them here by hand.
+"""
+from __future__ import annotations
+
+PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
+    # (owner: a module, or a dotted path to a class or object in one; attribute; where zerogpt uses it: why)
+    # ZeroInitContext: record the ops that build a model on meta, replay them per shard (zero/init_*.py).
+    # Dispatch modes and pytree have no public home in torch.
+    ("torch.utils._python_dispatch", "TorchDispatchMode", "zero/init_modes.py: record every op on a meta storage"),
+    ("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack",
+     "zero/init_ctx.py: detect a recording in progress"),
+    ("torch.utils._pytree", "tree_map", "zero/init_modes.py, init_record.py: encode and decode op arguments"),
+    ("torch.utils._pytree", "tree_flatten", "zero/init_modes.py, init_record.py: the tensors among an op's "
+                                            "arguments and outputs"),
+    ("torch._ops", "OpOverload", "zero/init_modes.py, init_record.py: the type of a recorded op"),
+    ("torch.ops.aten.add.Tensor", "_schema", "zero/init_modes.py: which arguments an op writes (`Tensor(a!)`)"),
+    ("torch.ops.aten", "_local_scalar_dense", "zero/init_modes.py: a value read (x.item()) answered by a replay"),
+    ("torch.ops.aten", "_to_copy", "zero/init_modes.py: a copy to the CPU answered by a replay"),
+    ("torch._C._nn", "_parse_to", "zero/init_modes.py: parse Tensor.to's arguments in the CPU facade"),
+    ("torch._C", "DisableTorchFunction", "zero/init_ctx.py: look past the CPU facade"),
+    ("torch.UntypedStorage", "_cdata", "zero/init_record.py: identify a storage across views and Parameters"),
+    ("torch.Tensor", "_version", "zero/init_modes.py, init_record.py, init_ctx.py: a tensor changed in place after "
+                                 "it was recorded"),
+    # Stage 3 (zero/gather_hooks.py): a saved view of a parameter is kept as (parameter, size, stride, offset).
+    ("torch.Tensor", "_base", "zero/gather_hooks.py: the parameter a saved view was taken from"),
+    ("torch.utils._pytree", "tree_map_only", "zero/gather_hooks.py: wrap the tensors of a module's output"),
+    # Tensor parallelism: a chunk slot becomes a DTensor Parameter's local values. DTensor.from_local would build
+    # a new Parameter, and the optimizer, tied modules and hooks hold the old one.
+    ("torch.distributed.tensor.DTensor", "_local_tensor",
+     "zero/chunk.py bind_param: point a DTensor Parameter's local values at its chunk slot"),
+    # Multi-tensor kernels, as torch.optim uses them (there is no public torch.foreach): sharded_optim.py's
+    # per-slot weight decay, and cpu_adam.py's Adam without bias correction (torch's Adam kernels always correct).
+    ("torch", "_foreach_mul_", "zero/sharded_optim.py, optim/cpu_adam.py: decoupled weight decay; Adam's v"),
+    ("torch", "_foreach_add_", "zero/sharded_optim.py, optim/cpu_adam.py: L2 weight decay; Adam's step counts"),
+    ("torch", "_foreach_add", "optim/cpu_adam.py: L2-decayed gradients, Adam's denominator"),
+    ("torch", "_foreach_lerp_", "optim/cpu_adam.py: Adam's m"),
+    ("torch", "_foreach_addcmul_", "optim/cpu_adam.py: Adam's v"),
+    ("torch", "_foreach_sqrt", "optim/cpu_adam.py: Adam's denominator"),
+    ("torch", "_foreach_addcdiv_", "optim/cpu_adam.py: the Adam update"),
+)
