@@ -1,56 +1,15 @@
 """Megatron-style tensor parallelism for model_zoo's GPT, applied from outside with torch's DTensor plans.
 
-`apply_tensor_parallel(model, tp_mesh)` is the one place the plan lives; `model_zoo/gpt.py` stays a plain model.
-Per block, `torch.distributed.tensor.parallel.parallelize_module` makes
-  attn.c_attn, mlp.c_fc    ColwiseParallel  (weight rows Shard(0); input replicated, output this rank's columns)
-  attn.c_proj, mlp.c_proj  RowwiseParallel  (weight columns Shard(1); the partial sums all-reduced)
-and for the whole model
-  transformer.wte          RowwiseParallel  vocab-parallel embedding: rows Shard(0), out-of-shard ids masked,
-                                            the partial embeddings all-reduced (DTensor's MaskPartial)
-  lm_head                  ColwiseParallel  the same Shard(0) weight (tied), logits left sharded on the vocab dim
-  real_vocab               replaced: padded classes masked to -inf in the local shard instead of sliced off.
-LayerNorms, wpe and the row-parallel biases stay replicated (plain tensors); their gradients are the same on
-every tensor-parallel rank, because every activation they touch is replicated.
-
-Fused QKV. `c_attn` is one (3C, C) Linear whose rows are [q; k; v] and the attention splits its output in
-three. A plain Shard(0) of those rows would give rank 0 all of q and half of k. Each rank r must hold the
-rows of its own heads in each of q, k and v: [q_r; k_r; v_r], three row blocks of the standard layout, so
-its local output splits in three as before and `CausalSelfAttention` reads its local head count from the
-width. To get there with DTensor's even Shard(0), the rows (weight and bias) are permuted once, before
-`parallelize_module` slices them, so that the contiguous block r is [q_r; k_r; v_r]. The parameter keeps its
-name and each rank's values are rows of the standard layout; only the DTensor's notion of which global rows
-it holds is the permuted one, which compute never needs (a column-parallel Linear's rows are independent).
-What a local tensor *is* in the unsharded parameter is stated by `tensor_parallel_layout`, never by
-`DTensor.full_tensor()` (which would return the permuted rows for c_attn).
-
-Tied embedding and head. `parallelize_module` distributes each module's parameter on its own and wraps it
-in a new Parameter, which unties them; both want Shard(0) on the same mesh, so after the plan the head is
-pointed back at the embedding's DTensor: one parameter, as before.
-
-Vocab-parallel loss. The head's logits stay a DTensor sharded on the (padded) vocab dim: no rank
-materialises the full (B, T, V) logits. `GPT` slices logits to the real vocabulary through its `real_vocab`
-module; slicing a sharded dim would all-gather it, so the plan replaces that module with one that masks the
-padded classes of the local shard to -inf (they drop out of the softmax and get zero gradient). The loss is
-torch's `loss_parallel()`: inside it, `F.cross_entropy` (so model_zoo's GPTLMLoss) on vocab-sharded logits
-computes Megatron's max / sum-exp / target-logit all-reduces. Its backward must run inside the same context:
-a training step wraps the loss *and* `engine.backward(loss)` in `loss_parallel()`. The loss is a replicated
-DTensor; `.to_local()` gives the plain scalar (differentiably).
-
-Dropout. Every tensor-parallel rank must be seeded alike: the dropouts on replicated activations
-(embeddings, residual branches) then draw the same masks on every rank, which keeps those activations
-replicated. The attention dropout of a rank's own heads, and under SP the dropouts of its own positions, draw
-from a stream of the rank's own, forked from the shared one (rng.py), as Megatron does.
-
-Layout (for checkpoints): `tensor_parallel_layout(model)[name]` is a `layout.ParamLayout(global_shape, dim,
-blocks)`: `global_shape` is the unsharded parameter's shape, `dim` the dim it is split along (`is_whole`:
-replicated, the local tensor is the whole parameter) and `blocks` the (start, length) ranges of that dim, in the unsharded
-parameter, that this rank's local tensor concatenates along `dim`, in order. A c_attn weight on rank r of T
-has blocks [(r*C/T, C/T), (C + r*C/T, C/T), (2C + r*C/T, C/T)]; a Shard(d) parameter has one block.
-
-Sequence parallelism (`sequence_parallel=True`, see `_plan`) shards the residual stream on the sequence dim
-between the matmuls. A model built on the meta device works (the plan only reshapes meta tensors; plan.py fills
-the shards). Not done: models built in ZeroInitContext (the plan's row permutation and slicing happen outside
-the context, where nothing records them).
+`apply_tensor_parallel(model, tp_mesh)` is the one place the plan lives (`_plan`: c_attn and c_fc column-parallel,
+both c_proj row-parallel, wte a vocab-parallel embedding, lm_head column-parallel on wte's weight; LayerNorms, wpe
+and the row-parallel biases replicated), so `model_zoo/gpt.py` stays a plain model. Around the plan: c_attn's
+[q; k; v] rows are permuted first, so DTensor's even Shard(0) gives each rank its own heads of all three
+(`_qkv_rows`); the head is re-tied to wte, which `parallelize_module` unties; GPT's `real_vocab` slice becomes a
+mask of the local shard's padded classes (`_MaskPaddedVocab`: slicing the vocab-sharded logits would all-gather
+them); the dropouts on what only this rank holds get its own stream (rng.py). `tensor_parallel_layout` says which
+blocks of the unsharded parameter each local tensor holds (for checkpoints; `full_tensor()` would return c_attn's
+permuted rows). A model built on meta works; one built in ZeroInitContext does not (the permutation and slicing
+happen outside the context, unrecorded). DESIGN.md section 9 has the rest: SP, the loss, gradients, memory.
 """
 from __future__ import annotations
 
