@@ -183,11 +183,27 @@ def test_nan_guard_sees_log_steps_only():
         Trainer(engine, hooks=hooks).fit(token_batches(8), max_steps=8)
 
 
+class StepLog(Hook):
+    """Records each logged step's (step, loss is finite, skipped), as the NaN guard after it sees them."""
+
+    def __init__(self):
+        self.steps = []
+
+    def logs_at(self, step, max_steps):
+        return True
+
+    def after_step(self, trainer):
+        m = trainer.state.metrics
+        self.steps.append((trainer.state.step, math.isfinite(m.loss), m.skipped))
+
+
 def test_nan_guard_ignores_fp16_skipped_steps_and_resets_on_finite():
+    # Steps 3..8 have a NaN loss and are fp16-skipped: 6 in a row, past max_bad_steps=2, yet no error.
     engine = EngineDouble(skip_steps=set(range(3, 9)), loss_scale=1024.0)
     engine.criterion = NaNAfter(start=3)
-    Trainer(engine, hooks=[LogMetricByStepHook(None, 1), NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8),
-                                                                                           max_steps=8)
+    log = StepLog()
+    Trainer(engine, hooks=[log, NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8), max_steps=8)
+    assert log.steps == [(1, True, False), (2, True, False)] + [(s, False, True) for s in range(3, 9)]
 
     class Flaky:
         calls = 0
@@ -197,10 +213,12 @@ def test_nan_guard_ignores_fp16_skipped_steps_and_resets_on_finite():
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
             return loss + float("nan") if Flaky.calls % 2 else loss   # NaN value, finite grads
 
+    # Every other step is NaN: 4 bad steps in all, past max_bad_steps=2, but each finite one resets the count.
     engine = EngineDouble()
     engine.criterion = Flaky()
-    Trainer(engine, hooks=[LogMetricByStepHook(None, 1), NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8),
-                                                                                           max_steps=8)
+    log = StepLog()
+    Trainer(engine, hooks=[log, NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8), max_steps=8)
+    assert log.steps == [(s, s % 2 == 0, False) for s in range(1, 9)]  # counted without resets: raised at step 3
 
 
 def test_plot_written_at_checkpoint_and_end(tmp_path):
