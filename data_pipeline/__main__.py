@@ -1,7 +1,8 @@
 """`python -m data_pipeline <stage> ...`: dispatch to one module per stage (DESIGN §6).
 
-Each stage module exposes `add_parser(subparsers)` and `run(args) -> int`. Modules are imported
-only when their stage is chosen, so a missing or broken optional stage never breaks the others.
+Each stage module (stages.py lists them) exposes `add_parser(subparsers)` and `run(args) -> int`.
+Modules are imported only when their stage is chosen, so a missing or broken optional stage never
+breaks the others.
 Bad input data ends in a one-line `error:` message and exit code 2, never a traceback.
 
     python -m data_pipeline blacklist urls.txt --output clean_urls.txt
@@ -11,37 +12,12 @@ Bad input data ends in a one-line `error:` message and exit code 2, never a trac
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-from data_pipeline.run_all import DIST_JOBS
-
-# stage name -> (module, one-line help). Order is the order of the chain.
-STAGES: dict[str, tuple[str, str]] = {
-    "blacklist": ("data_pipeline.blacklist", "filter a URL list by domain, extension, scheme, duplicates"),
-    "download": ("data_pipeline.download", "fetch URLs (async, resumable) and extract main text"),
-    "cleanup": ("data_pipeline.cleanup", "fix text, filter by language, length and quality"),
-    "find-duplicates": ("data_pipeline.find_duplicates", "MinHash LSH candidate pairs verified by Jaccard"),
-    "group-duplicates": ("data_pipeline.group_duplicates", "union-find duplicate pairs into groups"),
-    "remove-duplicates": ("data_pipeline.remove_duplicates", "drop all but the keeper of each group"),
-    "shuffle": ("data_pipeline.shuffle", "seeded shuffle, external for files larger than RAM"),
-    "train-tokenizer": ("data_pipeline.train_tokenizer", "train a byte-level BPE tokenizer"),
-    "tokenize": ("data_pipeline.tokenize_stage", "tokenize JSONL into Megatron .bin/.idx"),
-    "merge-tokenizers": ("data_pipeline.merge_tokenizers", "merge tokenizer vocabularies"),
-    "all": ("data_pipeline.run_all", "run blacklist -> ... -> shuffle [-> tokenize], skipping complete stages"),
-}
+from data_pipeline.stages import DIST_JOBS, STAGES, load_stage
 
 # Errors that come from user input (paths, flags, data); anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-
-
-def load_stage(name: str):
-    """Import the module of stage `name`; ValueError naming the stage if it is unavailable."""
-    module_name = STAGES[name][0]
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"stage {name!r} is unavailable: cannot import {module_name} ({e})") from e
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

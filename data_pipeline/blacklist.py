@@ -16,8 +16,11 @@ import time
 from collections import Counter
 from urllib.parse import urlsplit
 
-from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input, dumps,
-                              iter_text_lines, progress, write_stats)
+from data_pipeline.cli_args import add_common_args, add_output_arg, check_input
+from data_pipeline.files import atomic_write
+from data_pipeline.jsonl import BadLineReporter, dumps, iter_text_lines
+from data_pipeline.stats import write_stats
+from data_pipeline.workers import progress
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 DEFAULT_MIN_LENGTH = 10  # "http://a.b"; Megatron dropped len(url) <= 8

@@ -18,8 +18,11 @@ import time
 from collections import Counter
 from typing import Any
 
-from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input, dumps,
-                              imap_bounded, iter_line_batches, parse_jsonl_line, progress, write_stats)
+from data_pipeline.cli_args import add_common_args, add_output_arg, check_input
+from data_pipeline.files import atomic_write
+from data_pipeline.jsonl import BadLineReporter, dumps, iter_line_batches, parse_jsonl_line
+from data_pipeline.stats import write_stats
+from data_pipeline.workers import imap_bounded, progress
 
 BATCH_LINES = 256  # lines per worker task: large enough to amortise pickling
 _HSPACE_RE = re.compile(r"[^\S\n]+")  # whitespace except newline (tabs, NBSP, ideographic space...)

@@ -289,8 +289,8 @@ class WebtextDataset(GPTDataset):
 
     def __init__(self, path: str, seq_len: int = 1024, tokenizer: str | None = None, json_key: str = "text",
                  workers: int | None = None, cache_dir: str | None = None, group=None, **kwargs) -> None:
+        from data_pipeline.cli_args import check_input
         from data_pipeline.indexed import exists
-        from data_pipeline.io import check_input
 
         check_input(path, "WebtextDataset path")
         tokenizer = tokenizer or _default_tokenizer_dir(path)

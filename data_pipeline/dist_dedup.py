@@ -32,8 +32,10 @@ from typing import Iterator
 import numpy as np
 
 from data_pipeline import find_duplicates as fd
-from data_pipeline.io import BadLineReporter, abspath, atomic_write, dumps, write_stats
+from data_pipeline.files import abspath, atomic_write
+from data_pipeline.jsonl import BadLineReporter, dumps
 from data_pipeline.shards import first_line, iter_shard, read_json, write_json
+from data_pipeline.stats import write_stats
 
 BAND_RECORD = np.dtype([("key", "V16"), ("line", "<i8"), ("set", "V8")])
 PAIR_RECORD = np.dtype([("a", "<i8"), ("b", "<i8"), ("exact", "u1")])

@@ -23,10 +23,13 @@ import fsspec
 import numpy as np
 
 from data_pipeline import dist_dedup
+from data_pipeline.cli_args import parse_size
 from data_pipeline.executor import Job, executor_session, num_tasks, run_jobs
-from data_pipeline.io import (BadLineReporter, abspath, atomic_write, dumps, exists, local_path, parse_jsonl_line,
-                              parse_size, remove_tree, write_stats)
+from data_pipeline.files import abspath, atomic_write, exists, local_path, remove_tree
+from data_pipeline.jsonl import BadLineReporter, dumps, parse_jsonl_line
 from data_pipeline.shards import concat, count_lines, file_size, first_line, iter_shard, read_json, write_json
+from data_pipeline.stages import load_stage
+from data_pipeline.stats import file_signature, read_stats, stage_params, write_stats
 
 SHUFFLE_RECORD = struct.Struct("<QQI")  # key, line index, byte length (as shuffle.py's bucket files)
 
@@ -37,8 +40,6 @@ def part(work: str, kind: str, rank: int, suffix: str = ".jsonl") -> str:
 
 def run_module_task(rank: int, world: int, stage: str, stage_args: argparse.Namespace) -> None:
     """A stage that runs as one task: its own `run()`."""
-    from data_pipeline.__main__ import load_stage
-
     rc = load_stage(stage).run(stage_args)
     if rc:
         raise RuntimeError(f"{stage} exited with {rc}")
@@ -349,7 +350,6 @@ def tokenize_task(rank: int, world: int, work: str, sargs: argparse.Namespace) -
 def tokenize_merge(rank: int, world: int, work: str, shards: int, sargs: argparse.Namespace, started: float) -> None:
     from data_pipeline import tokenize_stage as ts
     from data_pipeline.indexed import IndexedDataset, IndexedDatasetWriter
-    from data_pipeline.io import file_signature, read_stats
 
     counts: Counter = Counter()
     parts = [IndexedDataset(part(work, "out", r, "")) for r in range(shards)]
@@ -421,8 +421,6 @@ def run_stage(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -
     """Run `stage` (parsed as `sargs`) as tasks on args.executor, in WORKDIR/.tasks/STAGE; the task
     files are deleted once the stage's output and stats are in place. Returns the peak RSS (KiB)
     of each job's tasks."""
-    from data_pipeline.io import file_signature, stage_params
-
     work = os.path.join(args.workdir, ".tasks", stage)
     inputs = [getattr(sargs, k) for k in ("input", "groups", "pairs") if isinstance(getattr(sargs, k, None), str)]
     identity = {"params": stage_params(sargs), "inputs": [file_signature(p) for p in inputs if exists(p)]}

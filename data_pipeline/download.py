@@ -32,8 +32,11 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
-from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input, dumps,
-                              is_complete as _is_complete, iter_text_lines, progress, write_stats)
+from data_pipeline.cli_args import add_common_args, add_output_arg, check_input
+from data_pipeline.files import atomic_write
+from data_pipeline.jsonl import BadLineReporter, dumps, iter_text_lines
+from data_pipeline.stats import is_complete as _is_complete, write_stats
+from data_pipeline.workers import progress
 
 USER_AGENT = "zerogpt-webtext/0.1 (research crawler)"
 HTML_TYPES = ("text/html", "application/xhtml+xml")
@@ -442,7 +445,7 @@ async def _download(args, todo: list[str], counts: Counter) -> None:
 
 
 def is_complete(args: argparse.Namespace) -> bool:
-    """For `all`: io.is_complete, except that --retry-failed always runs (it is not a parameter)."""
+    """For `all`: stats.is_complete, except that --retry-failed always runs (it is not a parameter)."""
     return not args.retry_failed and _is_complete(args.output, args)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 from datatrove.pipeline.base import PipelineStep
 
-from data_pipeline.io import abspath, remove_tree
+from data_pipeline.files import abspath, remove_tree
 
 EXECUTORS = ("local", "ray", "slurm")
 
@@ -94,7 +94,7 @@ def add_executor_args(p: argparse.ArgumentParser, single_stage: bool = False) ->
 
 def num_tasks(args: argparse.Namespace, input_size: int) -> int:
     """--tasks, or enough shards of --shard-size for the input, and at least --workers."""
-    from data_pipeline.io import parse_size
+    from data_pipeline.cli_args import parse_size
 
     if args.tasks is not None:
         if args.tasks < 1:

@@ -31,8 +31,11 @@ from collections import Counter
 
 import numpy as np
 
-from data_pipeline.io import (BadLineReporter, add_common_args, atomic_write, check_input, dumps,
-                              imap_bounded, iter_line_batches, parse_jsonl_line, progress, write_stats)
+from data_pipeline.cli_args import add_common_args, check_input
+from data_pipeline.files import atomic_write
+from data_pipeline.jsonl import BadLineReporter, dumps, iter_line_batches, parse_jsonl_line
+from data_pipeline.stats import write_stats
+from data_pipeline.workers import imap_bounded, progress
 
 FINGERPRINT_MAGIC = b"ZGPTFPR1"
 FINGERPRINT_VERSION = 1

@@ -14,8 +14,11 @@ import sys
 import time
 from collections import Counter, defaultdict
 
-from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input, dumps,
-                              iter_jsonl, progress, read_stats, write_stats)
+from data_pipeline.cli_args import add_common_args, add_output_arg, check_input
+from data_pipeline.files import atomic_write
+from data_pipeline.jsonl import BadLineReporter, dumps, iter_jsonl
+from data_pipeline.stats import read_stats, write_stats
+from data_pipeline.workers import progress
 
 
 class UnionFind:

@@ -14,7 +14,7 @@ import json
 import os
 import time
 
-from data_pipeline.io import write_stats
+from data_pipeline.stats import write_stats
 from data_pipeline.tokenizer import load_backend, save_tokenizer_dir
 
 

@@ -14,9 +14,12 @@ import os
 import time
 from collections import Counter
 
+from data_pipeline.cli_args import add_common_args, add_output_arg, check_input
+from data_pipeline.files import atomic_write
 from data_pipeline.find_duplicates import text_hash
-from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input, iter_jsonl,
-                              progress, write_stats)
+from data_pipeline.jsonl import BadLineReporter, iter_jsonl
+from data_pipeline.stats import write_stats
+from data_pipeline.workers import progress
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

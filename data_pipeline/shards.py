@@ -67,7 +67,7 @@ def first_line(out_dir: str, rank: int) -> int:
 
 def write_json(path: str, obj) -> None:
     """Write a small JSON file atomically (a killed task leaves no half file)."""
-    from data_pipeline.io import atomic_write
+    from data_pipeline.files import atomic_write
 
     with atomic_write(path) as f:
         json.dump(obj, f)

@@ -22,8 +22,11 @@ from collections import Counter
 
 import numpy as np
 
-from data_pipeline.io import (BadLineReporter, add_common_args, add_output_arg, atomic_write, check_input,
-                              iter_line_batches, parse_jsonl_line, parse_size, progress, write_stats)
+from data_pipeline.cli_args import add_common_args, add_output_arg, check_input, parse_size
+from data_pipeline.files import atomic_write
+from data_pipeline.jsonl import BadLineReporter, iter_line_batches, parse_jsonl_line
+from data_pipeline.stats import write_stats
+from data_pipeline.workers import progress
 
 MAX_BUCKETS = 4096
 _HEADER = struct.Struct("<QQI")  # key, line index, byte length: the bucket-file record framing

@@ -21,10 +21,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from data_pipeline.cli_args import add_common_args, check_input
 from data_pipeline.indexed import IndexedDatasetWriter, best_fitting_dtype, data_file_path, index_file_path
-from data_pipeline.io import (BadLineReporter, add_common_args, check_input, file_signature, parse_jsonl_line,
-                              progress, write_stats)
-from data_pipeline.io import is_complete as _is_complete
+from data_pipeline.jsonl import BadLineReporter, parse_jsonl_line
+from data_pipeline.stats import file_signature, write_stats
+from data_pipeline.stats import is_complete as _is_complete
+from data_pipeline.workers import progress
 
 BLOCK_BYTES = 1 << 19  # bytes of JSONL per worker task: big enough for Rust batching, small enough to balance
 

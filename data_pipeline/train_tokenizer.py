@@ -16,9 +16,12 @@ import time
 from collections import Counter
 from typing import Iterable, Iterator
 
-from data_pipeline.io import add_common_args, check_input, iter_jsonl, progress, write_stats, written_by
-from data_pipeline.io import is_complete as _is_complete
+from data_pipeline.cli_args import add_common_args, check_input
+from data_pipeline.jsonl import iter_jsonl
+from data_pipeline.stats import write_stats, written_by
+from data_pipeline.stats import is_complete as _is_complete
 from data_pipeline.tokenizer import EOD_TOKEN, save_tokenizer_dir
+from data_pipeline.workers import progress
 
 BATCH_DOCS = 1000  # texts handed to the Rust trainer per iterator step
 

@@ -13,7 +13,7 @@ import pytest
 PROBE = textwrap.dedent("""
     import json, os, resource, threading
     os.umask(0o027)
-    import data_pipeline.io, data_pipeline.run_all, model_zoo, zerogpt, zerogpt.build_engine, zerogpt.engine
+    import data_pipeline.files, data_pipeline.run_all, model_zoo, zerogpt, zerogpt.build_engine, zerogpt.engine
     import zerogpt.trainer, zerogpt.zero.comm, zerogpt.optim
     umask = os.umask(0o027)
     print(json.dumps({"umask": umask, "threads": [t.name for t in threading.enumerate()]}))
@@ -29,7 +29,7 @@ def test_imports_leave_the_process_alone():
 
 
 def test_atomic_write_creates_files_with_the_umask_mode(tmp_path):
-    from data_pipeline.io import atomic_write
+    from data_pipeline.files import atomic_write
 
     old = os.umask(0o027)
     try:

@@ -15,7 +15,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
-from data_pipeline.io import parse_size
+from data_pipeline.cli_args import parse_size
 from model_zoo.gpt import SIZES, GPTConfig
 from zerogpt.cli import HelpFormatter
 

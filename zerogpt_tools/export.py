@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from data_pipeline.io import parse_size
+from data_pipeline.cli_args import parse_size
 from data_pipeline.tokenizer import load_tokenizer
 from model_zoo.hf import check_safetensors
 from zerogpt.cli import HelpFormatter

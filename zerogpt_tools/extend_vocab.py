@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data_pipeline.io import parse_size
+    from data_pipeline.cli_args import parse_size
 
     args = build_parser().parse_args(argv)
     try:

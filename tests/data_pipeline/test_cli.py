@@ -179,7 +179,7 @@ def test_every_stage_reports_bad_lines_with_file_and_line_never_a_traceback(tmp_
 def test_malformed_lines_go_to_the_cleanup_rejects_file_whole(tmp_path, capsys):
     """A malformed input line is not only reported and counted: cleanup's rejects file keeps it, with
     its reason, as it keeps rejected documents."""
-    from data_pipeline.io import parse_jsonl_line
+    from data_pipeline.jsonl import parse_jsonl_line
 
     assert parse_jsonl_line(b'{"text": "open')[1] == "malformed JSON (Unterminated string starting at column 10)"
     _, argv = _stage_argvs(tmp_path)[0]

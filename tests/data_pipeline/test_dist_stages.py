@@ -61,6 +61,13 @@ def read_lines(path) -> list[str]:
         return f.read().splitlines()
 
 
+def test_the_stage_registry_names_the_stages_that_run_as_tasks():
+    """stages.DIST_JOBS (what the CLI and `all` send to an executor) is dist_stages.JOBS's keys."""
+    from data_pipeline.stages import DIST_JOBS
+
+    assert set(DIST_JOBS) == set(dist_stages.JOBS)
+
+
 def test_shards_cover_every_line_once(tmp_path):
     path = tmp_path / "x.jsonl"
     lines = [f"{i}" * (i % 7 + 1) + "\n" for i in range(100)]

@@ -1,7 +1,7 @@
-"""data_pipeline/io.py: parse_size, the one size parser every command uses."""
+"""data_pipeline/cli_args.py: parse_size, the one size parser every command uses."""
 import pytest
 
-from data_pipeline.io import parse_size
+from data_pipeline.cli_args import parse_size
 
 
 def test_si_units_are_powers_of_1000_iec_units_and_bare_letters_powers_of_1024():
