@@ -3,8 +3,8 @@
 A chunk's optimizer side has one owner, its `ChunkState`: the fp32 master shard, the reduced fp32 gradient
 shard, the optimizer state and where they live. Its step is an optimizer of the user's class built over
 that chunk's master alone, so a step of one chunk reads and writes only that chunk's tensors. The user's
-optimizer keeps the hyperparameters (param groups, LR schedulers bound to it); each chunk's optimizer
-takes its group's current values before it steps.
+optimizer's param groups are the one owner of the hyperparameters (LR schedulers write there): a chunk
+optimizer's param group is a view that reads them from its user group in place, nothing is copied.
 
 A step is: one all-reduce of the local sum of squared gradients (it carries both the global grad norm and
 the fp16 overflow flag, since inf/nan survive a sum) -> unscale and clip by one coefficient computed on
@@ -13,6 +13,7 @@ while the next chunk steps. Nothing here reads a tensor back to the host, except
 """
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,17 +43,29 @@ def _hyperparameters(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def chunk_optimizer(template: torch.optim.Optimizer, group: dict, master: torch.Tensor) -> torch.optim.Optimizer:
-    """An optimizer of `template`'s class over `master` alone, with `group`'s hyperparameters."""
+def chunk_optimizer(template: torch.optim.Optimizer, group: dict, master: torch.Tensor,
+                    decay_per_slot: bool = False) -> torch.optim.Optimizer:
+    """An optimizer of `template`'s class over `master` alone, reading its hyperparameters from `group`.
+
+    Its one param group is a ChainMap: its own `params` ([master]), weight_decay 0 when the chunk decays slot by
+    slot (`ChunkState.step` applies it), then `group` itself, read at each lookup: an LR scheduler's change is
+    seen with no copy. Torch's optimizers only read their groups with `group[key]` while stepping.
+    """
     from zerogpt.optim.cpu_adam import CPUAdam
 
     kwargs = {"backend": template.backend} if isinstance(template, CPUAdam) else {}  # the kernel chosen once
     try:
-        return type(template)([{"params": [master], **_hyperparameters(group)}], **kwargs)
+        optimizer = type(template)([{"params": [master], **_hyperparameters(group)}], **kwargs)
     except TypeError as e:
         raise TypeError(f"the engine steps each chunk with its own {type(template).__name__} built as "
                         f"{type(template).__name__}([{{'params': [...], **param_group}}]), which failed ({e}); "
                         f"give the optimizer's constructor defaults for every argument") from None
+    built = optimizer.param_groups[0]
+    own = {k: v for k, v in built.items() if k == "params" or k not in group}  # + defaults the user's group lacks
+    if decay_per_slot:
+        own["weight_decay"] = 0.0
+    optimizer.param_groups[0] = ChainMap(own, group)
+    return optimizer
 
 
 @dataclass
@@ -105,15 +118,16 @@ class ChunkState:
         return self.grad
 
     def step(self, group: dict, factor: torch.Tensor | None) -> None:
-        """Unscale/clip this chunk's gradient by `factor`, then one optimizer step of this chunk alone."""
+        """Unscale/clip this chunk's gradient by `factor`, then one optimizer step of this chunk alone, with the
+        hyperparameters of `group` (the user's param group this chunk follows)."""
         grad = self.grad if self.grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
         if factor is not None:
             grad.mul_(factor.to(grad.device, non_blocking=True))
-        hyper = self.optimizer.param_groups[0]
-        hyper.update(_hyperparameters(group))
+        # Read `group` in place (chunk_optimizer): rebinding the view is not a copy, and follows a group dict that
+        # torch's own optimizer.load_state_dict replaced.
+        self.optimizer.param_groups[0].maps[-1] = group
         wd = group.get("weight_decay", 0.0)
-        if self.decay_ranges is not None:
-            hyper["weight_decay"] = 0.0
+        if self.decay_ranges is not None:  # the view's weight_decay is 0: decay here, slot by slot
             if wd and self._decay_views:
                 if _decay_is_decoupled(self.optimizer, group):
                     torch._foreach_mul_(self._decay_views, 1.0 - group["lr"] * wd)
@@ -176,9 +190,10 @@ class ShardedOptimizer:
             master = self.placement.empty(plan.shard_numel, torch.float32, self.optim_home, f"master{plan.index}")
             master.copy_(chunk.shard)
         group = self.optimizer.param_groups[plan.group_index]
-        state = ChunkState(chunk, master, chunk_optimizer(self.optimizer, group, master), plan.group_index,
-                           self.optim_home, self.grad_home, self.master_is_param_shard,
-                           _slot_ranges(chunk, no_decay), _slot_ranges(chunk, self.norm_skip))
+        decay_ranges = _slot_ranges(chunk, no_decay)
+        state = ChunkState(chunk, master, chunk_optimizer(self.optimizer, group, master, decay_ranges is not None),
+                           plan.group_index, self.optim_home, self.grad_home, self.master_is_param_shard,
+                           decay_ranges, _slot_ranges(chunk, self.norm_skip))
         if _is_adam_family(self.optimizer) and self.optim_home != "device":
             self._preallocate_adam_state(state, group)
         return state
