@@ -27,6 +27,7 @@ from zerogpt.cli import HelpFormatter
 from zerogpt.config import data_config, lr_scheduler_config, parallel_config, train_config
 from zerogpt.errors import USER_ERRORS, env_rank, report_crash, report_user_error
 from zerogpt.optim.lr_scheduler import build_lr_scheduler
+from zerogpt.parallel.pipeline import Pipeline
 from zerogpt.parallel.plan import parallelize
 from zerogpt.preflight import is_jsonl
 from zerogpt.trainer import (EvalHook, LogMetricByStepHook, MemoryHook, NaNGuardHook, PlotHook, ProgressBarHook,
@@ -65,7 +66,7 @@ def is_sample(data) -> bool:
 def prepare_sample(data, ctx) -> None:
     """First use of the sample corpus: rank 0 trains its tokenizer and tokenizes it; the other ranks wait."""
     from data_pipeline.__main__ import main as pipeline
-    if ctx.rank == 0 and not os.path.exists(data.path + ".idx"):
+    if ctx.is_main and not os.path.exists(data.path + ".idx"):
         ctx.logger.info(f"sample data: training a tokenizer on {SAMPLE_CORPUS} and tokenizing it into "
                         f"{data.path} (first run only)")
         stages = [["train-tokenizer", SAMPLE_CORPUS, "--output", data.tokenizer, "--vocab-size", str(SAMPLE_VOCAB)],
@@ -90,7 +91,7 @@ class RandomTokens(torch.utils.data.Dataset):
         return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
 
 
-def build_data(cfg, data, ctx, dp_rank: int, dp_size: int):
+def build_data(cfg, data, ctx):
     """Train and validation dataloaders and the vocab size. Each data-parallel rank reads its slice of every
     global batch; the T x P ranks that hold one copy of the model between them read the same slice."""
     if data.mock:
@@ -101,14 +102,14 @@ def build_data(cfg, data, ctx, dp_rank: int, dp_size: int):
         kind, source = ((data_pipeline.WebtextDataset, dict(tokenizer=data.tokenizer)) if is_jsonl(data.path)
                         else (data_pipeline.GPTDataset, {}))
         datasets = [kind(data.path, cfg.SEQ_LEN, split=split, splits=data.split, seed=data.seed,
-                         vocab_size=data.vocab_size, group=ctx.group, **source) for split in ("train", "valid")]
+                         vocab_size=data.vocab_size, **source) for split in ("train", "valid")]
         data.tokenizer = getattr(datasets[0], "tokenizer_dir", data.tokenizer)
         # The vocabulary the data was tokenized with (tokenize records it), so the model's embedding fits it.
         vocab_size = data.vocab_size or datasets[0].meta_file.get("vocab_size") or \
             len(data_pipeline.load_tokenizer(data.tokenizer))
     loaders = []
     for ds, shuffle in zip(datasets, (not data.mock, False)):
-        sampler = data_pipeline.DistributedBatchSampler(ds, cfg.BATCH_SIZE, dp_rank, dp_size,
+        sampler = data_pipeline.DistributedBatchSampler(ds, cfg.BATCH_SIZE, ctx.dp_rank, ctx.dp_size,
                                                         shuffle=shuffle, seed=data.seed)
         loaders.append(torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=data.num_workers,
                                                    pin_memory=ctx.device.type == "cuda"))
@@ -134,14 +135,15 @@ def main(argv=None) -> int:
     except USER_ERRORS as e:
         return report_user_error(e, env_rank(), from_config=True)
 
-    # 2. launch: process group, device, CPU threads, seeds, rank-aware logger
-    ctx = zerogpt.launch_from_torch(cfg)
+    # 2. launch: process group, device, CPU threads, seeds, rank-aware logger; with tensor or pipeline parallelism
+    #    the (pp, dp, tp) mesh: ZeRO and the data split over "dp"
+    ctx = zerogpt.launch_from_torch(cfg, dims=dims)
     ctx.logger.info(dims.describe())
     if from_env:
         ctx.logger.info(f"data.path is not set: using DATA={data.path} from the environment")
     if args.from_torch:
         ctx.logger.info("--from_torch: launching from torchrun's environment, the only launch mode (flag not needed)")
-    if args.overwrite and ctx.rank == 0:
+    if args.overwrite and ctx.is_main:
         removed = preflight.clear_run(train.output_dir)
         ctx.logger.info(f"--overwrite: deleted {', '.join(removed) or 'nothing'} in {train.output_dir}")
     trainer = None
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
             fit(trainer, cfg, train, train_dl, valid_dl, ctx)
     except Exception as e:  # before training, a mistake (data, vocabulary, checkpoint) is one line; then, a crash
         user_error = trainer is None and isinstance(e, USER_ERRORS)
-        return report_user_error(e, ctx.rank) if user_error else report_crash(e, ctx.rank)
+        return report_user_error(e, ctx.global_rank) if user_error else report_crash(e, ctx.global_rank)
     finally:
         ctx.destroy()
     return 0
@@ -167,16 +169,14 @@ def model_on_meta(cfg, data):
 def setup(cfg, train, data, ctx, dims, resume):
     """Data, model, engine, hooks and the resumed state: (trainer, train_dl, valid_dl), or Nones when done."""
     out = train.output_dir
-    if ctx.rank == 0:
+    if ctx.is_main:
         with open(os.path.join(out, "config.py"), "w") as f:
             f.write(cfg.to_python())
 
-    # 3. data; with tensor or pipeline parallelism the (pp, dp, tp) mesh first: ZeRO and the data split over "dp"
+    # 3. data: each data-parallel rank reads its slice of every global batch
     if is_sample(data):
         prepare_sample(data, ctx)
-    mesh = dims.build_mesh(ctx.device.type) if dims.model_parallel else None
-    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else ctx.rank
-    train_dl, valid_dl, vocab_size = build_data(cfg, data, ctx, dp_rank, dims.dp)
+    train_dl, valid_dl, vocab_size = build_data(cfg, data, ctx)
 
     # 4. model (GPT-2 family or a local HF model); the criterion compares position t with token t+1. A fresh
     #    model_zoo GPT is built on the meta device (no storage, no init): initialize fills each rank's shards
@@ -187,19 +187,15 @@ def setup(cfg, train, data, ctx, dims, resume):
         model = build_model(model_cfg, vocab_size=vocab_size)
     check_run_vocab(train_dl.dataset, data, model)
     flops = model.flops_per_token(cfg.SEQ_LEN) if hasattr(model, "flops_per_token") else None
-    engine_ctx, parallel = ctx, None
-    if mesh is not None:
-        parallel = parallelize(model, mesh, parallel_config(cfg).tensor.sequence_parallel)
-        model, engine_ctx = parallel.module, parallel.context(ctx.device, ctx.logger)
+    if ctx.mesh is not None:   # this rank's part of it, and what the engine must know of the plans
+        model = parallelize(model, ctx.mesh, parallel_config(cfg).tensor.sequence_parallel)
 
-    # 5. initialize: ZeRO sharding (over "dp"), offload, precision, optimizer, LR schedule
-    engine, train_dl, valid_dl, lr_scheduler = zerogpt.initialize(
-        model, dict(cfg.optimizer), criterion=GPTLMLoss(shift=False), train_dataloader=train_dl,
-        eval_dataloader=valid_dl, config=cfg, ctx=engine_ctx)
-    if parallel is not None:
-        parallel.attach(engine)  # checkpoint layouts, the vocab-parallel loss, the pipeline schedule
+    # 5. initialize: ZeRO sharding (over "dp"), offload, precision, optimizer; the pipeline schedule; the LR schedule
+    engine = zerogpt.initialize(model, dict(cfg.optimizer), GPTLMLoss(shift=False), config=cfg, ctx=ctx)
+    pipeline = Pipeline(engine) if dims.pp > 1 else None
     accum = engine.gradient_accumulation
-    if lr_scheduler is None and "lr_scheduler" in cfg:
+    lr_scheduler = None
+    if "lr_scheduler" in cfg:
         total_steps = train.max_steps or (cfg.NUM_EPOCHS or 1) * len(train_dl) // accum
         lr_scheduler = build_lr_scheduler(engine.optimizer, lr_scheduler_config(cfg), total_steps)
     ctx.logger.info(f"tokens/step: {cfg.BATCH_SIZE} seqs x {cfg.SEQ_LEN} tokens x {accum} accumulation x "
@@ -214,7 +210,8 @@ def setup(cfg, train, data, ctx, dims, resume):
         hooks.append(ProgressBarHook())
     hooks += [EvalHook(train.eval_interval, train.eval_iters, at_start=True),
               SaveCheckpointHook(out, train.save_interval, train.keep_last), PlotHook(out)]
-    trainer = Trainer(engine, hooks=hooks + list(cfg.hooks), lr_scheduler=lr_scheduler, logger=ctx.logger)
+    trainer = Trainer(engine, hooks=hooks + list(cfg.hooks), lr_scheduler=lr_scheduler, logger=ctx.logger,
+                      pipeline=pipeline)
     if resume:
         ckpt = latest_checkpoint(out) if resume == "auto" else resume
         if ckpt is None:

@@ -25,6 +25,7 @@ import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 
 import torch  # noqa: E402
+from zerogpt.context import DistContext
 
 VOCAB = 50257
 
@@ -84,7 +85,7 @@ def _make_zerogpt(spec: Spec, device: torch.device, precision: str):
         with device:
             model = _build_model(spec, device)
     optimizer = HybridAdam(model.parameters(), lr=1e-4, weight_decay=0.0)
-    engine, *_ = zerogpt.initialize(model, optimizer, config=cfg)
+    engine = zerogpt.initialize(model, optimizer, config=cfg, ctx=DistContext.current())
     engine.logger.setLevel("WARNING")
     return engine, engine.backward, lambda: (engine.step(), engine.zero_grad()), optimizer, engine.close
 

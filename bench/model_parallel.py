@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from zerogpt.context import DistContext
 
 SYSTEMS = ["ddp", "zerogpt-3", "tp2", "tp2-sp", "pp2"]
 MODELS = {"gpt2_6l384": dict(n_layer=6, n_head=6, n_embd=384), "gpt2_small": dict(n_layer=12, n_head=12, n_embd=768),
@@ -99,8 +100,8 @@ def make_zero3(args, rank: int, world: int):
     with torch.device("meta"):  # as train_gpt builds it: each rank fills only its shards (DESIGN §7)
         model = build_model(args)
     cfg = zerogpt.Config(dict(zero=dict(stage=3), precision="fp32"))
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), criterion=criterion,
-                                    config=cfg)
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), criterion=criterion,
+                                config=cfg, ctx=DistContext.current())
     per = args.global_batch // world
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
@@ -117,16 +118,16 @@ def make_zero3(args, rank: int, world: int):
 def make_model_parallel(args, tp: int, pp: int, sequence_parallel: bool = False):
     import zerogpt
     from zerogpt.parallel import ParallelDims
+    from zerogpt.parallel.pipeline import Pipeline
     from zerogpt.parallel.plan import parallelize
 
-    mesh = ParallelDims(tp=tp, pp=pp, dp=1).build_mesh(args.device)
-    parallel = parallelize(build_model(args), mesh, sequence_parallel)
+    ctx = DistContext.current(args.device).with_mesh(ParallelDims(tp=tp, pp=pp, dp=1).build_mesh(args.device))
+    parallel = parallelize(build_model(args), ctx.mesh, sequence_parallel)
     accum = args.micro_batches if pp > 1 else 1
     cfg = zerogpt.Config(dict(zero=dict(stage=1), precision="fp32", GRADIENT_ACCUMULATION=accum))
-    model = parallel.module
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), criterion=criterion,
-                                    config=cfg, ctx=parallel.context(torch.device(args.device)))
-    pipeline = parallel.attach(engine)
+    engine = zerogpt.initialize(parallel, torch.optim.AdamW(parallel.module.parameters(), lr=LR), criterion,
+                                config=cfg, ctx=ctx)
+    pipeline = Pipeline(engine) if pp > 1 else None
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
         if pipeline is not None:

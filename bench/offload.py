@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from zerogpt.context import DistContext
 
 MODELS = {  # GPT-2 shapes (vocab 50257, tied head); params incl. the 50304 x n_embd embedding
     "gpt2_4l256": dict(n_layer=4, n_head=4, n_embd=256),    # 16.2M
@@ -77,8 +78,8 @@ def make_zerogpt(model, args, stage: int, mode: str, disk_dir: str):
     if mode == "cpu+param":
         zero["offload_param"] = dict(device="cpu")
     precision = "bf16" if args.device == "cuda" else "fp32"
-    engine, *_ = zerogpt.initialize(model, HybridAdam(model.parameters(), lr=LR), config=zerogpt.Config(
-        dict(zero=zero, precision=precision)))
+    engine = zerogpt.initialize(model, HybridAdam(model.parameters(), lr=LR), config=zerogpt.Config(
+        dict(zero=zero, precision=precision)), ctx=DistContext.current())
     engine.logger.setLevel("WARNING")
 
     def step(tokens):
@@ -275,8 +276,9 @@ def gpu_largest(args) -> list[dict]:
         try:
             model = build_model("", args.gpu_seq, checkpoint=True, n_layer=n_layer, n_embd=n_embd, n_head=n_head)
             zero = dict(stage=3, offload_optimizer=dict(device="cpu"), offload_param=dict(device="cpu"))
-            engine, *_ = zerogpt.initialize(model, HybridAdam(model.parameters(), lr=LR),
-                                            config=zerogpt.Config(dict(zero=zero, precision="bf16")))
+            engine = zerogpt.initialize(model, HybridAdam(model.parameters(), lr=LR),
+                                        config=zerogpt.Config(dict(zero=zero, precision="bf16")),
+                                        ctx=DistContext.current())
             engine.logger.setLevel("WARNING")
             times = []
             for i in range(3):

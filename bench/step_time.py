@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from zerogpt.context import DistContext
 
 MODELS = {
     "gpt2_6l384": dict(n_layer=6, n_head=6, n_embd=384),
@@ -134,7 +135,8 @@ def make_zerogpt(model, args, rank, stage):
 
     precision = "bf16" if args.dtype == torch.bfloat16 else "fp32"
     cfg = zerogpt.Config(dict(zero=dict(stage=stage), precision=precision))
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg,
+                                ctx=DistContext.current())
     engine.logger.setLevel("WARNING")
 
     def step(tokens):

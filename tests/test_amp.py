@@ -18,6 +18,7 @@ from tests.dist_utils import run_distributed
 from tests.zero.reference import cpu_ctx, single_thread, step_stats
 from tests.zero.recipes import GPT_RECIPE
 from zerogpt.amp import DynamicLossScaler
+from zerogpt.config import LossScaleConfig
 
 WORLD = 2
 STEPS = 8
@@ -30,7 +31,7 @@ INFECTED_RANK = 1
 
 
 def test_scaler_defaults_and_hysteresis():
-    s = DynamicLossScaler()
+    s = DynamicLossScaler(LossScaleConfig())
     assert s.scale == 2.0**16
     s.update(True)
     assert s.scale == 2.0**16  # first overflow absorbed by hysteresis=2
@@ -46,22 +47,23 @@ def test_scaler_defaults_and_hysteresis():
 
 
 def test_scaler_bounds_and_disabled():
-    s = DynamicLossScaler(initial_scale=4.0, hysteresis=1, min_scale=2.0, growth_interval=1, max_scale=8.0)
+    s = DynamicLossScaler(LossScaleConfig(initial_scale=4.0, hysteresis=1, min_scale=2.0, growth_interval=1,
+                                          max_scale=8.0))
     for _ in range(3):
         s.update(True)
     assert s.scale == 2.0
     for _ in range(5):
         s.update(False)
     assert s.scale == 8.0
-    off = DynamicLossScaler(enabled=False)
+    off = DynamicLossScaler(LossScaleConfig(), enabled=False)
     off.update(True)
     assert off.scale == 1.0
 
 
 def test_scaler_state_round_trip():
-    s = DynamicLossScaler()
+    s = DynamicLossScaler(LossScaleConfig())
     s.update(True)
-    t = DynamicLossScaler()
+    t = DynamicLossScaler(LossScaleConfig())
     t.load_state_dict(s.state_dict())
     t.update(True)
     assert t.scale == 2.0**15
@@ -75,10 +77,11 @@ def test_loss_scale_config_keys_reach_the_engine(zero):
     import zerogpt
 
     model = torch.nn.Linear(4, 4)
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()),
-                                    config=dict(zero=zero, precision="fp16"), ctx=cpu_ctx())
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()),
+                                config=dict(zero=zero, precision="fp16"), ctx=cpu_ctx())
     scaler = engine.sharded_optim.loss_scaler
-    assert (scaler.scale, scaler.hysteresis, scaler.backoff_factor, scaler.growth_interval) == (1024.0, 1, 0.25, 7)
+    c = scaler.config
+    assert (scaler.scale, c.hysteresis, c.backoff_factor, c.growth_interval) == (1024.0, 1, 0.25, 7)
     engine.close()
 
 
@@ -86,8 +89,8 @@ def test_loss_scale_is_one_without_fp16():
     import zerogpt
 
     model = torch.nn.Linear(4, 4)
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=dict(precision="bf16"),
-                                    ctx=cpu_ctx())
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=dict(precision="bf16"),
+                                ctx=cpu_ctx())
     assert engine.loss_scale == 1.0
     engine.close()
 
@@ -139,7 +142,7 @@ def _fp16_run(rank: int, world: int, stage: int, accum: int, overflow_steps: tup
     model = GPT_RECIPE.build()
     cfg = zerogpt.Config(dict(zero=dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02)),
                               precision="fp16", GRADIENT_ACCUMULATION=accum))
-    engine, *_ = zerogpt.initialize(model, GPT_RECIPE.optimizer(model), config=cfg, ctx=ctx)
+    engine = zerogpt.initialize(model, GPT_RECIPE.optimizer(model), config=cfg, ctx=ctx)
     position = {"step": -1, "last_micro": False}
     if where == "grad" and rank == INFECTED_RANK:
         model.transformer.wte.weight.register_hook(_poison_grad_on(overflow_steps, position))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
+from zerogpt.context import DistContext
 
 VOCAB, SEQ, GLOBAL_BATCH, LR = 128, 16, 6, 3e-3
 
@@ -37,7 +38,8 @@ def make_engine(stage: int, *, dropout: float = 0.0, precision: str = "fp32", of
     zero = dict(stage=stage, shard_strategy=strategy or BucketTensorShardStrategy(bucket_mb=0.02),
                 offload_optimizer=dict(device=offload, path=disk_path))
     cfg = zerogpt.Config(dict(zero=zero, precision=precision))
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1), config=cfg)
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1), config=cfg,
+                                ctx=DistContext.current())
     return engine
 
 

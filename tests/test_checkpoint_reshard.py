@@ -29,14 +29,17 @@ def tiny_model():
     return gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, n_embd=64)
 
 
-def make_engine(model, stage: int = 2, ctx=None):
+def make_engine(model, stage: int = 2, ctx=None, **layout):
+    """The engine over `model`; `layout`: ParallelModel's layouts / tied_copies for a hand-cut local model."""
     import zerogpt
+    from zerogpt.context import DistContext
+    from zerogpt.parallel import ParallelModel
     from zerogpt.zero import BucketTensorShardStrategy
 
     cfg = zerogpt.Config(dict(zero=dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02))))
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1),
-                                    config=cfg, ctx=ctx)
-    return engine
+    return zerogpt.initialize(ParallelModel(model, **layout),
+                              torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1), config=cfg,
+                              ctx=ctx or DistContext.current("cpu"))
 
 
 def batches(n: int) -> torch.Tensor:
@@ -55,11 +58,11 @@ def train(engine, data: torch.Tensor) -> list[float]:
 
 
 def mesh_context(tp: int, pp: int, dp: int):
-    from zerogpt.parallel.context import engine_context
+    from zerogpt.context import DistContext
     from zerogpt.parallel.mesh import ParallelDims
 
     mesh = ParallelDims(tp=tp, pp=pp, dp=dp).build_mesh("cpu")
-    return mesh, engine_context(mesh, torch.device("cpu"))
+    return mesh, DistContext.current("cpu").with_mesh(mesh)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,8 +75,7 @@ def _tp_rank(rank: int, world: int, tp: int, dp: int, stage: int, reference: dic
     mesh, ctx = mesh_context(tp, 1, dp)
     model = tiny_model()
     layouts = tp_local_model(model, tp, mesh["tp"].get_local_rank())
-    engine = make_engine(model, stage, ctx)
-    engine.param_layouts = layouts
+    engine = make_engine(model, stage, ctx, layouts=layouts)
     if load:
         engine.load_checkpoint(load)
     else:
@@ -89,8 +91,7 @@ def _pp_rank(rank: int, world: int, reference: dict, load: str, save: str) -> li
     mesh, ctx = mesh_context(1, 2, 1)
     model = tiny_model()
     tied = pipeline_stage(model, mesh["pp"].get_local_rank())
-    engine = make_engine(model, 2, ctx)
-    engine.tied_copies = tied
+    engine = make_engine(model, 2, ctx, tied_copies=tied)
     engine.load_checkpoint(load)
     engine.save_checkpoint(save)
     return engine_mismatches(engine, reference)

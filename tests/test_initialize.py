@@ -17,6 +17,7 @@ from tests.zero.recipes import lm_loss, tiny_gpt, token_batches, zero_config
 
 WORLD = 2
 BETAS = (0.8, 0.95)
+TIES = {"lm_head.weight": "transformer.wte.weight"}  # what a last pipeline stage declares
 
 
 def two_group_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -186,8 +187,9 @@ def _protocol(rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     loader = [1, 2, 3]
-    engine, train_dl, eval_dl, sched = zerogpt.initialize(
-        model, opt, train_dataloader=loader, lr_scheduler=scheduler,
+    # the Colossal-AI tutorial's call: the dataloaders and the scheduler come back unchanged
+    engine, train_dl, eval_dl, sched = zerogpt.colossalai_initialize(
+        model, opt, None, loader, lr_scheduler=scheduler,
         config=dict(zero=dict(stage=3), GRADIENT_ACCUMULATION=accum), ctx=cpu_ctx(rank, world))
     passed_through = engine.optimizer is opt and sched is scheduler and train_dl is loader and eval_dl is None
     data = token_batches(2, world, accum)
@@ -216,3 +218,55 @@ def test_step_acts_only_at_the_accumulation_boundary():
         assert all(set(s) == {"grad_norm", "skipped", "loss_scale", "lr"} for s in stats)
         assert [s["lr"] for s in stats] == [LR, LR / 2]  # the scheduler bound to the user's optimizer acts
         assert all(s["skipped"] is False and s["loss_scale"] == 1.0 and s["grad_norm"] > 0 for s in stats)
+
+
+# ----------------------------------------------------------------------------------------------
+# one build: the config is resolved into one plan, and the engine is complete when initialize returns
+
+
+def _files_called_from_the_build(run) -> list[str]:
+    """The zerogpt files that build_engine.py's code calls into while `run()` runs, in call order (consecutive
+    repeats merged): the path a reader follows through initialize."""
+    import os
+    import sys
+
+    import zerogpt
+
+    root, seen = os.path.dirname(zerogpt.__file__), []
+
+    def profile(frame, event, arg):
+        callee, caller = frame.f_code.co_filename, frame.f_back and frame.f_back.f_code.co_filename
+        if event != "call" or not (caller or "").endswith("build_engine.py") or callee == caller:
+            return
+        if callee.startswith(root) and (not seen or seen[-1] != os.path.relpath(callee, root)):
+            seen.append(os.path.relpath(callee, root))
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_the_config_is_resolved_once_and_the_engine_is_complete_when_built(tmp_path):
+    """Following the config through initialize (plan, then build), the build returns to a file it had left fewer
+    than 5 times; every field the checkpoints and the Trainer read is declared by initialize."""
+    import zerogpt
+    from zerogpt.parallel import ParallelModel
+
+    cfg = zerogpt.Config(dict(zero=dict(stage=3, offload_optimizer=dict(device="cpu"), offload_param=dict(device="cpu")),
+                              precision="bf16"))
+    engines = []
+    model = tiny_gpt()
+    files = _files_called_from_the_build(lambda: engines.append(zerogpt.initialize(
+        ParallelModel(model, tied_copies=TIES), torch.optim.AdamW(model.parameters()), config=cfg,
+        ctx=cpu_ctx())))
+    returns = [f for i, f in enumerate(files) if f in files[:i]]
+    assert len(returns) < 5, files
+    engine = engines[0]
+    assert engine.tied_copies == TIES and engine.param_layouts == {} and engine.criterion is None
+    assert engine.transport is None and engine.run_config is cfg
+    with engine.loss_context():
+        pass
+    engine.close()

@@ -31,10 +31,10 @@ def plain_process(monkeypatch):
 @pytest.mark.timeout(60)
 def test_single_process_makes_a_one_rank_group(plain_process):
     with launch_from_torch(Config(train=dict(seed=7)), device="cpu") as ctx:
-        assert (ctx.rank, ctx.world_size, ctx.local_rank) == (0, 1, 0)
+        assert (ctx.global_rank, ctx.world_size, ctx.local_rank) == (0, 1, 0)
         assert ctx.device == torch.device("cpu") and ctx.backend == "gloo" and ctx.is_main
         t = torch.ones(3)
-        dist.all_reduce(t, group=ctx.group)  # collectives work the same as on N ranks
+        dist.all_reduce(t, group=ctx.dp_group)  # collectives work the same as on N ranks
         assert t.tolist() == [1.0, 1.0, 1.0]
     assert not dist.is_initialized()  # the context created the group, so it tore it down
 
@@ -74,16 +74,16 @@ def _two_rank_launches(rank: int, world_size: int, init_file: str) -> dict:
     # 1) A group already exists (run_distributed made it): launch_from_torch wraps it and leaves it up.
     ctx = launch_from_torch(seed=0)
     t = torch.tensor([1.0])
-    dist.all_reduce(t, group=ctx.group)
+    dist.all_reduce(t, group=ctx.dp_group)
     ctx.destroy()
-    wrapped = dict(rank=ctx.rank, world=ctx.world_size, owns=ctx.owns_group, device=str(ctx.device), sum=t.item(),
+    wrapped = dict(rank=ctx.global_rank, world=ctx.world_size, owns=ctx.owns_group, device=str(ctx.device), sum=t.item(),
                    still_up=dist.is_initialized())
     # 2) No group: launch_from_torch builds one from the torchrun variables (RANK/WORLD_SIZE/LOCAL_RANK are set).
     dist.destroy_process_group()
     ctx = launch_from_torch(Config(train=dict(seed=11)), device="cpu", init_method=f"file://{init_file}")
     t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t, group=ctx.group)
-    launched = dict(rank=ctx.rank, world=ctx.world_size, local=ctx.local_rank, owns=ctx.owns_group, sum=t.item(),
+    dist.all_reduce(t, group=ctx.dp_group)
+    launched = dict(rank=ctx.global_rank, world=ctx.world_size, local=ctx.local_rank, owns=ctx.owns_group, sum=t.item(),
                     draw=torch.rand(1).item())
     ctx.destroy()
     return dict(wrapped=wrapped, launched=launched)
@@ -106,7 +106,7 @@ def test_cuda_single_process_uses_nccl(plain_process):
     with launch_from_torch(seed=0) as ctx:
         assert ctx.backend == "nccl" and ctx.device == torch.device("cuda", 0)
         t = torch.ones(2, device=ctx.device)
-        dist.all_reduce(t, group=ctx.group)
+        dist.all_reduce(t, group=ctx.dp_group)
         assert t.tolist() == [1.0, 1.0]
 
 

@@ -111,7 +111,7 @@ def test_crash_on_one_rank_stops_all_ranks_with_its_error(data_dir, tmp_path):
 
         class CrashOnRank1(Hook):
             def after_step(self, trainer):
-                if trainer.rank == 1 and trainer.state.step == 2:
+                if trainer.ctx.global_rank == 1 and trainer.state.step == 2:
                     raise RuntimeError("injected failure on purpose")
 
         hooks = [CrashOnRank1()]

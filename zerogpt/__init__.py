@@ -1,6 +1,7 @@
 """zerogpt: ZeRO-sharded GPT pretraining with CPU/disk offload, driven by Python config files.
 
-Public API (DESIGN §3): Config, launch_from_torch, initialize, ZeroInitContext, Engine, Trainer. Everything
+Public API (DESIGN §3): Config, launch_from_torch, DistContext, initialize (colossalai_initialize: the Colossal-AI
+tutorial's tuple form), ZeroInitContext, Engine, Trainer. Everything
 except Config is imported on first use, so `import zerogpt` stays fast and never imports transformers.
 """
 from __future__ import annotations
@@ -14,9 +15,10 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "launch_from_torch": "zerogpt.launch",
-    "DistContext": "zerogpt.launch",
+    "DistContext": "zerogpt.context",
     "get_logger": "zerogpt.logging",
     "initialize": "zerogpt.build_engine",
+    "colossalai_initialize": "zerogpt.build_engine",
     "ZeroInitContext": "zerogpt.zero.init_ctx",
     "Engine": "zerogpt.engine",
     "Trainer": "zerogpt.trainer",

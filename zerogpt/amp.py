@@ -5,7 +5,7 @@ once per step and hands the verdict to `update()`. bf16 and fp32 need no scaling
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,26 +19,21 @@ def compute_dtype(precision: str) -> torch.dtype:
     return DTYPES[precision]
 
 
-@dataclass
 class DynamicLossScaler:
     """fp16 loss scale: back off on overflow (after `hysteresis` overflows), grow after a clean run.
 
-    Defaults follow DeepSpeed/Megatron: start at 2**16, x0.5 on overflow, x2 after 1000 clean steps.
+    The numbers are the `zero.loss_scale` section's (LossScaleConfig: DeepSpeed/Megatron's defaults, start at
+    2**16, x0.5 on overflow, x2 after 1000 clean steps); disabled (bf16, fp32), the scale stays 1.
     """
 
-    initial_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-    max_scale: float = 2.0**32
-    enabled: bool = True
-
-    def __post_init__(self) -> None:
-        self.scale = float(self.initial_scale) if self.enabled else 1.0
+    def __init__(self, config: Any, enabled: bool = True) -> None:
+        """`config`: the `zero.loss_scale` section (zerogpt.config.LossScaleConfig; not imported, as amp.py sits
+        below config/ in the import graph)."""
+        self.config = config
+        self.enabled = enabled
+        self.scale = float(self.config.initial_scale) if enabled else 1.0
         self._clean_steps = 0
-        self._hysteresis_left = self.hysteresis
+        self._hysteresis_left = self.config.hysteresis
 
     def update(self, overflow: bool) -> None:
         if not self.enabled:
@@ -47,13 +42,13 @@ class DynamicLossScaler:
             self._clean_steps = 0
             self._hysteresis_left -= 1
             if self._hysteresis_left <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-                self._hysteresis_left = self.hysteresis
+                self.scale = max(self.scale * self.config.backoff_factor, self.config.min_scale)
+                self._hysteresis_left = self.config.hysteresis
             return
         self._clean_steps += 1
-        if self._clean_steps % self.growth_interval == 0:
-            self.scale = min(self.scale * self.growth_factor, self.max_scale)
-            self._hysteresis_left = self.hysteresis
+        if self._clean_steps % self.config.growth_interval == 0:
+            self.scale = min(self.scale * self.config.growth_factor, self.config.max_scale)
+            self._hysteresis_left = self.config.hysteresis
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self._clean_steps, "hysteresis_left": self._hysteresis_left}

@@ -1,21 +1,16 @@
-"""`initialize()`: turn a model + optimizer + config into a ZeRO `Engine`, in one stated order.
+"""`initialize()`: a model + optimizer + config -> a complete ZeRO `Engine`.
 
-Order and why:
-  1. resolve the config and distributed context (everything below depends on stage and world size), and
-     apply the process-wide `host.*` settings (malloc);
-  2. resolve the optimizer and map every parameter to its param group (chunks never mix groups; a dict
-     optimizer's no-decay parameters share chunks with the weights, see sharded_optim.py);
-  3. plan chunks (pure: sizes only) and pack the parameters into them, in the compute dtype (a meta model:
-     each rank fills only its shards, from the model's init_param_range or ZeroInitContext's record);
-  4. register hooks (grad hooks at every stage; gather/release/prefetch at stage 3) - after packing,
-     because hooks refer to chunk slots;
-  5. place state (device / host / disk) and build the sharded optimizer: one ChunkState per chunk;
-  6. the loss scaler (fp16 only), then the shared-memory transport (host.shm_collectives) and the Engine.
+Two phases. `plan_engine` first resolves everything the build depends on into one frozen `EnginePlan`: the
+engine config at this data-parallel size, the compute dtype, where parameters and optimizer state live, the chunk
+plans and the disk the state needs. Nothing is built yet, and the plan is checked to be the same on every rank.
+Then the build runs in named steps that only read the plan: pack the parameters into chunks (a meta model: each
+rank fills only its shards), place the buffers, register the hooks (after packing: they refer to chunk slots),
+build the sharded optimizer. The Engine is complete when initialize returns; nothing is set on it afterwards.
 """
 from __future__ import annotations
 
-import os
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,38 +18,146 @@ import torch.distributed as dist
 from torch import nn
 
 from zerogpt.amp import DynamicLossScaler, compute_dtype
-from zerogpt.config import Config, EngineConfig, engine_config, optimizer_class
+from zerogpt.config import Config, EngineConfig, HostConfig, engine_config, optimizer_class
+from zerogpt.context import DistContext
 from zerogpt.engine import Engine
 from zerogpt.host_memory import keep_freed_host_memory
-from zerogpt.parallel.context import EngineContext
-from zerogpt.zero.chunk import Chunk, plan_chunks, to_local
+from zerogpt.parallel.parallel_model import ParallelModel
+from zerogpt.zero.chunk import Chunk, ChunkPlan, plan_chunks, to_local
 from zerogpt.zero.comm import all_gather_flat
+from zerogpt.zero.gather_hooks import Stage3GatherHooks
+from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
 from zerogpt.zero.meta_init import range_init
 from zerogpt.zero.offload import Placement, check_disk_path
-from zerogpt.zero.shm import open_transport
-from zerogpt.zero.gather_hooks import Stage3GatherHooks
-from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.sharded_optim import ShardedOptimizer
+from zerogpt.zero.shm import open_transport
+
+__all__ = ["initialize", "colossalai_initialize", "EnginePlan", "plan_engine"]
+
+HOMES = {"none": "device", "cpu": "host", "disk": "disk"}  # zero.offload_*.device -> where the state lives
 
 
-def _default_context() -> EngineContext:
-    """Without a ctx: the whole world is the data-parallel group (EngineContext says what a ctx holds)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        device = torch.device("cpu")
-    return EngineContext(rank, world, device, group=None)
+@dataclass(frozen=True)
+class EnginePlan:
+    """Every decision of the build, made before anything is allocated."""
+
+    config: EngineConfig
+    host: HostConfig
+    """The host.* settings after their environment overrides."""
+    compute_dtype: torch.dtype
+    """Parameters and activations (precision); masters and optimizer state are fp32."""
+    param_home: str
+    """Where stage-3 parameter shards rest: "device" or "host" (zero.offload_param)."""
+    optim_home: str
+    """Where masters and optimizer state live: "device", "host" or "disk" (zero.offload_optimizer)."""
+    chunks: tuple[ChunkPlan, ...]
+    disk_bytes: int
+    """Optimizer state this rank writes to zero.offload_optimizer.path (0 unless optim_home is "disk")."""
+    no_decay: frozenset[str]
+    """Parameters that take no weight decay whatever their group says (a dict optimizer's biases and norms)."""
+
+    @property
+    def stage(self) -> int:
+        return self.config.zero.stage
 
 
-def _logger(ctx: Any):
-    if getattr(ctx, "logger", None) is not None:
-        return ctx.logger
-    from zerogpt.logging import get_logger
+def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]], ctx: DistContext,
+                no_decay: frozenset[str] = frozenset(), host: HostConfig | None = None) -> EnginePlan:
+    """The frozen plan for these (name, param, group) at this rank's place; pure (no allocation, no collective).
+    `host`: the host.* settings already resolved (default: the config's, with the environment's overrides)."""
+    zero = config.zero
+    dtype = compute_dtype(config.precision)
+    num_shards = 1 if zero.stage == 0 else ctx.dp_size
+    # the local shapes: with tensor parallelism a chunk holds this rank's shard of a DTensor parameter
+    shapes = [(n, tuple(to_local(p).shape), g) for n, p, g in params]
+    chunks = plan_chunks(shapes, zero.shard_strategy, num_shards, torch.empty(0, dtype=dtype).element_size())
+    optim_home = HOMES[zero.offload_optimizer.device]
+    disk_bytes = sum(p.shard_numel for p in chunks if p.trainable) * 4 * 3 if optim_home == "disk" else 0
+    host = host or config.host.with_env_overrides()
+    return EnginePlan(config, host, dtype, HOMES[zero.offload_param.device],
+                      optim_home, tuple(chunks), disk_bytes, no_decay)
 
-    return get_logger(ctx.rank)
+
+def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any = None, *, config: Any,
+               ctx: DistContext) -> Engine:
+    """Wrap `model` and `optimizer` in a ZeRO engine configured by `config`, on this rank of `ctx`.
+
+    Args:
+        model: any nn.Module (model_zoo GPT, HF GPT2LMHeadModel, ...), or the ParallelModel that
+            `zerogpt.parallel.plan.parallelize` made of one (then `ctx` must be on its mesh). Its parameters become
+            views into chunk buffers (stage 3: empty between uses). They may be on the meta device if the model has
+            `init_param_range(name, start, end)` (model_zoo GPT built under torch.device("meta")) or was built
+            inside zerogpt.ZeroInitContext: each rank then fills only its own shards.
+        optimizer: a torch optimizer built on model.parameters() (class, hyperparameters and param groups are
+            kept; its state will exist only for this rank's shard), or dict(type=..., **kw).
+        criterion: loss(logits, labels), kept as `engine.criterion` (the Trainer calls it).
+        config: a zerogpt.Config (or dict) with `zero`, `precision`, `GRADIENT_ACCUMULATION`, `clip_grad_norm`,
+            or an EngineConfig.
+        ctx: this process's DistContext (`zerogpt.launch_from_torch`, or `DistContext.current()`).
+
+    Example:
+        >>> engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg, ctx=ctx)
+    """
+    parallel = model if isinstance(model, ParallelModel) else ParallelModel(model)
+    module = parallel.module
+    if dist.is_initialized() and dist.get_world_size(ctx.dp_group) != ctx.dp_size:
+        raise ValueError(f"ctx.dp_size={ctx.dp_size} but its process group has {dist.get_world_size(ctx.dp_group)} "
+                         f"ranks; pass the context from launch_from_torch (or DistContext.current())")
+    ecfg, run_config = _engine_config(config, ctx)
+    parallel.dims.check_zero_stage(ecfg.zero.stage)
+    if parallel.dims.model_parallel and ctx.mesh is None:
+        raise ValueError("a parallelized model needs its mesh in the context: initialize(parallel, ..., "
+                         "ctx=ctx.with_mesh(mesh)) with the mesh parallelize() was given")
+
+    host = ecfg.host.with_env_overrides()
+    optimizer, no_decay = _resolve_optimizer(optimizer, module, host.cpu_adam)
+    params = _param_groups(module, optimizer)
+    _check_devices(params)
+    plan = plan_engine(ecfg, params, ctx, frozenset(no_decay), host)
+    _check_same_plan(plan, ctx)
+    if plan.disk_bytes:
+        check_disk_path(ecfg.zero.offload_optimizer.path, plan.disk_bytes, ctx.local_world_size)
+
+    # compute on the host: see host_memory.py (a device run's host holds little that is freed every step)
+    keeps_freed_memory = ctx.device.type == "cpu" and plan.host.keep_freed_memory and keep_freed_host_memory()
+    transport = open_transport(ctx.dp_group) if plan.host.shm_collectives and _shares_host_memory(ctx) else None
+    placement = Placement(ctx.device, pin_memory=ecfg.zero.offload_optimizer.pin_memory,
+                          disk_path=ecfg.zero.offload_optimizer.path, rank=ctx.dp_rank)
+    # A meta model: values per shard from its init_param_range (model_zoo GPT built on meta, meta_init.py) or
+    # replayed from what ZeroInitContext recorded (any model, init_ctx.py); None for a model with real weights.
+    init_values = range_init(module) or recorded_init(module)
+    chunks = _build_chunks(params, plan, ctx, placement, transport, init_values)
+    _place_buffers(module, ctx.device, init_values.buffer_values() if init_values is not None else {})
+    grad_hooks, gather_hooks = _register_hooks(module, chunks, plan)
+    sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, transport)
+    engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx,
+                    criterion=parallel.criterion(criterion), parallel=parallel, transport=transport,
+                    run_config=run_config, keeps_freed_memory=keeps_freed_memory)
+    ctx.logger.info(engine.describe())
+    return engine
+
+
+def colossalai_initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any = None,
+                          train_dataloader: Any = None, test_dataloader: Any = None, lr_scheduler: Any = None, *,
+                          config: Any, ctx: DistContext) -> tuple[Engine, Any, Any, Any]:
+    """Colossal-AI's `initialize` call as its GPT-2 tutorial writes it: (engine, train_dataloader,
+    test_dataloader, lr_scheduler), the last three handed back unchanged."""
+    engine = initialize(model, optimizer, criterion, config=config, ctx=ctx)
+    return engine, train_dataloader, test_dataloader, lr_scheduler
+
+
+# -- plan --------------------------------------------------------------------------------------------------------
+
+def _engine_config(config: Any, ctx: DistContext) -> tuple[EngineConfig, Config | None]:
+    """The engine's config at this data-parallel size, and the whole run config when there is one (checkpoints
+    record it as config.py)."""
+    if config is None:
+        raise TypeError("initialize() needs config=: a zerogpt.Config, a dict or an EngineConfig")
+    if isinstance(config, EngineConfig):
+        return config, None
+    run_config = config if isinstance(config, Config) else Config(config)
+    return engine_config(run_config, ctx.dp_size), run_config
 
 
 def _resolve_optimizer(optimizer: Any, model: nn.Module, cpu_adam: str = "auto"
@@ -115,145 +218,93 @@ def _check_devices(params: list[tuple[str, nn.Parameter, int]]) -> None:
                          f"(the engine moves it to ctx.device)")
 
 
-def _check_same_plan(plans, ecfg: EngineConfig, ctx) -> None:
+def _check_same_plan(plan: EnginePlan, ctx: DistContext) -> None:
     """Fail fast when ranks disagree on the chunk layout (different model or zero config per rank).
 
     Every later collective assumes the same chunks and sizes on every rank; a mismatch would
     otherwise surface mid-step as a hang or an opaque transport error. One tiny all-gather at init.
     """
-    if not dist.is_initialized() or ctx.world_size == 1:
+    if not dist.is_initialized() or ctx.dp_size == 1:
         return
-    layout = "|".join(f"{s.name}{s.shape}:{p.group_index}" for p in plans for s in p.slots)
+    layout = "|".join(f"{s.name}{s.shape}:{p.group_index}" for p in plan.chunks for s in p.slots)
     fields = ("zero.stage", "chunks", "padded elements", "precision + parameter layout hash")
-    mine = torch.tensor([ecfg.zero.stage, len(plans), sum(p.padded_numel for p in plans),
-                         zlib.crc32(f"{ecfg.precision}|{layout}".encode())], dtype=torch.int64, device=ctx.device)
-    every = torch.empty(ctx.world_size * len(fields), dtype=torch.int64, device=ctx.device)
-    all_gather_flat(every, mine, group=ctx.group)
-    rows = every.view(ctx.world_size, len(fields)).tolist()
+    mine = torch.tensor([plan.stage, len(plan.chunks), sum(p.padded_numel for p in plan.chunks),
+                         zlib.crc32(f"{plan.config.precision}|{layout}".encode())], dtype=torch.int64,
+                        device=ctx.device)
+    every = torch.empty(ctx.dp_size * len(fields), dtype=torch.int64, device=ctx.device)
+    all_gather_flat(every, mine, group=ctx.dp_group)
+    rows = every.view(ctx.dp_size, len(fields)).tolist()
     for rank, row in enumerate(rows):
         if row != rows[0]:
             diffs = ", ".join(f"{f}: {a} vs {b}" for f, a, b in zip(fields, rows[0], row) if a != b)
-            raise ValueError(f"rank 0 and rank {rank} built different ZeRO layouts ({diffs}); every rank must "
-                             f"build the same model with the same zero/precision config before initialize()")
+            raise ValueError(f"data-parallel rank 0 and rank {rank} built different ZeRO layouts ({diffs}); every "
+                             f"rank must build the same model with the same zero/precision config before "
+                             f"initialize()")
 
 
-def _build_chunks(params, plans, ecfg: EngineConfig, ctx, placement: Placement, init_values) -> list[Chunk]:
-    dtype = compute_dtype(ecfg.precision)
-    stage = ecfg.zero.stage
-    param_home = "host" if ecfg.zero.offload_param.device == "cpu" else "device"
+def _shares_host_memory(ctx: DistContext) -> bool:
+    """Whether the shared-memory transport could carry this run's collectives (gloo on CPU tensors)."""
+    if not dist.is_initialized() or ctx.dp_size < 2 or ctx.device.type != "cpu":
+        return False
+    backend = str(dist.get_backend(ctx.dp_group))
+    return backend == "gloo" or "cpu:gloo" in backend
+
+
+# -- build -------------------------------------------------------------------------------------------------------
+
+def _build_chunks(params, plan: EnginePlan, ctx: DistContext, placement: Placement, transport: Any,
+                  init_values: Any) -> list[Chunk]:
+    """Pack the parameters into chunks in the compute dtype; every parameter becomes a view of its slot."""
     by_name = {name: p for name, p, _ in params}
     chunks = []
-    for plan in plans:
-        chunk_params = [by_name[s.name] for s in plan.slots]
-        chunk = Chunk(plan, chunk_params, dtype=dtype, device=ctx.device, rank=ctx.rank, group=ctx.group,
-                      persistent_full=stage < 3, shard_device=placement.torch_device(param_home),
-                      pin_memory=ecfg.zero.offload_param.pin_memory, shard_home=param_home)
+    for chunk_plan in plan.chunks:
+        chunk_params = [by_name[s.name] for s in chunk_plan.slots]
+        chunk = Chunk(chunk_plan, chunk_params, dtype=plan.compute_dtype, device=ctx.device, rank=ctx.dp_rank,
+                      group=ctx.dp_group, persistent_full=plan.stage < 3,
+                      shard_device=placement.torch_device(plan.param_home),
+                      pin_memory=plan.config.zero.offload_param.pin_memory, shard_home=plan.param_home,
+                      transport=transport)
         if init_values is not None:  # meta model: this rank fills only its shard; params leave meta
-            chunk.load_shard(init_values.chunk_shard(plan, chunk.shard_index, dtype))
+            chunk.load_shard(init_values.chunk_shard(chunk_plan, chunk.shard_index, plan.compute_dtype))
             swap_meta_for_empty(chunk_params)
         else:
-            chunk.load_full(torch.cat([to_local(p).detach().reshape(-1).to(ctx.device, dtype)
-                                        for p in chunk_params]))
+            chunk.load_full(torch.cat([to_local(p).detach().reshape(-1).to(ctx.device, plan.compute_dtype)
+                                       for p in chunk_params]))
         chunk.bind_params()
         chunks.append(chunk)
     return chunks
 
 
-def initialize(model: nn.Module, optimizer: Any, criterion: Any = None, train_dataloader: Any = None,
-               eval_dataloader: Any = None, lr_scheduler: Any = None, config: Any = None, ctx: Any = None):
-    """Wrap `model` and `optimizer` in a ZeRO engine configured by `config`.
-
-    Args:
-        model: any nn.Module (model_zoo GPT, HF GPT2LMHeadModel, ...); its parameters become views
-            into chunk buffers (stage 3: empty between uses). Its parameters may be on the meta device if it
-            has `init_param_range(name, start, end)` (model_zoo GPT built under torch.device("meta")) or was
-            built inside zerogpt.ZeroInitContext: each rank then fills only its own shards.
-        optimizer: a torch optimizer built on model.parameters() (class, hyperparameters and param
-            groups are kept; its state will exist only for this rank's shard), or dict(type=..., **kw).
-        config: a zerogpt.Config (or dict) with `zero`, `precision`, `GRADIENT_ACCUMULATION`,
-            `clip_grad_norm`, or an EngineConfig.
-        ctx: the context from launch_from_torch (default: from torch.distributed and LOCAL_RANK).
-    Returns:
-        (engine, train_dataloader, eval_dataloader, lr_scheduler)
-
-    Example:
-        >>> engine, _, _, _ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg)
-    """
-    ctx = ctx or _default_context()
-    if isinstance(config, EngineConfig):
-        ecfg, run_config = config, None
-    else:
-        run_config = config if isinstance(config, Config) else Config(config or {})
-        ecfg = engine_config(run_config, ctx.world_size)
-    if dist.is_initialized() and dist.get_world_size(ctx.group) != ctx.world_size:
-        raise ValueError(f"ctx.world_size={ctx.world_size} but the process group has "
-                         f"{dist.get_world_size(ctx.group)} ranks; pass the context from launch_from_torch")
-    zero = ecfg.zero
-    logger = _logger(ctx)
-    host = ecfg.host.with_env_overrides()
-    # compute on the host: see host_memory.py (a device run's host holds little that is freed every step)
-    keeps_freed_memory = ctx.device.type == "cpu" and host.keep_freed_memory and keep_freed_host_memory()
-
-    optimizer, no_decay = _resolve_optimizer(optimizer, model, host.cpu_adam)
-    params = _param_groups(model, optimizer)
-    _check_devices(params)
-
-    # A meta model: values per shard from its init_param_range (model_zoo GPT built on meta, meta_init.py) or
-    # replayed from what ZeroInitContext recorded (any model, init_ctx.py); None for a model with real weights.
-    init_values = range_init(model) or recorded_init(model)
-    num_shards = 1 if zero.stage == 0 else ctx.world_size
-    element_size = torch.empty(0, dtype=compute_dtype(ecfg.precision)).element_size()
-    # the local shapes: with tensor parallelism a chunk holds this rank's shard of a DTensor parameter
-    shapes = [(n, tuple(to_local(p).shape), g) for n, p, g in params]
-    plans = plan_chunks(shapes, zero.shard_strategy, num_shards, element_size)
-    _check_same_plan(plans, ecfg, ctx)
-    optim_home = {"none": "device", "cpu": "host", "disk": "disk"}[zero.offload_optimizer.device]
-    if optim_home == "disk":
-        state_bytes = sum(p.shard_numel for p in plans if p.trainable) * 4 * 3
-        # torchrun sets LOCAL_WORLD_SIZE: the ranks of this node, whose files share the path
-        check_disk_path(zero.offload_optimizer.path, state_bytes, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    placement = Placement(ctx.device, pin_memory=zero.offload_optimizer.pin_memory,
-                          disk_path=zero.offload_optimizer.path, rank=ctx.rank)
-    chunks = _build_chunks(params, plans, ecfg, ctx, placement, init_values)
-    for b_name, value in (init_values.buffer_values() if init_values is not None else {}).items():
-        _set_buffer(model, b_name, value)
-    for b_name, buf in model.named_buffers():
-        if buf.device != ctx.device:
-            _set_buffer(model, b_name, buf.to(ctx.device))
-
-    param_to_chunk = {}
-    for chunk in chunks:
-        for slot_index, p in enumerate(chunk.params):
-            param_to_chunk[id(p)] = (chunk.plan.index, slot_index)
-    grad_hooks = GradReduceHooks(model, chunks, param_to_chunk, stage=zero.stage)
-    gather_hooks = Stage3GatherHooks(model, chunks, param_to_chunk, prefetch=zero.prefetch) if zero.stage == 3 else None
-
-    scaler_cfg = zero.loss_scale
-    loss_scaler = DynamicLossScaler(scaler_cfg.initial_scale, scaler_cfg.growth_factor, scaler_cfg.backoff_factor,
-                                    scaler_cfg.growth_interval, scaler_cfg.hysteresis, scaler_cfg.min_scale,
-                                    scaler_cfg.max_scale, enabled=ecfg.precision == "fp16")
-    sharded_optim = ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=optim_home,
-                                     precision=ecfg.precision, stage=zero.stage, group=ctx.group,
-                                     loss_scaler=loss_scaler, clip_grad_norm=ecfg.clip_grad_norm,
-                                     no_decay=no_decay, norm_skip=set(getattr(ctx, "norm_skip", ())),
-                                     model_parallel_group=getattr(ctx, "model_parallel_group", None))
-    shm = open_transport(ctx.group) if host.shm_collectives and _shares_host_memory(ctx) else None
-    engine = Engine(model, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx, logger, criterion,
-                    run_config, host_settings=dict(keep_freed_memory=keeps_freed_memory,
-                                                   shm_collectives=shm is not None))
-    logger.info(engine.describe())
-    return engine, train_dataloader, eval_dataloader, lr_scheduler
+def _place_buffers(model: nn.Module, device: torch.device, init: dict[str, torch.Tensor]) -> None:
+    """Buffers onto the compute device: a meta model's from their recorded init values, the others moved."""
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, buf in list(model.named_buffers()):
+        value = init.get(name, buf)
+        if value is buf and buf.device == device:
+            continue
+        module_name, _, buf_name = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        module.register_buffer(buf_name, value.to(device), persistent=name in persistent)
 
 
-def _shares_host_memory(ctx: Any) -> bool:
-    """Whether the shared-memory transport could carry this run's collectives (gloo on CPU tensors)."""
-    if not dist.is_initialized() or ctx.world_size < 2 or ctx.device.type != "cpu":
-        return False
-    backend = str(dist.get_backend(ctx.group))
-    return backend == "gloo" or "cpu:gloo" in backend
+def _register_hooks(model: nn.Module, chunks: list[Chunk], plan: EnginePlan
+                    ) -> tuple[GradReduceHooks, Stage3GatherHooks | None]:
+    """Grad hooks at every stage; gather/release/prefetch at stage 3."""
+    param_to_chunk = {id(p): (chunk.plan.index, slot) for chunk in chunks for slot, p in enumerate(chunk.params)}
+    grad_hooks = GradReduceHooks(model, chunks, param_to_chunk, stage=plan.stage)
+    gather_hooks = None
+    if plan.stage == 3:
+        gather_hooks = Stage3GatherHooks(model, chunks, param_to_chunk, prefetch=plan.config.zero.prefetch)
+    return grad_hooks, gather_hooks
 
 
-def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    module_name, _, buf_name = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
-    module._buffers[buf_name] = value
+def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan: EnginePlan, ctx: DistContext,
+                     placement: Placement, parallel: ParallelModel, transport: Any) -> ShardedOptimizer:
+    """One ChunkState per trainable chunk at its home, and the fp16 loss scaler."""
+    zero = plan.config.zero
+    loss_scaler = DynamicLossScaler(zero.loss_scale, enabled=plan.config.precision == "fp16")
+    return ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=plan.optim_home,
+                            precision=plan.config.precision, stage=plan.stage, group=ctx.dp_group,
+                            loss_scaler=loss_scaler, clip_grad_norm=plan.config.clip_grad_norm,
+                            no_decay=set(plan.no_decay), norm_duplicates=set(parallel.norm_duplicates),
+                            model_parallel_group=ctx.model_parallel_group)

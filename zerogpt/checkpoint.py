@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from zerogpt.checkpoint_reader import (BUFFERS, FORMAT, META, VERSION, CheckpointError, CheckpointReader,
                                        resolve_checkpoint)
+from zerogpt.context import DistContext
 from zerogpt.parallel.layout import ParamLayout, as_layout
 
 __all__ = ["save_engine", "load_engine", "engine_layouts", "engine_tied", "CheckpointReader", "CheckpointError",
@@ -38,36 +39,17 @@ __all__ = ["save_engine", "load_engine", "engine_layouts", "engine_tied", "Check
 # helpers shared by save and load
 
 
-@dataclasses.dataclass(frozen=True)
-class _Place:
-    """This rank in the whole run: files and meta.json span every rank, not only the data-parallel group."""
-
-    rank: int
-    world_size: int
-    group: Any  # None: the default (world) group
-    tp_rank: int
-    parallel: dict  # {"tp": T, "pp": P, "dp": D}
+def _barrier(ctx: DistContext) -> None:
+    if dist.is_initialized() and ctx.world_size > 1:
+        dist.barrier()
 
 
-def _place(ctx: Any) -> _Place:
-    """From the engine's context: without a mesh the data-parallel group is the run (T = P = 1)."""
-    mesh = getattr(ctx, "mesh", None)
-    if mesh is None:
-        return _Place(ctx.rank, ctx.world_size, ctx.group, 0, {"tp": 1, "pp": 1, "dp": ctx.world_size})
-    sizes = {dim: mesh[dim].size() for dim in ("tp", "pp", "dp")}
-    return _Place(dist.get_rank(), dist.get_world_size(), None, mesh["tp"].get_local_rank(), sizes)
-
-
-def _barrier(place: _Place) -> None:
-    if dist.is_initialized() and place.world_size > 1:
-        dist.barrier(group=place.group)
-
-
-def _all_gather_objects(obj: Any, place: _Place) -> list[Any]:
-    if not dist.is_initialized() or place.world_size == 1:
+def _all_gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's `obj`, in global rank order: files and meta.json span the run, not one data-parallel group."""
+    if not dist.is_initialized() or ctx.world_size == 1:
         return [obj]
-    out: list[Any] = [None] * place.world_size
-    dist.all_gather_object(out, obj, group=place.group)
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
     return out
 
 
@@ -77,7 +59,7 @@ def engine_layouts(engine: Any) -> dict[str, ParamLayout]:
     From `engine.param_layouts` (name -> layout; absent = the local tensor is the whole parameter), each
     checked against the shape the chunk holds. What a checkpoint records, and what a loading rank reads.
     """
-    given = getattr(engine, "param_layouts", None) or {}
+    given = engine.param_layouts
     return {slot.name: as_layout(given.get(slot.name), slot.shape, slot.name)
             for chunk in engine.chunks for slot in chunk.plan.slots}
 
@@ -85,7 +67,7 @@ def engine_layouts(engine: Any) -> dict[str, ParamLayout]:
 def engine_tied(engine: Any) -> dict[str, str]:
     """{alias: canonical name}: one Parameter under two names (GPT-2's lm_head.weight is wte.weight), and
     copies the engine declares in `engine.tied_copies` (a last pipeline stage's own head, kept equal to wte)."""
-    return {**_tied_aliases(engine.module), **(getattr(engine, "tied_copies", None) or {})}
+    return {**_tied_aliases(engine.module), **engine.tied_copies}
 
 
 def _write_json_atomic(path: str, obj: Any) -> None:
@@ -193,22 +175,21 @@ def _optimizer_meta(optimizer: Any, chunks: list, state: dict) -> dict:
             "scalars": scalars}
 
 
-def _saved_elsewhere(engine: Any, place: _Place, layouts: dict[str, ParamLayout], tied: dict[str, str]) -> set[str]:
+def _saved_elsewhere(engine: Any, ctx: DistContext, layouts: dict[str, ParamLayout], tied: dict[str, str]) -> set[str]:
     """Parameters this rank holds but does not save, so each element is written once: a tied copy (its canonical
     parameter is saved), and on tensor-parallel ranks other than 0 a replicated (whole) parameter."""
     names = {slot.name for chunk in engine.chunks for slot in chunk.plan.slots}
-    return {n for n in names if n in tied or (place.tp_rank != 0 and layouts[n].is_whole)}
+    return {n for n in names if n in tied or (ctx.tp_rank != 0 and layouts[n].is_whole)}
 
 
-def _write_rank_files(engine: Any, state: dict, place: _Place, tmp: str, layouts: dict[str, ParamLayout],
+def _write_rank_files(engine: Any, state: dict, ctx: DistContext, tmp: str, layouts: dict[str, ParamLayout],
                       tied: dict[str, str]) -> dict[str, dict]:
     """This rank's chunk shard files; returns {file name: {"pieces": [...], "layouts": {name: layout}}}."""
-    ctx = engine.ctx
-    skip = _saved_elsewhere(engine, place, layouts, tied)
+    skip = _saved_elsewhere(engine, ctx, layouts, tied)
     files: dict[str, dict] = {}
     optimizer_state = state["optimizer"]["chunks"]  # {chunk index: {kind: shard or scalar}}, trainable
     for chunk in engine.chunks:
-        if chunk.plan.num_shards == 1 and ctx.rank != 0:  # stage 0: every data-parallel rank holds the same
+        if chunk.plan.num_shards == 1 and ctx.dp_rank != 0:  # stage 0: every data-parallel rank holds the same
             continue
         if chunk.plan.trainable:
             sources = {k: v for k, v in optimizer_state[chunk.plan.index].items()
@@ -217,7 +198,7 @@ def _write_rank_files(engine: Any, state: dict, place: _Place, tmp: str, layouts
             sources = {"param": state["frozen"][chunk.plan.index]}
         tensors, index = _chunk_pieces(chunk, sources, skip)
         if tensors:
-            fname = f"r{place.rank:05d}_c{chunk.plan.index:05d}.safetensors"
+            fname = f"r{ctx.global_rank:05d}_c{chunk.plan.index:05d}.safetensors"
             _save_safetensors_atomic(tensors, os.path.join(tmp, fname))
             names = {piece[1] for piece in index}
             files[fname] = {"pieces": index,
@@ -241,7 +222,6 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
     extra_state must be JSON-serialisable (the trainer's state_dict is): a checkpoint never holds pickles.
     """
     ctx = engine.ctx
-    place = _place(ctx)
     final = os.path.abspath(directory)
     parent, name = os.path.split(final)
     tmp = os.path.join(parent, f".{name}.tmp")
@@ -249,29 +229,29 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
         extra_json = json.loads(json.dumps(extra_state or {}))
     except TypeError as e:
         raise TypeError(f"save_checkpoint(extra_state=...) must be JSON-serialisable (no pickles in checkpoints): {e}")
-    if place.rank == 0:
+    if ctx.global_rank == 0:
         os.makedirs(parent, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
         os.makedirs(tmp)
-    _barrier(place)
+    _barrier(ctx)
 
     state = engine.state_dict()
     layouts, tied = engine_layouts(engine), engine_tied(engine)
-    files = _write_rank_files(engine, state, place, tmp, layouts, tied)
+    files = _write_rank_files(engine, state, ctx, tmp, layouts, tied)
     rng_tensors, rng_plain = _rng_state()
-    _save_safetensors_atomic(rng_tensors, os.path.join(tmp, f"rng_r{place.rank:05d}.safetensors"))
+    _save_safetensors_atomic(rng_tensors, os.path.join(tmp, f"rng_r{ctx.global_rank:05d}.safetensors"))
     buffer_file = None
-    if ctx.rank == 0 and place.tp_rank == 0 and state["buffers"]:  # one copy per pipeline stage
-        buffer_file = BUFFERS if place.rank == 0 else f"buffers_r{place.rank:05d}.safetensors"
+    if ctx.dp_rank == 0 and ctx.tp_rank == 0 and state["buffers"]:  # one copy per pipeline stage
+        buffer_file = BUFFERS if ctx.global_rank == 0 else f"buffers_r{ctx.global_rank:05d}.safetensors"
         buffers = {n: b.detach().cpu().clone() for n, b in state["buffers"].items()}
         _save_safetensors_atomic(buffers, os.path.join(tmp, buffer_file))
     mine = _rank_meta(engine, state, files, layouts, tied)
     mine.update(rng=rng_plain, buffer_file=buffer_file)
-    gathered = _all_gather_objects(mine, place)
-    if place.rank == 0:
+    gathered = _all_gather_objects(mine, ctx)
+    if ctx.global_rank == 0:
         meta = {
             "format": FORMAT, "version": VERSION,
-            "world_size": place.world_size, "parallel": place.parallel,
+            "world_size": ctx.world_size, "parallel": ctx.parallel_sizes,
             "stage": engine.stage, "precision": engine.config.precision,
             "global_step": state["global_step"],
             "model": _model_description(engine.module),
@@ -279,10 +259,9 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
             "extra_state": extra_json,
             **_merge_rank_meta(gathered, tmp),
         }
-        run_config = getattr(engine, "run_config", None)
-        if run_config is not None:
+        if engine.run_config is not None:
             with open(os.path.join(tmp, "config.py"), "w") as f:
-                f.write(run_config.to_python())
+                f.write(engine.run_config.to_python())
         _write_json_atomic(os.path.join(tmp, META), meta)  # last: its presence marks a complete checkpoint
         if os.path.exists(final):  # re-saving a step: move the old one aside, never delete before the new is in
             old = os.path.join(parent, f".{name}.old")
@@ -293,7 +272,7 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
         else:
             os.replace(tmp, final)
         _fsync_dir(parent)
-    _barrier(place)
+    _barrier(ctx)
     return final
 
 
@@ -335,7 +314,7 @@ def _fsync_dir(path: str) -> None:
 # load
 
 
-def _check_compatible(engine: Any, reader: CheckpointReader, place: _Place, layouts: dict[str, ParamLayout],
+def _check_compatible(engine: Any, reader: CheckpointReader, ctx: DistContext, layouts: dict[str, ParamLayout],
                       tied: dict[str, str]) -> None:
     """Every parameter of the model (all ranks together) is in the checkpoint with the same global shape and
     the reverse; else every rank raises with the list of what differs."""
@@ -348,7 +327,7 @@ def _check_compatible(engine: Any, reader: CheckpointReader, place: _Place, layo
             problems.append(f"  {name}: in the model {list(layout.global_shape)}, not in the checkpoint")
         elif list(layout.global_shape) != saved[source]["shape"]:
             problems.append(f"  {name}: model {list(layout.global_shape)} vs checkpoint {saved[source]['shape']}")
-    gathered = _all_gather_objects((names, problems), place)
+    gathered = _all_gather_objects((names, problems), ctx)
     model_names = set().union(*(n for n, _ in gathered))
     problems = list(dict.fromkeys(p for _, part in gathered for p in part))
     problems += [f"  {n}: in the checkpoint {saved[n]['shape']}, not in the model" for n in saved if n not in model_names]
@@ -382,10 +361,10 @@ def load_engine(engine: Any, directory: str) -> dict:
     extra_state saved with it. RNG states are restored when (T, P, D) is the same (exact resume); at another
     layout each rank keeps the seed it was launched with.
     """
-    place = _place(engine.ctx)
+    ctx = engine.ctx
     reader = CheckpointReader(directory)
     layouts, tied = engine_layouts(engine), {**reader.tied, **engine_tied(engine)}
-    _check_compatible(engine, reader, place, layouts, tied)
+    _check_compatible(engine, reader, ctx, layouts, tied)
     state = engine.state_dict()
     optim_state = state["optimizer"]
     saved_groups = reader.meta["optimizer"]["param_groups"]
@@ -417,7 +396,7 @@ def load_engine(engine: Any, directory: str) -> dict:
                 state["buffers"][name] = reader.tensor(name)
     state["global_step"] = reader.meta["global_step"]
     engine.load_state_dict(state)
-    if reader.parallel == place.parallel:
-        _set_rng_state(reader.rng_tensors(place.rank), reader.meta["rng"][place.rank])
-    _barrier(place)
+    if reader.parallel == ctx.parallel_sizes:
+        _set_rng_state(reader.rng_tensors(ctx.global_rank), reader.meta["rng"][ctx.global_rank])
+    _barrier(ctx)
     return reader.meta["extra_state"]

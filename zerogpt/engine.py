@@ -2,11 +2,11 @@
 
 It owns the training-step protocol (gradient accumulation, loss scaling, when to reduce) and the
 accounting. The byte movement lives in `zero/` (chunks, hooks, sharded optimizer); checkpoint
-files in `checkpoint.py`. Built by `zerogpt.initialize()`, never directly.
+files in `checkpoint.py`. Built by `zerogpt.initialize()`, never directly, and complete when built: every field
+is set in __init__ from what initialize resolved (the model's parallel layout included).
 """
 from __future__ import annotations
 
-import contextlib
 from contextlib import contextmanager
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -14,13 +14,15 @@ import torch
 from torch import nn
 
 from zerogpt.config import EngineConfig
+from zerogpt.context import DistContext
+from zerogpt.parallel.layout import ParamLayout
+from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk
 from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.offload import HOMES, Placement, start_d2h
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.sharded_optim import ShardedOptimizer
-from zerogpt.zero.shm import close_transport
 
 CATEGORIES = ("params", "grads", "master", "optimizer")
 
@@ -30,8 +32,10 @@ class Engine:
 
     def __init__(self, module: nn.Module, sharded_optim: ShardedOptimizer, chunks: list[Chunk],
                  grad_hooks: GradReduceHooks, gather_hooks: Stage3GatherHooks | None, placement: Placement,
-                 config: EngineConfig, ctx: Any, logger: Any, criterion: Any = None, run_config: Any = None,
-                 host_settings: dict[str, bool] | None = None) -> None:
+                 config: EngineConfig, ctx: DistContext, *, criterion: Callable | None = None,
+                 parallel: ParallelModel | None = None, transport: Any = None, run_config: Any = None,
+                 keeps_freed_memory: bool = False) -> None:
+        parallel = parallel or ParallelModel(module)
         self.module = module
         self.sharded_optim = sharded_optim
         self.optimizer = sharded_optim.optimizer
@@ -41,23 +45,27 @@ class Engine:
         self.placement = placement
         self.config = config
         self.ctx = ctx
-        self.logger = logger
+        self.logger = ctx.logger
         self.criterion = criterion
-        self.run_config = run_config  # the whole Config when built from one: checkpoints record it as config.py
+        """loss(logits, labels) as this rank computes it (under tensor parallelism: the local loss)."""
+        self.run_config = run_config
+        """The whole Config when built from one: checkpoints record it as config.py."""
+        self.param_layouts: dict[str, ParamLayout] = dict(parallel.layouts)
+        """Where each local tensor lies in the unsharded parameter (checkpoints); absent = the whole parameter."""
+        self.tied_copies: dict[str, str] = dict(parallel.tied_copies)
+        """alias -> canonical: a parameter this rank holds as a copy of another (a last pipeline stage's head)."""
+        self.loss_context: Callable[[], ContextManager] = parallel.loss_context
+        """What a loss and its backward run inside (tensor parallelism's vocab-parallel loss)."""
+        self.transport = transport
+        """The shared-memory transport of the chunks' collectives (host.shm_collectives), closed by close()."""
         # what initialize() applied to the process (host.* keys after their environment overrides)
-        self.host_settings = host_settings or dict(keep_freed_memory=False, shm_collectives=False)
+        self.host_settings = dict(keep_freed_memory=keeps_freed_memory, shm_collectives=transport is not None)
         self.gradient_accumulation = config.gradient_accumulation
         self.stage = config.zero.stage
         self.micro_step = 0  # backward() calls since the last optimizer step
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.last_step_skipped = False  # the last optimizer step was an fp16 overflow, skipped
         self._pending_backward = False
-        self.pipeline: Any = None  # the pipeline schedule when the module is one stage (parallel/pipeline.py)
-        # Set by parallel.plan.ParallelModel.attach: where each local tensor lies in the unsharded parameter
-        # (checkpoints; absent = whole), and the context a loss and its backward run in (tensor parallelism's
-        # vocab-parallel cross-entropy).
-        self.param_layouts: dict[str, Any] = {}
-        self.loss_context: Callable[[], ContextManager] = contextlib.nullcontext
         # Offloaded grads on CUDA: each chunk's reduced shard is copied to the host on a side stream as
         # soon as its reduction is launched, so the copies run under the rest of backward.
         offload_grads = placement.device.type == "cuda" and sharded_optim.grad_home != "device"
@@ -126,9 +134,6 @@ class Engine:
         reduced once (ZeRO-1 and ZeRO-2 alike) and `step()` may follow. The schedule's loss function must
         return `scale_loss(loss)`.
         """
-        if self.stage == 3:
-            raise ValueError("zero.stage=3 cannot run an outside schedule's backward passes; use zero.stage "
-                             "0, 1 or 2")
         if self.micro_step != 0:
             raise RuntimeError(f"scheduled_backward() runs a whole optimizer step, but {self.micro_step} "
                                f"micro-step(s) of the current one were already taken with backward()")
@@ -272,7 +277,7 @@ class Engine:
         on = {True: "on", False: "off"}
         kernel = getattr(self.optimizer, "backend", None)  # CPUAdam/HybridAdam's host kernel
         return (f"zerogpt engine: stage {self.stage}, precision {self.config.precision}, "
-                f"{len(self.chunks)} chunks, {self.num_params() / 1e6:.2f}M params, world {self.ctx.world_size}, "
+                f"{len(self.chunks)} chunks, {self.num_params() / 1e6:.2f}M params, world {self.ctx.dp_size}, "
                 f"accumulation {self.gradient_accumulation}; model state on this rank: "
                 + ", ".join(f"{h} {total[h] / 2**20:.1f} MiB" for h in HOMES if total[h])
                 + f"; host: keep_freed_memory {on[self.host_settings['keep_freed_memory']]}, "
@@ -293,7 +298,7 @@ class Engine:
             full = shard
         else:
             full = torch.empty(chunk.plan.padded_numel, dtype=torch.float32, device=self.ctx.device)
-            all_gather_flat(full, shard.contiguous(), group=self.ctx.group)
+            all_gather_flat(full, shard.contiguous(), group=self.ctx.dp_group, transport=self.transport)
         return full[: chunk.plan.numel].to(dtype)
 
     def state_dict_full(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -304,10 +309,10 @@ class Engine:
         out: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
             full = self.full_chunk_values(chunk, dtype)
-            if self.ctx.rank == 0:
+            if self.ctx.dp_rank == 0:
                 for slot in chunk.plan.slots:
                     out[slot.name] = full[slot.offset : slot.end].view(slot.shape).cpu().clone()
-        if self.ctx.rank == 0:
+        if self.ctx.dp_rank == 0:
             for name, buf in self.module.named_buffers():
                 out[name] = buf.detach().cpu().clone()
         return out
@@ -367,6 +372,7 @@ class Engine:
         if self.gather_hooks is not None:
             self.gather_hooks.remove()
         self.placement.close()
-        if self.host_settings.get("shm_collectives"):
-            close_transport(self.ctx.group)
-            self.host_settings["shm_collectives"] = False  # closing twice must not close another engine's
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+            self.host_settings["shm_collectives"] = False

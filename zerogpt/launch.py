@@ -9,63 +9,18 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import tempfile
-from dataclasses import dataclass, field
 from datetime import timedelta
-from logging import Logger
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from zerogpt.context import DistContext, model_parallel_group
 from zerogpt.logging import get_logger
 
 __all__ = ["DistContext", "launch_from_torch", "seed_everything", "cpu_threads"]
-
-
-@dataclass
-class DistContext:
-    """Who this process is and where it computes. Pass it (or its group) to every component.
-
-    Fields: rank / world_size (in `group`), local_rank (GPU index on this node), device (torch.device),
-    group (the process group for collectives), logger (rank-aware, zerogpt.logging).
-    """
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    group: Any
-    logger: Logger
-    backend: str = "gloo"
-    owns_group: bool = field(default=False, repr=False)
-    """True if launch_from_torch created the process group (then destroy() tears it down)."""
-    _tmpdir: str | None = field(default=None, repr=False)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier(group=self.group)
-
-    def destroy(self) -> None:
-        """Destroy the process group if this context created it (a wrapped, pre-existing group is left alone)."""
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self.owns_group = False
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
-
-    def __enter__(self) -> "DistContext":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.destroy()
 
 
 def seed_everything(seed: int) -> None:
@@ -104,7 +59,7 @@ def _env_int(name: str) -> int | None:
 
 
 def launch_from_torch(cfg: Any = None, seed: int | None = None, device: str | None = None,
-                      init_method: str | None = None, timeout_s: float = 1800.0) -> DistContext:
+                      init_method: str | None = None, timeout_s: float = 1800.0, dims: Any = None) -> DistContext:
     """Initialise (or wrap) the default process group from torchrun's environment and return a DistContext.
 
     Args:
@@ -114,8 +69,10 @@ def launch_from_torch(cfg: Any = None, seed: int | None = None, device: str | No
         init_method: rendezvous URL for a multi-rank launch; None = "env://" (torchrun's MASTER_ADDR/PORT).
             Tests pass "file:///tmp/x/rdzv" to avoid port races.
         timeout_s: collective timeout; a hung rank fails after this instead of blocking forever.
+        dims: the run's ParallelDims (zerogpt.parallel.mesh): with T x P > 1 the context is on its
+            ("pp", "dp", "tp") DeviceMesh, and ZeRO shards over "dp".
     Returns:
-        DistContext(rank, world_size, local_rank, device, group, logger). If a process group is already
+        DistContext(global_rank, world_size, device, local_rank, logger). If a process group is already
         initialised (e.g. by a test), it is wrapped as is: the device follows its backend.
     Example:
         >>> ctx = launch_from_torch(seed=0)     # plain python: world_size 1, gloo on CPU
@@ -174,8 +131,11 @@ def launch_from_torch(cfg: Any = None, seed: int | None = None, device: str | No
         dev = torch.device("cpu")
     seed_everything(seed)
     logger = get_logger(rank)
-    ctx = DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, group=dist.group.WORLD,
-                      logger=logger, backend=backend, owns_group=owns_group, _tmpdir=tmpdir)
+    mesh = dims.build_mesh(dev.type) if dims is not None and dims.model_parallel else None
+    ctx = DistContext(global_rank=rank, world_size=world_size, device=dev, local_rank=local_rank,
+                      local_world_size=_env_int("LOCAL_WORLD_SIZE") or 1, logger=logger, mesh=mesh,
+                      model_parallel_group=model_parallel_group(mesh) if mesh is not None else None,
+                      backend=backend, owns_group=owns_group, tmpdir=tmpdir)
     logger.info(f"launch: world_size={world_size} backend={backend} device={dev} seed={seed}")
     if dev.type == "cpu" and owns_group:  # a wrapped group keeps its process's threads as they are
         n, why = cpu_threads(threads)

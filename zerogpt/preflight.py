@@ -226,21 +226,21 @@ def check_parallel(cfg: Any, world_size: int, model: Callable[[], Any]) -> Paral
     except ValueError as e:
         raise PreflightError(str(e)) from None
     t, p = dims.tp, dims.pp
-    per_step = cfg.BATCH_SIZE * dims.dp
-    if cfg.GLOBAL_BATCH_SIZE is not None and cfg.GLOBAL_BATCH_SIZE % per_step and dims.model_parallel:
-        raise PreflightError(f"GLOBAL_BATCH_SIZE={cfg.GLOBAL_BATCH_SIZE} is not divisible by BATCH_SIZE "
-                             f"({cfg.BATCH_SIZE}) x data-parallel size ({dims.dp} = world size {world_size} / "
-                             f"(parallel.tensor.size {t} x parallel.pipeline {p})) = {per_step}; pick a multiple "
-                             f"of {per_step} or change BATCH_SIZE")
-    stage = engine_config(cfg, dims.dp).zero.stage  # GLOBAL_BATCH_SIZE vs GRADIENT_ACCUMULATION at D ranks
+    try:
+        stage = engine_config(cfg, dims.dp).zero.stage  # GLOBAL_BATCH_SIZE vs GRADIENT_ACCUMULATION at D ranks
+    except ValueError as e:
+        if not dims.model_parallel:
+            raise
+        raise PreflightError(f"{e} (data-parallel size {dims.dp} = world size {world_size} / "
+                             f"(parallel.tensor.size {t} x parallel.pipeline {p}))") from None
     if parallel.tensor.sequence_parallel and cfg.SEQ_LEN % t:
         raise PreflightError(f"parallel.tensor.sequence_parallel=True splits each sequence over the "
                              f"parallel.tensor.size={t} ranks, but SEQ_LEN={cfg.SEQ_LEN} is not divisible by {t}; "
                              f"pick a SEQ_LEN that is a multiple of {t}")
-    if stage == 3 and p > 1:
-        raise PreflightError(f"zero.stage=3 with parallel.pipeline={p} is not supported: a pipeline stage runs "
-                             f"each layer once per micro-batch, and stage 3 would gather its parameters each "
-                             f"time; use zero.stage 0-2 with a pipeline, or parallel.pipeline=1 with stage 3")
+    try:
+        dims.check_zero_stage(stage)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
     if dims.model_parallel:
         built = model()
         config = getattr(built, "config", None)

@@ -1,12 +1,13 @@
 """zerogpt/parallel/mesh.py and context.py: the layout's checks name the keys and numbers, the rank arithmetic that
-the launch log prints is the DeviceMesh's, and engine_context hands ZeRO the data-parallel group."""
+the launch log prints is the DeviceMesh's, and DistContext.with_mesh hands ZeRO the data-parallel group."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from zerogpt.config import ParallelConfig, TensorParallelConfig
-from zerogpt.parallel import ParallelDims, engine_context
+from zerogpt.context import DistContext
+from zerogpt.parallel import ParallelDims
 
 
 def dims(tp: int, pp: int, world: int) -> ParallelDims:
@@ -77,20 +78,20 @@ def test_describe_lists_the_groups_compactly():
 def _mesh_on_4_ranks(rank, world, tp):
     d = ParallelDims(tp=tp, pp=1, dp=world // tp)
     mesh = d.build_mesh("cpu")
-    ctx = engine_context(mesh, torch.device("cpu"))
+    ctx = DistContext.current("cpu").with_mesh(mesh)
     mine = lambda groups: next(g for g in groups if rank in g)           # noqa: E731
     # the groups the mesh made are the ones rank_groups (and the launch log) name
-    assert dist.get_process_group_ranks(ctx.group) == mine(d.rank_groups("dp"))
+    assert dist.get_process_group_ranks(ctx.dp_group) == mine(d.rank_groups("dp"))
     assert dist.get_process_group_ranks(mesh["tp"].get_group()) == mine(d.rank_groups("tp"))
     # a sum over each group proves who is in it
     x = torch.tensor([float(rank)])
-    dist.all_reduce(x, group=ctx.group)
+    dist.all_reduce(x, group=ctx.dp_group)
     if ctx.model_parallel_group is None:
-        return ctx.rank, ctx.world_size, x.item(), None
+        return ctx.dp_rank, ctx.dp_size, x.item(), None
     assert dist.get_process_group_ranks(ctx.model_parallel_group) == mine(d.rank_groups("tp"))
     y = torch.tensor([float(rank)])
     dist.all_reduce(y, group=ctx.model_parallel_group)
-    return ctx.rank, ctx.world_size, x.item(), y.item()
+    return ctx.dp_rank, ctx.dp_size, x.item(), y.item()
 
 
 @pytest.mark.timeout(120)
@@ -100,5 +101,5 @@ def _mesh_on_4_ranks(rank, world, tp):
     # no model parallelism: ZeRO's group is the world, and there is no model-parallel group
     (1, [(r, 4, 6.0, None) for r in range(4)]),
 ])
-def test_build_mesh_and_engine_context_on_4_ranks(tp, expected):
+def test_build_mesh_and_dist_context_on_4_ranks(tp, expected):
     assert run_distributed(_mesh_on_4_ranks, 4, tp, timeout=100) == expected

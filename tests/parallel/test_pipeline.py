@@ -10,6 +10,7 @@ import torch
 
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
+from tests.parallel.engines import parallel_engine
 from tests.zero.recipes import CLIP, MICRO_BATCH, SEQ, VOCAB, token_batches, zero_config
 from tests.zero.reference import adamw, cpu_ctx, single_thread
 from tests.trainer.test_trainer import KeepLosses
@@ -44,7 +45,7 @@ def reference(dp: int, stage: int = 1) -> dict:
 
     with single_thread():
         model = tiny_gpt4()
-        engine, *_ = zerogpt.initialize(model, adamw(model), config=_config(stage), ctx=cpu_ctx())
+        engine = zerogpt.initialize(model, adamw(model), config=_config(stage), ctx=cpu_ctx())
         data = token_batches(STEPS, dp, ACCUM)
         losses, norms = [], []
         for step in range(STEPS):
@@ -65,16 +66,12 @@ def reference(dp: int, stage: int = 1) -> dict:
 
 def build_pp(pp: int, stage: int, offload: bool = False):
     """(engine, pipeline, dp rank, dp size) for this rank of a (pp, dp) mesh."""
-    import zerogpt
     from zerogpt.parallel import ParallelDims
-    from zerogpt.parallel.plan import parallelize
 
     torch.set_num_threads(1)
     dims = ParallelDims(pp=pp, dp=torch.distributed.get_world_size() // pp)
-    parallel = parallelize(tiny_gpt4(), dims.build_mesh("cpu"))
-    model, ctx = parallel.module, parallel.context(torch.device("cpu"))
-    engine, *_ = zerogpt.initialize(model, adamw(model), config=_config(stage, offload), ctx=ctx)
-    return engine, parallel.attach(engine, criterion), ctx.rank, ctx.world_size
+    engine, pipeline = parallel_engine(tiny_gpt4(), dims, _config(stage, offload), adamw, criterion)
+    return engine, pipeline, engine.ctx.dp_rank, engine.ctx.dp_size
 
 
 def train(engine, pipe, dp_rank: int, dp: int, steps: range) -> dict:
@@ -86,7 +83,7 @@ def train(engine, pipe, dp_rank: int, dp: int, steps: range) -> dict:
         loss = pipe.train_step(micro)
         norms.append(engine.step().item())
         engine.zero_grad()
-        torch.distributed.all_reduce(loss, group=engine.ctx.group)
+        torch.distributed.all_reduce(loss, group=engine.ctx.dp_group)
         losses.append(pipe.from_last_stage(loss).item() / dp)
     return {"losses": losses, "norms": norms}
 
@@ -231,10 +228,10 @@ class Record(KeepLosses):
         return [m.grad_norm for m in self.metrics]
 
 
-def _fit(engine, dp_rank: int, dp: int) -> dict:
+def _fit(engine, pipeline, dp_rank: int, dp: int) -> dict:
     train_data, eval_data = _trainer_data(dp)
     record = Record()
-    trainer = Trainer(engine, hooks=[record])
+    trainer = Trainer(engine, hooks=[record], pipeline=pipeline)
     state = trainer.fit([b[dp_rank] for b in train_data], max_steps=STEPS)
     evaluation = trainer.evaluate([b[dp_rank] for b in eval_data])
     return {"losses": record.losses, "norms": record.norms, "eval": evaluation["loss"], "steps": state.step,
@@ -248,7 +245,7 @@ def _whole_batches(batches: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _fit_pp(rank: int, world: int) -> dict:
     engine, pipe, dp_rank, dp = build_pp(2, 1)
-    out = _fit(engine, dp_rank, dp)
+    out = _fit(engine, pipe, dp_rank, dp)
     engine.close()
     return out
 
@@ -260,7 +257,7 @@ def test_trainer_fit_over_a_pipeline_matches_world_one():
     runs = run_distributed(_fit_pp, 4, timeout=200)  # PP2 x DP2
     with single_thread():
         model = tiny_gpt4()
-        engine, *_ = zerogpt.initialize(model, adamw(model), criterion=criterion, config=_config(1), ctx=cpu_ctx())
+        engine = zerogpt.initialize(model, adamw(model), criterion=criterion, config=_config(1), ctx=cpu_ctx())
         train_data, eval_data = (_whole_batches(b) for b in _trainer_data(2))
         record = Record()
         trainer = Trainer(engine, hooks=[record])
@@ -275,15 +272,13 @@ def test_trainer_fit_over_a_pipeline_matches_world_one():
 
 
 def test_zero3_with_a_pipeline_is_refused():
-    """Refused before any communication: a world-1 stage-3 engine is enough to see it."""
+    """Refused by initialize before any communication: a world-1 process is enough to see it."""
     import zerogpt
-    from zerogpt.parallel.pipeline import Pipeline
+    from zerogpt.parallel import ParallelDims, ParallelModel
 
     model = tiny_gpt4()
-    engine, *_ = zerogpt.initialize(model, adamw(model), config=_config(3), ctx=cpu_ctx())
-    with pytest.raises(ValueError, match=r"zero.stage=3 .*parallel.pipeline"):
-        Pipeline(engine, mesh=None, criterion=criterion)
-    engine.close()
+    with pytest.raises(ValueError, match=r"zero.stage=3 with parallel.pipeline=2 is not supported"):
+        zerogpt.initialize(ParallelModel(model, ParallelDims(pp=2)), adamw(model), config=_config(3), ctx=cpu_ctx())
 
 
 # -- no host sync between log steps --------------------------------------------------------------------------
@@ -309,7 +304,7 @@ def _syncs_pp(rank: int, world: int) -> dict:
     train_data, _ = _trainer_data(dp)
     with pytest.MonkeyPatch.context() as monkeypatch:
         counter = HostSyncCounter(monkeypatch, [os.path.dirname(zerogpt.__file__)])
-        Trainer(engine, hooks=[EveryOther()]).fit([b[dp_rank] for b in train_data], max_steps=STEPS)
+        Trainer(engine, hooks=[EveryOther()], pipeline=pipe).fit([b[dp_rank] for b in train_data], max_steps=STEPS)
     engine.close()
     return per_step
 

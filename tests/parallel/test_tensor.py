@@ -42,17 +42,18 @@ def _tp_engine(tp: int, world: int, zero: dict, accum: int, clip: float | None, 
     The mesh comes back with `local_numel`: this rank's tensor-parallel share of the parameters, counted
     before the engine packs them."""
     import zerogpt
+    from zerogpt.context import DistContext
     from zerogpt.parallel import ParallelDims
     from zerogpt.parallel.plan import parallelize
-    from zerogpt.zero.chunk import local_tensor
+    from zerogpt.zero.chunk import to_local
 
-    mesh = ParallelDims(tp=tp, dp=world // tp).build_mesh("cpu")
-    parallel = parallelize(tiny_gpt(), mesh, sequence_parallel)
-    model = parallel.module
-    mesh.local_numel = sum(local_tensor(p).numel() for p in model.parameters())
+    ctx = DistContext.current("cpu").with_mesh(ParallelDims(tp=tp, dp=world // tp).build_mesh("cpu"))
+    parallel = parallelize(tiny_gpt(), ctx.mesh, sequence_parallel)
+    mesh = ctx.mesh
+    mesh.local_numel = sum(to_local(p).numel() for p in parallel.module.parameters())
     cfg = zerogpt.Config(dict(zero=zero, precision="fp32", GRADIENT_ACCUMULATION=accum, clip_grad_norm=clip))
-    engine, *_ = zerogpt.initialize(model, adamw(model), config=cfg, ctx=parallel.context(torch.device("cpu")))
-    parallel.attach(engine)  # engine.param_layouts: what checkpoints read each piece's place from
+    # engine.param_layouts (from the ParallelModel): what checkpoints read each piece's place from
+    engine = zerogpt.initialize(parallel, adamw(parallel.module), config=cfg, ctx=ctx)
     return engine, mesh
 
 
@@ -234,12 +235,12 @@ def test_resume_is_exact_at_the_same_layout(tmp_path):
 def _layout_pieces(rank: int, world: int) -> tuple[dict, dict]:
     """This rank's local tensors and layout right after the plan (no engine)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from zerogpt.zero.chunk import local_tensor
+    from zerogpt.zero.chunk import to_local
     from zerogpt.parallel.tensor import apply_tensor_parallel, tensor_parallel_layout
 
     model = tiny_gpt()
     replicated = apply_tensor_parallel(model, init_device_mesh("cpu", (world,)))
-    local = {n: local_tensor(p).detach().clone() for n, p in model.named_parameters()}
+    local = {n: to_local(p).detach().clone() for n, p in model.named_parameters()}
     return local, tensor_parallel_layout(model), replicated
 
 

@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism together (zerogpt/parallel/plan.py), TP2 x PP2 on 4 gloo CPU ranks, fp32.
 
-The model goes through `parallelize` (the TP plan, then the stage split), `initialize` and `attach`, the path
-train_gpt takes, and is trained by the Trainer; one process training the same 4-layer tiny GPT on the same
+The model goes through `parallelize` (the TP plan, then the stage split) and `initialize`, the path train_gpt
+takes, and is trained by the Trainer; one process training the same 4-layer tiny GPT on the same
 global batch is the reference (tests/parallel/test_pipeline.py's data and settings).
 """
 from __future__ import annotations
@@ -10,43 +10,38 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.parallel.engines import parallel_engine
 from tests.parallel.test_pipeline import (ACCUM, RTOL, STEPS, Record, _config, _trainer_data, _whole_batches,
                                           criterion, tiny_gpt4)
 from tests.zero.reference import adamw, cpu_ctx, single_thread
 from zerogpt.trainer import Trainer
-from zerogpt.zero.chunk import local_tensor
+from zerogpt.zero.chunk import to_local
 
 
 def build(tp: int, pp: int, stage: int, meta: bool = False, sequence_parallel: bool = False):
-    """(engine, parallel model) for this rank of a (pp, dp, tp) mesh over every rank; `meta`: the model is built
-    on the meta device, as train_gpt builds it, and `initialize` fills each rank's shards."""
+    """(engine, pipeline) for this rank of a (pp, dp, tp) mesh over every rank; `meta`: the model is built on the
+    meta device, as train_gpt builds it, and `initialize` fills each rank's shards."""
     import contextlib
 
-    import zerogpt
     from zerogpt.parallel import ParallelDims
-    from zerogpt.parallel.plan import parallelize
 
     torch.set_num_threads(1)
     dims = ParallelDims(tp=tp, pp=pp, dp=torch.distributed.get_world_size() // (tp * pp))
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = tiny_gpt4()
-    parallel = parallelize(model, dims.build_mesh("cpu"), sequence_parallel)
-    engine, *_ = zerogpt.initialize(parallel.module, adamw(parallel.module), criterion=criterion,
-                                    config=_config(stage), ctx=parallel.context(torch.device("cpu")))
-    parallel.attach(engine)
-    return engine, parallel
+    return parallel_engine(model, dims, _config(stage), adamw, criterion, sequence_parallel)
 
 
 def _fit(rank: int, world: int, tp: int, pp: int, stage: int, meta: bool = False,
          sequence_parallel: bool = False) -> dict:
-    engine, parallel = build(tp, pp, stage, meta, sequence_parallel)
-    dp, dp_rank = parallel.mesh["dp"].size(), parallel.mesh["dp"].get_local_rank()
+    engine, pipeline = build(tp, pp, stage, meta, sequence_parallel)
+    dp, dp_rank = engine.ctx.dp_size, engine.ctx.dp_rank
     train_data, eval_data = _trainer_data(dp)
     record = Record()
-    trainer = Trainer(engine, hooks=[record])
+    trainer = Trainer(engine, hooks=[record], pipeline=pipeline)
     state = trainer.fit([b[dp_rank] for b in train_data], max_steps=STEPS)
     evaluation = trainer.evaluate([b[dp_rank] for b in eval_data])
-    local_numel = sum(local_tensor(p).numel() for p in engine.module.parameters())
+    local_numel = sum(to_local(p).numel() for p in engine.module.parameters())
     memory = engine.memory_stats()
     engine.close()
     return {"losses": record.losses, "norms": record.norms, "eval": evaluation["loss"], "steps": state.step,
@@ -60,7 +55,7 @@ def reference(dp: int) -> dict:
 
     with single_thread():
         model = tiny_gpt4()
-        engine, *_ = zerogpt.initialize(model, adamw(model), criterion=criterion, config=_config(1), ctx=cpu_ctx())
+        engine = zerogpt.initialize(model, adamw(model), criterion=criterion, config=_config(1), ctx=cpu_ctx())
         train_data, eval_data = (_whole_batches(b) for b in _trainer_data(dp))
         record = Record()
         trainer = Trainer(engine, hooks=[record])
@@ -105,10 +100,10 @@ def _resume(rank: int, world: int, root: str) -> dict:
     from tests.parallel.test_pipeline import train
 
     def run(steps: range, load: str | None = None, save: str | None = None) -> dict:
-        engine, parallel = build(2, 2, 1)
+        engine, pipeline = build(2, 2, 1)
         if load:
             engine.load_checkpoint(load)
-        out = train(engine, engine.pipeline, parallel.mesh["dp"].get_local_rank(), parallel.mesh["dp"].size(), steps)
+        out = train(engine, pipeline, engine.ctx.dp_rank, engine.ctx.dp_size, steps)
         if save:
             engine.save_checkpoint(save)
         engine.close()
@@ -132,7 +127,7 @@ def test_tp2_pp2_resumes_exactly_and_the_checkpoint_reads_whole(tmp_path):
         assert run["resumed"]["norms"] == run["whole"]["norms"][-1:]
     with single_thread():
         model = tiny_gpt4()
-        engine, *_ = zerogpt.initialize(model, adamw(model), config=_config(1), ctx=cpu_ctx())
+        engine = zerogpt.initialize(model, adamw(model), config=_config(1), ctx=cpu_ctx())
         _one_process_steps(engine, STEPS - 1)
         ref_params = engine.state_dict_full()
         engine.close()

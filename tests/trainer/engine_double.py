@@ -5,13 +5,15 @@ metrics files); the end-to-end test in tests/test_train_gpt.py runs the real eng
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from types import SimpleNamespace
 
 import torch
 from torch import nn
+
+from zerogpt.context import DistContext
 
 
 class TinyLM(nn.Module):
@@ -38,8 +40,8 @@ class EngineDouble:
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=lr)
         self.criterion = lm_loss
         self.gradient_accumulation = accumulation
-        self.ctx = SimpleNamespace(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None,
-                                   logger=logging.getLogger("zerogpt.test"))
+        self.ctx = DistContext(0, 1, torch.device("cpu"), logger=logging.getLogger("zerogpt.test"))
+        self.loss_context = contextlib.nullcontext
         self.micro_step = 0
         self.global_step = 0
         self.skip_steps = set(skip_steps)      # optimizer steps reported as fp16-skipped

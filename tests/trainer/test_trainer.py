@@ -9,6 +9,7 @@ import torch
 from tests.trainer.engine_double import EngineDouble, token_batches
 from tests.trainer.host_sync import HostSyncCounter
 from zerogpt.trainer import EVENTS, Hook, StepMetrics, Trainer, TrainerState, split_batch
+from zerogpt.context import DistContext
 
 
 class Recorder(Hook):
@@ -229,7 +230,7 @@ def _real_engine_run(rank, world_size, stage):
     cfg = Config(dict(BATCH_SIZE=2, GRADIENT_ACCUMULATION=2, SEQ_LEN=16, zero=dict(stage=stage),
                       optimizer=dict(type="AdamW", lr=1e-2)))
     ctx = zerogpt.launch_from_torch(cfg)
-    engine, _, _, _ = zerogpt.initialize(gpt2_tiny(vocab_size=64, max_position_embeddings=16),
+    engine = zerogpt.initialize(gpt2_tiny(vocab_size=64, max_position_embeddings=16),
                                          dict(cfg.optimizer), criterion=GPTLMLoss(shift=False), config=cfg, ctx=ctx)
     windows = torch.stack(token_batches(12, batch_size=2, seq_len=16, vocab=64))  # (12, 2, 17)
     data = windows.reshape(-1, 17)                                               # 24 samples
@@ -299,7 +300,7 @@ def test_real_engine_no_host_sync_on_steps_that_log_nothing(monkeypatch, tmp_pat
 
     cfg = Config(dict(BATCH_SIZE=4, SEQ_LEN=8, zero=dict(stage=2), optimizer=dict(type="AdamW", lr=1e-3),
                       clip_grad_norm=1.0))
-    engine, _, _, _ = zerogpt.initialize(gpt2_tiny(vocab_size=32, max_position_embeddings=8), dict(cfg.optimizer),
-                                         criterion=GPTLMLoss(shift=False), config=cfg)
+    engine = zerogpt.initialize(gpt2_tiny(vocab_size=32, max_position_embeddings=8), dict(cfg.optimizer),
+                                         criterion=GPTLMLoss(shift=False), config=cfg, ctx=DistContext.current())
     per_step = _syncs_per_step(engine, monkeypatch, tmp_path)
     assert {step: sites for step, sites in per_step.items() if step % 4 and sites} == {}

@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from zerogpt.context import DistContext
 
 LR = 3e-3
 # eps=1e-6, not 1e-8: GPT-2's key bias has a mathematically zero gradient (softmax is shift invariant), so
@@ -30,10 +31,10 @@ EPS = 1e-6
 WEIGHT_DECAY = 0.1
 
 
-def cpu_ctx(rank: int = 0, world: int = 1, logger: Any = None) -> SimpleNamespace:
-    """The engine context these tests run under: gloo ranks on the CPU, even on a machine with a GPU
-    (the default context would pick cuda:LOCAL_RANK while the tests feed CPU tensors)."""
-    return SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu"), group=None, logger=logger)
+def cpu_ctx(rank: int = 0, world: int = 1, logger: Any = None) -> DistContext:
+    """The context these tests run under: gloo ranks on the CPU, even on a machine with a GPU
+    (DistContext.current() would pick cuda:LOCAL_RANK while the tests feed CPU tensors)."""
+    return DistContext(rank, world, torch.device("cpu"), local_rank=rank, logger=logger)
 
 
 def step_stats(engine: Any, grad_norm: torch.Tensor | None) -> dict | None:
@@ -120,7 +121,7 @@ def engine_run(rank: int, world: int, recipe: Recipe, zero: dict, precision: str
     ctx = cpu_ctx(rank, world)
     if device == "cuda":
         ctx.device = torch.device("cuda", torch.cuda.current_device())
-    engine, *_ = zerogpt.initialize(model, recipe.optimizer(model), config=cfg, ctx=ctx)
+    engine = zerogpt.initialize(model, recipe.optimizer(model), config=cfg, ctx=ctx)
     if setup is not None:
         setup(engine)
     data = recipe.data(recipe.steps, world, accum)

@@ -110,7 +110,7 @@ def test_bad_optimizer_spec(optimizer, error, message):
 
 
 def test_step_without_backward():
-    engine, *_ = _init(zero=dict(stage=2))
+    engine = _init(zero=dict(stage=2))
     with pytest.raises(RuntimeError, match=r"engine\.step\(\) called without engine\.backward\(loss\).*"
                                            r"call engine\.backward\(loss\) first"):
         engine.step()
@@ -122,7 +122,7 @@ def test_step_without_backward():
 
 
 def test_non_scalar_loss():
-    engine, *_ = _init(zero=dict(stage=1))
+    engine = _init(zero=dict(stage=1))
     with pytest.raises(ValueError, match=r"expects a scalar loss, got shape \(2, 4\); reduce it first"):
         engine.backward(engine(torch.randn(2, 3)))
     engine.close()
@@ -149,7 +149,7 @@ def test_second_gradient_after_the_reduction_is_refused(stage):
     from zerogpt.zero import TensorShardStrategy
 
     model = SharedAcrossReentrantSegments()
-    engine, *_ = _init(model, zero=dict(stage=stage, shard_strategy=TensorShardStrategy()))
+    engine = _init(model, zero=dict(stage=stage, shard_strategy=TensorShardStrategy()))
     with pytest.raises(RuntimeError, match=r"parameter 'shared\.(weight|bias)' got a second gradient in one backward"
                                            r".*checkpoint with use_reentrant=False"):
         engine.backward(engine(torch.randn(2, 3, requires_grad=True)).sum())
@@ -192,9 +192,9 @@ def _world_size_mismatch(rank: int, world: int) -> str:
 
 
 @pytest.mark.timeout(90)
-def test_ctx_world_size_must_match_the_process_group():
+def test_ctx_dp_size_must_match_the_process_group():
     [message] = run_distributed(_world_size_mismatch, 1, timeout=60)
-    assert "ctx.world_size=2 but the process group has 1 ranks; pass the context from launch_from_torch" in message
+    assert "ctx.dp_size=2 but its process group has 1 ranks; pass the context from launch_from_torch" in message
 
 
 def _different_models(rank: int, world: int) -> str:

@@ -147,7 +147,7 @@ def _train(rank: int, world: int, setting: tuple, device: str, disk_path: str, s
     model = dropout_gpt()
     cfg = zerogpt.Config(dict(zero=zero_for(stage, precision, offload, disk_path), precision=precision,
                               GRADIENT_ACCUMULATION=ACCUM, clip_grad_norm=CLIP))
-    engine, *_ = zerogpt.initialize(model, adamw(model), config=cfg, ctx=ctx)
+    engine = zerogpt.initialize(model, adamw(model), config=cfg, ctx=ctx)
     if load:
         engine.load_checkpoint(load)
     data = token_batches(RESUME_STEPS, world, ACCUM)

@@ -25,8 +25,8 @@ def _count_reductions(rank: int, world: int) -> dict:
     for stage in range(4):
         model = tiny_gpt()
         cfg = zerogpt.Config(dict(zero=zero_config(stage), GRADIENT_ACCUMULATION=ACCUM))
-        engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg,
-                                        ctx=cpu_ctx(rank, world))
+        engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg,
+                                    ctx=cpu_ctx(rank, world))
         calls = []
         for chunk in engine.chunks:
             def launch(chunk=chunk, original=chunk.launch_reduce):

@@ -15,6 +15,7 @@ from tests.dist_utils import run_distributed
 from tests.zero.init_checks import LargestAllocation, mean_losses
 from zerogpt.zero import BucketTensorShardStrategy, TensorShardStrategy
 from zerogpt.zero.init_ctx import ZeroInitContext, recorded_init
+from zerogpt.context import DistContext
 
 SEED = 1234
 
@@ -198,7 +199,8 @@ def test_meta_tensors_the_context_did_not_record_are_rejected():
     with torch.device("meta"):
         foreign = nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"'weight' is on the meta device but was not built inside"):
-        zerogpt.initialize(foreign, torch.optim.AdamW(foreign.parameters()), config=make_config(3))
+        zerogpt.initialize(foreign, torch.optim.AdamW(foreign.parameters()), config=make_config(3),
+                           ctx=DistContext.current())
     with ZeroInitContext():
         late = nn.Linear(2, 2)
     with torch.no_grad():
@@ -225,7 +227,8 @@ def test_nesting_and_bad_configs_are_rejected():
     with pytest.raises(RuntimeError, match="initialize was called inside a ZeroInitContext"):
         with ZeroInitContext():
             early = nn.Linear(2, 2)
-            zerogpt.initialize(early, torch.optim.AdamW(early.parameters()), config=make_config(3))
+            zerogpt.initialize(early, torch.optim.AdamW(early.parameters()), config=make_config(3),
+                               ctx=DistContext.current())
     with pytest.raises(TypeError, match="takes a zerogpt.Config, a dict or None, got int"):
         ZeroInitContext(3)
     with pytest.raises(ValueError, match="did you mean 'zero.stage'"):
@@ -255,7 +258,8 @@ def _sharded_init(rank: int, world: int) -> dict:
             watch = LargestAllocation()
             with watch:
                 model, rng = build(name, True, cfg)
-                engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
+                engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg,
+                                            ctx=DistContext.current())
             tied = name == "init_zoo" or model.lm_head.weight is model.transformer.wte.weight
             largest_shard = max(c.plan.shard_numel for c in engine.chunks) * 4
             out[(name, stage, kind)] = dict(state=engine.state_dict_full(), rng=rng, tied=tied,
@@ -302,7 +306,8 @@ def _train(rank: int, world: int) -> dict:
         for under_ctx in (False, True):
             cfg = make_config(stage, precision=precision)
             model, _ = build("gpt_odd", under_ctx, cfg)  # dropout 0.1: the RNG stream after initialize matters
-            engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config=cfg)
+            engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config=cfg,
+                                        ctx=DistContext.current())
             losses = mean_losses(engine, 100, STEPS, rank, world)
             out[(stage, precision, under_ctx)] = (losses, engine.state_dict_full())
             engine.close()

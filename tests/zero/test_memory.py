@@ -100,7 +100,7 @@ def _measure(rank: int, world: int, build, stage: int, precision: str) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     cfg = zerogpt.Config(dict(zero=dict(stage=stage, shard_strategy=TensorShardStrategy(), prefetch=PREFETCH),
                               precision=precision, GRADIENT_ACCUMULATION=2))
-    engine, *_ = zerogpt.initialize(model, opt, config=cfg, ctx=cpu_ctx(rank, world))
+    engine = zerogpt.initialize(model, opt, config=cfg, ctx=cpu_ctx(rank, world))
     dtype = next(c.dtype for c in engine.chunks)
     snaps: dict = {"in_forward": []}
     in_layer = len(model) - 2  # inside this layer's forward: its chunks + the next layer's (prefetched)

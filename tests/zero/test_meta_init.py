@@ -43,8 +43,8 @@ def _train(rank: int, world: int) -> dict:
     for stage in (1, 3):
         for meta in (False, True):
             model = build(meta)
-            engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
-                                            config=make_config(stage), ctx=cpu_ctx(rank, world))
+            engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                        config=make_config(stage), ctx=cpu_ctx(rank, world))
             left_meta = [n for n, p in model.named_parameters() if p.is_meta]
             tied = model.lm_head.weight is model.transformer.wte.weight
             init = engine.state_dict_full()
@@ -85,8 +85,8 @@ def _medium(rank: int, world: int) -> dict:
         with torch.device("meta"):
             model = gpt2_medium(n_layer=6)  # medium's widths (1024, vocab 50257); 6 of its 24 layers keep it fast
         model_bytes = sum(p.numel() for p in model.parameters()) * 4
-        engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                        config=zerogpt.Config(dict(zero=dict(stage=3))), ctx=cpu_ctx(rank, world))
+        engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                    config=zerogpt.Config(dict(zero=dict(stage=3))), ctx=cpu_ctx(rank, world))
     out = dict(max_bytes=watch.max_bytes, largest_shard=max(c.plan.shard_numel for c in engine.chunks) * 4,
                params_bytes=sum(engine.memory_stats()["params"].values()), num_chunks=len(engine.chunks),
                model_bytes=model_bytes)
@@ -111,8 +111,8 @@ def test_medium_width_gpt_on_meta_at_stage_3_never_holds_the_whole_model():
 
 
 def _initialize(model: nn.Module) -> None:
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=make_config(3),
-                                    ctx=cpu_ctx())
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=make_config(3),
+                                ctx=cpu_ctx())
     engine.close()
 
 
@@ -140,7 +140,7 @@ def test_one_rank_meta_build_equals_plain_build_in_the_compute_dtype(stage, prec
     for meta in (False, True):
         model = build(meta)
         cfg = zerogpt.Config(dict(zero=dict(stage=stage), precision=precision))
-        engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg, ctx=cpu_ctx())
+        engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg, ctx=cpu_ctx())
         states.append({n: p.detach().clone() for n, p in model.named_parameters()})  # compute dtype, gathered
         engine.close()
     assert all(t.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32) for t in states[1].values())
@@ -153,8 +153,8 @@ def test_real_parameters_of_a_meta_model_are_kept():
     plain, model = build(meta=False), build(meta=True)
     wpe = torch.arange(float(plain.transformer.wpe.weight.numel())).view_as(plain.transformer.wpe.weight)
     model.transformer.wpe.weight = nn.Parameter(wpe.clone())
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=make_config(1),
-                                    ctx=cpu_ctx())
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=make_config(1),
+                                ctx=cpu_ctx())
     state = engine.state_dict_full()
     engine.close()
     assert torch.equal(state["transformer.wpe.weight"], wpe)

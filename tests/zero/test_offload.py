@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
+from zerogpt.context import DistContext
 
 STEPS = 4
 MICRO_BATCH = 2
@@ -86,7 +87,8 @@ def build_engine(s: Setting, disk_path: str | None = None):
     import zerogpt
 
     model = tiny_model()
-    engine, *_ = zerogpt.initialize(model, make_optimizer(s.optimizer, model), config=make_config(s, disk_path))
+    engine = zerogpt.initialize(model, make_optimizer(s.optimizer, model), config=make_config(s, disk_path),
+                                ctx=DistContext.current())
     engine.hand_over_at_launch = s.eager
     return engine
 
@@ -238,7 +240,8 @@ def test_amsgrad_state_is_preallocated_too(offload, tmp_path):
     for device in ("none", offload):
         model = tiny_model()
         cfg = zerogpt.Config(dict(zero=dict(stage=2, offload_optimizer=dict(device=device, path=str(tmp_path)))))
-        engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, amsgrad=True), config=cfg)
+        engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, amsgrad=True), config=cfg,
+                                    ctx=DistContext.current())
         losses[device] = []
         for x in batches(1, 1)[:, 0, 0]:
             loss = GPTLMLoss(shift=False)(engine(x[:, :-1]), x[:, 1:])
@@ -273,8 +276,8 @@ def test_param_offload_gathers_chunk_by_chunk_with_prefetch():
     model = tiny_model()
     zero = dict(stage=3, shard_strategy=TensorShardStrategy(), prefetch=2, offload_param=dict(device="cpu"),
                 offload_optimizer=dict(device="cpu"))
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR),
-                                    config=zerogpt.Config(dict(zero=zero)))
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR),
+                                config=zerogpt.Config(dict(zero=zero)), ctx=DistContext.current())
     log, held = [], []
     for chunk in engine.chunks:  # log every gather: (chunk, prefetch?, needed a copy from the host?)
         def gather(async_op: bool = False, chunk=chunk, original=chunk.gather) -> None:
@@ -437,7 +440,8 @@ def test_param_offload_below_stage_3_is_refused(zero):
 
     model = tiny_model()
     with pytest.raises(ValueError, match=r"offload_param needs zero.stage=3, got \d; pass --set zero.stage=3"):
-        zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=zerogpt.Config(dict(zero=zero)))
+        zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=zerogpt.Config(dict(zero=zero)),
+                           ctx=DistContext.current())
 
 
 def _initialize_disk(path: str | None) -> None:
@@ -576,7 +580,8 @@ def test_offload_on_cuda_keeps_state_in_pinned_host_memory(tmp_path):
     results = {}
     for s in (Setting(2), Setting(2, "cpu"), Setting(3, "cpu", param=True), Setting(2, "disk")):
         model = tiny_model().cuda()
-        engine, *_ = zerogpt.initialize(model, make_optimizer("adamw", model), config=make_config(s, str(tmp_path)))
+        engine = zerogpt.initialize(model, make_optimizer("adamw", model), config=make_config(s, str(tmp_path)),
+                                    ctx=DistContext.current())
         x = batches(1, 1)[:, 0, 0].cuda()
         losses = []
         for step in x:

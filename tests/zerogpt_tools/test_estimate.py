@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from zerogpt_tools.estimate import MODELS, ModelShape, activation_bytes, estimate, main, model_state_bytes
+from zerogpt.context import DistContext
 
 PSI, N = 10**6, 4
 
@@ -138,7 +139,8 @@ def _measured_peaks(rank: int, world: int, disk_path: str) -> dict:
         zero = dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.05),
                     offload_optimizer=dict(device=offload, path=disk_path), offload_param=dict(device=offload_param))
         cfg = zerogpt.Config(dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=2))
-        engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
+        engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg,
+                                    ctx=DistContext.current())
         tokens = torch.randint(0, 256, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
         peak = {c: dict.fromkeys(("device", "host", "disk"), 0) for c in ("params", "grads", "master", "optimizer")}
 

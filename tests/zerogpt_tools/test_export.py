@@ -21,6 +21,7 @@ from tests.dist_utils import run_distributed  # noqa: E402
 from tests.corpus import stdlib_docstrings  # noqa: E402
 from tests.zerogpt_tools.hf_reference import hf_greedy  # noqa: E402
 from zerogpt_tools.export import ShardWriter, export_checkpoint, main  # noqa: E402
+from zerogpt.context import DistContext
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,7 +43,8 @@ def train_and_save(rank: int, world: int, run_dir: str, tok_dir: str | None, sta
     model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=64)
     data = dict(tokenizer=tok_dir) if tok_dir else {}
     cfg = zerogpt.Config(dict(zero=dict(stage=stage), data=data))
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config=cfg)
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config=cfg,
+                                ctx=DistContext.current())
     g = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         x = torch.randint(0, VOCAB, (world, 2, 33), generator=g)[rank]
@@ -181,8 +183,8 @@ def _hf_engine_run(rank, world, run_dir):
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2)
     model = transformers.GPT2LMHeadModel(config)
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
-                                    config=zerogpt.Config(dict(zero=dict(stage=3))))
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                config=zerogpt.Config(dict(zero=dict(stage=3))), ctx=DistContext.current())
     x = probe_ids()
     engine.backward(engine(x, labels=x).loss)
     engine.step()
@@ -240,8 +242,9 @@ def test_errors_name_the_fix(run1, tmp_path, tok_dir):
     from model_zoo.gpt import gpt2_tiny
 
     for name, model in (("plain", PlainModel()), ("untokenized", gpt2_tiny(vocab_size=VOCAB))):
-        engine, *_ = zerogpt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                        config=zerogpt.Config(dict(zero=dict(stage=0))))  # no data.tokenizer
+        engine = zerogpt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    config=zerogpt.Config(dict(zero=dict(stage=0))),
+                                    ctx=DistContext.current())  # no data.tokenizer
         engine.save_checkpoint(str(tmp_path / name))
         engine.close()
     with pytest.raises(SystemExit, match=r"PlainModel has no Hugging Face conversion.*defines no hf_config\(\)"):

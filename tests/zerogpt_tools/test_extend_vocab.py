@@ -15,6 +15,7 @@ from data_pipeline.tokenizer import save_tokenizer_dir  # noqa: E402
 from data_pipeline.train_tokenizer import train_byte_level_bpe  # noqa: E402
 from tests.corpus import prose_and_code  # noqa: E402
 from zerogpt_tools.extend_vocab import extend_vocab, main  # noqa: E402
+from zerogpt.context import DistContext
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -98,8 +99,8 @@ def test_result_continues_pretraining_as_gpt2_tiny(setup, tmp_path):
     new_row = max(tok(code[0][:2000])["input_ids"])
     assert new_row >= 300
     before = model.transformer.wte.weight[new_row].detach().clone()
-    engine, *_ = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                    config=zerogpt.Config(dict(zero=dict(stage=2))))
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                config=zerogpt.Config(dict(zero=dict(stage=2))), ctx=DistContext.current())
     ids = torch.tensor([tok(code[0][:4000])["input_ids"][:65]])
     losses = []
     for _ in range(2):

@@ -297,7 +297,7 @@ def engine_config(cfg: Config | dict, world_size: int = 1) -> EngineConfig:
 
     Args:
         cfg: a Config (its keys are checked here too).
-        world_size: data-parallel ranks; GRADIENT_ACCUMULATION = GLOBAL_BATCH_SIZE // (BATCH_SIZE * world_size).
+        world_size: data-parallel ranks (D); GRADIENT_ACCUMULATION = GLOBAL_BATCH_SIZE // (BATCH_SIZE * world_size).
     Example:
         >>> engine_config(Config(BATCH_SIZE=2, GLOBAL_BATCH_SIZE=16), world_size=2).gradient_accumulation
         4
@@ -326,8 +326,8 @@ def _engine_config(cfg: Config, world_size: int = 1) -> EngineConfig:
         per_step = cfg.BATCH_SIZE * world_size
         if cfg.GLOBAL_BATCH_SIZE % per_step:
             raise ValueError(f"GLOBAL_BATCH_SIZE={cfg.GLOBAL_BATCH_SIZE} is not divisible by BATCH_SIZE "
-                             f"({cfg.BATCH_SIZE}) x world size ({world_size}) = {per_step}; pick a multiple of "
-                             f"{per_step} or change BATCH_SIZE")
+                             f"({cfg.BATCH_SIZE}) x data-parallel size ({world_size}) = {per_step}; pick a "
+                             f"multiple of {per_step} or change BATCH_SIZE")
         resolved = cfg.GLOBAL_BATCH_SIZE // per_step
         if "GRADIENT_ACCUMULATION" in cfg and accumulation != resolved:
             raise ValueError(f"GRADIENT_ACCUMULATION={accumulation} contradicts GLOBAL_BATCH_SIZE="

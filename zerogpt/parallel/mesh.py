@@ -56,6 +56,15 @@ class ParallelDims:
             raise ValueError(f"{where}: n_layer={n_layer} is not divisible by parallel.pipeline={p}; every "
                              f"stage holds the same number of blocks")
 
+    def check_zero_stage(self, stage: int) -> None:
+        """ZeRO-3 does not compose with a pipeline: stage 3 gathers a module's parameters for one forward and its
+        backward, and a 1F1B schedule interleaves micro-batches, so every parameter would stay gathered (or be
+        gathered twice per micro-batch). The one owner of that rule (preflight and initialize ask it)."""
+        if stage == 3 and self.pp > 1:
+            raise ValueError(f"zero.stage=3 with parallel.pipeline={self.pp} is not supported: a pipeline stage runs "
+                             f"each layer once per micro-batch, and stage 3 would gather its parameters each "
+                             f"time; use zero.stage 0-2 with a pipeline, or parallel.pipeline=1 with stage 3")
+
     def check_gpt(self, config: Any, where: str = "model") -> None:
         """`check_model` on a model_zoo GPTConfig (n_inner None: the MLP is 4 x n_embd wide)."""
         self.check_model(n_head=config.n_head, n_layer=config.n_layer, padded_vocab_size=config.padded_vocab_size,

@@ -7,7 +7,8 @@ Parameter with wte's values; after every backward the two gradients are summed o
 so both copies take the same update and stay equal. `Pipeline` runs one optimizer step's micro-batches
 (GRADIENT_ACCUMULATION of them) through `torch.distributed.pipelining.Schedule1F1B` inside the engine's
 `scheduled_backward`, which reduces each chunk once after the last micro-batch; `engine.step()` follows as at P=1.
-ZeRO-3 is refused (see Engine.scheduled_backward).
+The Trainer takes it as its schedule (`Trainer(engine, pipeline=...)`). ZeRO-3 is refused by
+ParallelDims.check_zero_stage.
 """
 from __future__ import annotations
 
@@ -52,11 +53,6 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     return model
 
 
-def norm_skip(stage: int, stages: int) -> tuple[str, ...]:
-    """Parameters left out of the grad norm on this stage: the last stage's head, a copy of wte's gradient."""
-    return (HEAD,) if stages > 1 and stage == stages - 1 else ()
-
-
 def tied_group(mesh: Any) -> dist.ProcessGroup | None:
     """The two-rank group of the first and last stage at this rank's (dp, tp) coordinate (None off them).
 
@@ -74,19 +70,18 @@ def tied_group(mesh: Any) -> dist.ProcessGroup | None:
 
 
 class Pipeline:
-    """One stage's 1F1B schedule around its engine: `train_step` and `eval_loss`; the Trainer drives it.
+    """One stage's 1F1B schedule around its engine (built from the ParallelModel): `train_step` and `eval_loss`;
+    the Trainer drives it.
 
     Every rank of a pipeline reads the same batches (the data loader is per data-parallel rank); the first
     stage feeds the inputs, the last computes `criterion(logits, labels)`.
     """
 
-    def __init__(self, engine: Any, mesh: Any,
-                 criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
-        if engine.stage == 3:
-            raise ValueError("zero.stage=3 does not compose with parallel.pipeline > 1: stage 3 gathers a module's "
-                             "parameters for one forward and its backward, and a 1F1B schedule interleaves the "
-                             "micro-batches' forwards and backwards, so every parameter would stay gathered "
-                             "(or be gathered twice per micro-batch); use zero.stage=1 or 2 with a pipeline")
+    def __init__(self, engine: Any, criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+        mesh = engine.ctx.mesh
+        if mesh is None:
+            raise ValueError("Pipeline needs the engine's context on a (pp, dp, tp) mesh: "
+                             "initialize(..., ctx=ctx.with_mesh(dims.build_mesh(device_type)))")
         pp = mesh["pp"]
         self.engine, self.criterion = engine, criterion or engine.criterion
         if self.criterion is None:
@@ -103,9 +98,6 @@ class Pipeline:
         self.schedule = Schedule1F1B(stage, engine.gradient_accumulation, loss_fn=self._train_loss,
                                      scale_grads=False)
         self._eval_schedule: ScheduleGPipe | None = None  # one micro-batch per call, built at the first eval
-        engine.pipeline = self
-        if self.is_last and self.stages > 1:  # checkpoints save wte once and fill this copy from it
-            engine.tied_copies = {HEAD: EMBEDDING}
 
     def _train_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.criterion(logits, labels)

@@ -2,86 +2,30 @@
 
 `parallelize(model, mesh)` is the one place the plans meet: Megatron's tensor-parallel plan over "tp" first
 (tensor.py), then the stage split over "pp" (pipeline.py: it keeps this stage's blocks; the last stage's head
-copy is cut from the already vocab-parallel wte). What comes back records
-what the engine cannot see in the module: which parameters another rank of the model-parallel group also
-holds (left out of the grad norm, `norm_skip`) and where each local tensor lies in the unsharded parameter
-(`layouts`, taken here because ZeRO-3 releases the parameters' storage once the engine owns them).
+copy is cut from the already vocab-parallel wte). What comes back records what the engine cannot see in the
+module: which parameters another rank of the model-parallel group also holds (left out of the grad norm),
+where each local tensor lies in the unsharded parameter (`layouts`, taken here because ZeRO-3 releases the
+parameters' storage once the engine owns them), the tied copy a last stage holds, and the loss's context.
+`initialize` takes it in place of the module, so the engine is complete when it returns:
 
-    parallel = parallelize(model, mesh)
-    engine, *_ = zerogpt.initialize(parallel.module, optimizer, criterion, config=cfg,
-                                    ctx=parallel.context(device, logger))
-    parallel.attach(engine)        # layouts for checkpoints, the vocab-parallel loss, the pipeline schedule
+    ctx = ctx.with_mesh(dims.build_mesh(device_type))
+    engine = zerogpt.initialize(parallelize(model, ctx.mesh), optimizer, criterion, config=cfg, ctx=ctx)
+    pipeline = Pipeline(engine) if dims.pp > 1 else None   # the Trainer's schedule
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from zerogpt.parallel.context import EngineContext, engine_context
 from zerogpt.parallel.layout import ParamLayout, global_runs
-from zerogpt.parallel.pipeline import EMBEDDING, HEAD, Pipeline, norm_skip, split_stage
+from zerogpt.parallel.mesh import ParallelDims
+from zerogpt.parallel.parallel_model import ParallelModel
+from zerogpt.parallel.pipeline import EMBEDDING, HEAD, split_stage
 from zerogpt.parallel.tensor import apply_tensor_parallel, tensor_parallel_layout
 
-__all__ = ["ParallelModel", "parallelize", "local_loss", "init_local_ranges"]
-
-
-@dataclass
-class ParallelModel:
-    """This rank's part of the model after the plans, and what the engine needs to know about it."""
-
-    module: nn.Module
-    mesh: Any
-    layouts: dict[str, ParamLayout]
-    """name -> where this rank's local tensor lies in the unsharded parameter (absent: it is the whole one)."""
-    norm_skip: frozenset[str]
-    """Parameters whose gradient another rank of the pp x tp group counts in the grad norm."""
-
-    @property
-    def tensor_parallel(self) -> bool:
-        return self.mesh["tp"].size() > 1
-
-    @property
-    def pipeline_parallel(self) -> bool:
-        return self.mesh["pp"].size() > 1
-
-    def context(self, device: torch.device, logger: Any = None) -> EngineContext:
-        """The context for `zerogpt.initialize`: ZeRO over "dp", the grad norm over every rank."""
-        return engine_context(self.mesh, device, logger, norm_skip=self.norm_skip)
-
-    def attach(self, engine: Any, criterion: Callable | None = None) -> Pipeline | None:
-        """Tell `engine` what the plans did; returns the pipeline schedule it now trains through, if any.
-
-        Sets `engine.param_layouts` (checkpoints), and under tensor parallelism `engine.loss_context` (torch's
-        `loss_parallel`, which a loss and its backward must run inside) and a criterion that returns the
-        plain local loss.
-        """
-        engine.param_layouts = dict(self.layouts)
-        if self.tensor_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            engine.loss_context = loss_parallel
-            engine.criterion = local_loss(criterion or engine.criterion)
-        elif criterion is not None:
-            engine.criterion = criterion
-        if self.pipeline_parallel:
-            return Pipeline(engine, self.mesh, engine.criterion)
-        return None
-
-
-def local_loss(criterion: Callable | None) -> Callable | None:
-    """`criterion` giving a plain tensor: on vocab-sharded logits its loss is a replicated DTensor."""
-    if criterion is None:
-        return None
-
-    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        value = criterion(logits, labels)
-        return value.to_local() if isinstance(value, DTensor) else value  # differentiable
-
-    return loss
+__all__ = ["ParallelModel", "parallelize", "init_local_ranges"]
 
 
 def parallelize(model: nn.Module, mesh: Any, sequence_parallel: bool = False) -> ParallelModel:
@@ -92,23 +36,25 @@ def parallelize(model: nn.Module, mesh: Any, sequence_parallel: bool = False) ->
     ("pp", "dp", "tp") DeviceMesh from `ParallelDims.build_mesh`.
     """
     tp, pp = mesh["tp"], mesh["pp"]
-    skip: set[str] = set()
+    duplicates: set[str] = set()
     layouts: dict[str, ParamLayout] = {}
     if tp.size() > 1:
         replicated = apply_tensor_parallel(model, tp, sequence_parallel)
         layouts = {n: lay for n, lay in tensor_parallel_layout(model).items() if not lay.is_whole}
         if tp.get_local_rank() != 0:
-            skip |= replicated
+            duplicates |= replicated
     stage, stages = pp.get_local_rank(), pp.size()
     split_stage(model, stage, stages)
-    skip |= set(norm_skip(stage, stages))
+    tied = {HEAD: EMBEDDING} if stages > 1 and stage == stages - 1 else {}  # the last stage's copy of wte
+    duplicates |= set(tied)
     names = {n for n, _ in model.named_parameters()}
     if HEAD in names and EMBEDDING in layouts and HEAD not in layouts:  # the last stage's copy of wte
         layouts[HEAD] = layouts[EMBEDDING]
     layouts = {n: lay for n, lay in layouts.items() if n in names}
     if layouts and any(p.is_meta for p in model.parameters()):
         init_local_ranges(model, layouts)
-    return ParallelModel(model, mesh, layouts, frozenset(skip))
+    dims = ParallelDims(tp=tp.size(), pp=stages, dp=mesh["dp"].size())
+    return ParallelModel(model, dims, layouts, frozenset(duplicates), tied)
 
 
 def init_local_ranges(model: nn.Module, layouts: dict[str, ParamLayout]) -> None:

@@ -58,7 +58,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 
     Every tensor-parallel rank must pass the same, fully built weights (same seed): each keeps its slice.
     Returns the names of the parameters that stay replicated over the tensor-parallel ranks: their gradient
-    is the same on every rank, so ranks other than tensor-parallel rank 0 put them in `norm_skip`.
+    is the same on every rank, so ranks other than tensor-parallel rank 0 put them in `norm_duplicates`.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs the 1-D tensor-parallel mesh (mesh['tp']), "

@@ -8,7 +8,6 @@ run in list order. Numbers reach the host only on log steps: a step that logs no
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -121,16 +120,18 @@ class Trainer:
     """
 
     def __init__(self, engine: Any, hooks: Iterable[Hook] = (), lr_scheduler: Any = None,
-                 schedule_by_epoch: bool = False, logger: logging.Logger | None = None):
+                 schedule_by_epoch: bool = False, logger: logging.Logger | None = None, pipeline: Any = None):
         self.engine = engine
-        ctx = getattr(engine, "ctx", None)
+        self.pipeline = pipeline
+        self.ctx = ctx = engine.ctx
         # The writer of files and logs is global rank 0; the loop's math runs over the data-parallel group
-        # (with tensor/pipeline parallelism ctx.rank is the data-parallel rank, which T x P ranks share).
-        self.rank: int = torch.distributed.get_rank() if torch.distributed.is_initialized() else getattr(ctx, "rank", 0)
-        self.world_size: int = getattr(ctx, "world_size", 1)
-        self.device = torch.device(getattr(ctx, "device", "cpu"))
-        self.group = getattr(ctx, "group", None)
-        self.logger = logger or getattr(ctx, "logger", None) or logging.getLogger("zerogpt")
+        # (with tensor/pipeline parallelism the T x P ranks of one model copy read the same batches).
+        self.is_main: bool = ctx.is_main
+        self.dp_size: int = ctx.dp_size
+        self.world_size: int = ctx.world_size
+        self.device = ctx.device
+        self.group = ctx.dp_group
+        self.logger = logger or ctx.logger
         self.hooks: list[Hook] = list(hooks)
         for h in self.hooks:
             if not isinstance(h, Hook):
@@ -157,8 +158,8 @@ class Trainer:
     def fit(self, train_dataloader: Iterable, epochs: int | None = None, max_steps: int | None = None,
             eval_dataloader: Iterable | None = None) -> TrainerState:
         """Train until `max_steps` optimizer steps (or `epochs` passes over the data) are done."""
-        s, engine, pipeline = self.state, self.engine, self._pipeline
-        accum = int(getattr(engine, "gradient_accumulation", 1))
+        s, engine, pipeline = self.state, self.engine, self.pipeline
+        accum = engine.gradient_accumulation
         self.train_dataloader, self.eval_dataloader = train_dataloader, eval_dataloader
         s.max_steps = self._resolve_max_steps(train_dataloader, epochs, max_steps, accum)
         self._restore_data_position(train_dataloader)
@@ -180,7 +181,7 @@ class Trainer:
                     break                                           # data exhausted mid-step: stop
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in split_batch(batch))
                 if pipeline is None:
-                    with self._loss_context():                      # tensor parallelism's vocab-parallel loss
+                    with engine.loss_context():                     # tensor parallelism's vocab-parallel loss
                         out = engine(inputs)                        # (B, T, vocab) logits
                         loss = engine.criterion(getattr(out, "logits", out), labels)  # scalar mean over B*T
                         engine.backward(loss)                       # scales by 1/accum (and fp16 scale)
@@ -189,9 +190,9 @@ class Trainer:
                 else:
                     pipeline_batches.append((inputs, labels))
                 s.micro_step += 1
-                s.consumed_samples += inputs.shape[0] * self.world_size
-                s.epoch_samples += inputs.shape[0] * self.world_size
-                s.tokens_seen += inputs.numel() * self.world_size
+                s.consumed_samples += inputs.shape[0] * self.dp_size
+                s.epoch_samples += inputs.shape[0] * self.dp_size
+                s.tokens_seen += inputs.numel() * self.dp_size
             if len(micro_losses) + len(pipeline_batches) < accum:
                 break
             if pipeline is not None:   # 1F1B over the stages; the mean loss is on the last stage (_share_loss)
@@ -216,15 +217,6 @@ class Trainer:
         self.fire("after_train")
         return s
 
-    def _loss_context(self) -> Any:
-        """What a loss and its backward run inside (tensor parallelism: torch's loss_parallel), else nothing."""
-        return getattr(self.engine, "loss_context", contextlib.nullcontext)()
-
-    @property
-    def _pipeline(self) -> Any:
-        """The engine's pipeline schedule (zerogpt.parallel.pipeline) when its model is one stage, else None."""
-        return getattr(self.engine, "pipeline", None)
-
     def _start_window(self) -> None:
         s = self.state
         self._window = {"t": time.perf_counter(), "step": s.step, "tokens": s.tokens_seen,
@@ -235,7 +227,7 @@ class Trainer:
         """Bring a log step's numbers to the host: loss averaged over ranks, grad norm, window throughput."""
         loss = m.loss.detach().double().reshape(1)
         self._share_loss(loss)
-        m.loss = loss.item() / self.world_size
+        m.loss = loss.item() / self.dp_size
         m.grad_norm = host_float(m.grad_norm)
         if self.device.type == "cuda":   # kernels are asynchronous: read the clock after the device is done
             torch.cuda.synchronize(self.device)
@@ -332,10 +324,10 @@ class Trainer:
             if num_batches is not None and i >= num_batches:
                 break
             inputs, labels = (t.to(self.device, non_blocking=True) for t in split_batch(batch))
-            if self._pipeline is not None:   # forward through the stages; the loss on the last one
-                total[0] += self._pipeline.eval_loss(inputs, labels).double()
+            if self.pipeline is not None:   # forward through the stages; the loss on the last one
+                total[0] += self.pipeline.eval_loss(inputs, labels).double()
             else:
-                with self._loss_context():
+                with self.engine.loss_context():
                     out = self.engine(inputs)
                     total[0] += self.engine.criterion(getattr(out, "logits", out), labels).double()
             total[1] += 1
@@ -371,7 +363,7 @@ class Trainer:
         schedule = json_safe(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None
         return {"trainer": self.state.state_dict(), "hooks": hooks, "lr_scheduler": schedule,
                 "data": {"epoch": self.state.epoch, "epoch_samples": self.state.epoch_samples,
-                         "consumed_samples": self.state.consumed_samples, "world_size": self.world_size}}
+                         "consumed_samples": self.state.consumed_samples, "world_size": self.dp_size}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved; the data position is applied to the sampler when fit() starts."""
@@ -422,18 +414,19 @@ class Trainer:
     # ---------------------------------------------------------------- small collectives for hooks
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks (no-op on one process)."""
-        if self.world_size > 1 and torch.distributed.is_initialized():
+        if self.dp_size > 1 and torch.distributed.is_initialized():
             torch.distributed.all_reduce(tensor, group=self.group)
         return tensor
 
     def _share_loss(self, tensor: torch.Tensor) -> torch.Tensor:
         """In place: a loss sum over the data-parallel ranks, on every rank (a pipeline's is its last stage's)."""
         self.all_reduce_sum(tensor)
-        if self._pipeline is not None:
-            self._pipeline.from_last_stage(tensor)
+        if self.pipeline is not None:
+            self.pipeline.from_last_stage(tensor)
         return tensor
 
     def barrier(self) -> None:
+        """Every rank of the run (the checkpoint hook's: files span the run, not one data-parallel group)."""
         if self.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.barrier(group=self.group)
+            torch.distributed.barrier()
 

@@ -88,7 +88,7 @@ class SaveCheckpointHook(Hook):
         path = os.path.join(self.root, f"step_{step}")
         trainer.engine.save_checkpoint(path, extra_state=trainer.state_dict())
         trainer.barrier()   # every rank's shard is in place before `latest` moves
-        if trainer.rank == 0:
+        if trainer.is_main:
             tmp = os.path.join(self.root, f".latest.tmp.{os.getpid()}")
             with open(tmp, "w") as f:
                 f.write(f"step_{step}\n")

@@ -51,7 +51,7 @@ class LogMetricByStepHook(Hook):
         return every(step, self.log_interval, max_steps)
 
     def before_train(self, trainer) -> None:
-        if trainer.rank != 0 or self.path is None:
+        if not trainer.is_main or self.path is None:
             return
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         kept = []
@@ -65,7 +65,7 @@ class LogMetricByStepHook(Hook):
 
     def after_step(self, trainer) -> None:
         s = trainer.state
-        if trainer.rank != 0 or not self.logs_at(s.step, s.max_steps):
+        if not trainer.is_main or not self.logs_at(s.step, s.max_steps):
             return
         m = asdict(s.metrics)
         rec = {"split": "train", "step": s.step, "epoch": s.epoch, **{k: m[k] for k in TRAIN_KEYS[3:]}}
@@ -74,7 +74,7 @@ class LogMetricByStepHook(Hook):
         trainer.logger.info(format_train_line(rec, s.max_steps, m["step_ms"]))
 
     def after_eval(self, trainer) -> None:
-        if trainer.rank != 0:
+        if not trainer.is_main:
             return
         r = trainer.state.eval_results
         self._write({"split": "valid", "step": r["step"], "loss": _plain(r["loss"]), "ppl": _plain(r["ppl"])})
@@ -119,7 +119,7 @@ class LogMetricByEpochHook(Hook):
 
     def after_epoch(self, trainer) -> None:
         e = trainer.state.epoch_metrics
-        if trainer.rank != 0 or e is None or (e.epoch + 1) % self.interval:
+        if not trainer.is_main or e is None or (e.epoch + 1) % self.interval:
             return
         loss = "-" if e.loss is None else f"{e.loss:.4f}"
         (self.logger or trainer.logger).info(f"epoch {e.epoch + 1} | loss {loss} | {e.steps} steps")

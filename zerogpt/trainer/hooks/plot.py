@@ -58,7 +58,7 @@ class PlotHook(Hook):
         self.title = title or os.path.basename(os.path.normpath(output_dir))
 
     def _draw(self, trainer) -> None:
-        if trainer.rank == 0 and os.path.exists(self.metrics_path):
+        if trainer.is_main and os.path.exists(self.metrics_path):
             plot_losses(self.metrics_path, self.out_path, self.title)
 
     def on_checkpoint(self, trainer, path: str) -> None:

@@ -12,7 +12,7 @@ class ProgressBarHook(Hook):
         self._bar = None
 
     def before_train(self, trainer) -> None:
-        if trainer.rank == 0:
+        if trainer.is_main:
             from tqdm.auto import tqdm
             s = trainer.state
             self._bar = tqdm(total=s.max_steps, initial=s.step, desc=self.desc, unit="step",

@@ -33,7 +33,7 @@ class TensorboardHook(Hook):
         return every(step, self.log_interval, max_steps)
 
     def before_train(self, trainer) -> None:
-        if trainer.rank == 0:
+        if trainer.is_main:
             from torch.utils.tensorboard import SummaryWriter
             self._writer = SummaryWriter(self.log_dir, purge_step=trainer.state.step + 1)
 
@@ -50,7 +50,7 @@ class TensorboardHook(Hook):
                 self._writer.add_scalar(f"mem/{name}", v, s.step)
 
     def after_eval(self, trainer) -> None:
-        if trainer.rank != 0:
+        if not trainer.is_main:
             return
         if self._writer is None:   # an evaluation after after_train (training ended early)
             self.before_train(trainer)

@@ -46,6 +46,7 @@ class ThroughputHook(Hook):
         m = trainer.state.metrics
         if not m.logged or not self.flops_per_token:
             return
+        # per device: the model's FLOPs of every token trained, shared by all T x P x D ranks of the run
         m.tflops = self.flops_per_token * m.tokens_per_s / trainer.world_size / 1e12
         if self.peak_tflops:
             m.mfu = m.tflops / self.peak_tflops
