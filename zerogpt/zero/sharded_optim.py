@@ -149,7 +149,7 @@ class ShardedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, chunks: list[Chunk], *, placement: Placement,
                  optim_home: str, precision: str, stage: int, group: dist.ProcessGroup | None,
                  loss_scaler: DynamicLossScaler, clip_grad_norm: float | None,
-                 no_decay: set[str] | None = None, norm_skip: set[str] | None = None,
+                 no_decay: set[str] | None = None, norm_duplicates: set[str] | None = None,
                  model_parallel_group: dist.ProcessGroup | None = None) -> None:
         self.optimizer = optimizer  # holds the hyperparameters; LR schedulers bind to it
         self.chunks = chunks
@@ -161,7 +161,7 @@ class ShardedOptimizer:
         # The ranks with this rank's data-parallel coordinate (tensor x pipeline): they hold different parts of
         # the model, so the squared-norm sums of their parts add up to the model's.
         self.model_parallel_group = model_parallel_group
-        self.norm_skip = norm_skip or set()
+        self.norm_duplicates = norm_duplicates or set()  # counted by another model-parallel rank
         self.loss_scaler = loss_scaler
         self.clip_grad_norm = clip_grad_norm or None
         self.precision = precision
@@ -193,7 +193,7 @@ class ShardedOptimizer:
         decay_ranges = _slot_ranges(chunk, no_decay)
         state = ChunkState(chunk, master, chunk_optimizer(self.optimizer, group, master, decay_ranges is not None),
                            plan.group_index, self.optim_home, self.grad_home, self.master_is_param_shard,
-                           decay_ranges, _slot_ranges(chunk, self.norm_skip))
+                           decay_ranges, _slot_ranges(chunk, self.norm_duplicates))
         if _is_adam_family(self.optimizer) and self.optim_home != "device":
             self._preallocate_adam_state(state, group)
         return state
