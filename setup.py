@@ -29,6 +29,11 @@ INSTALL_REQUIRES = [
     # the pipeline's CPU stages run as sharded, resumable tasks on datatrove's executors (bench/README.md)
     "datatrove>=0.10",
     "fsspec",
+    # users' own data in cleanup (data_pipeline/readers.py): datatrove's JsonlReader needs orjson, its
+    # ParquetReader pyarrow; WARC/WET files are read with warcio
+    "orjson",
+    "pyarrow",
+    "warcio",
 ]
 
 setup(
@@ -41,9 +46,11 @@ setup(
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "ray[data]>=2.40"],  # the pipeline's tests run a local Ray
+        # the pipeline's tests run a local Ray; the W&B hook's test runs wandb offline
+        "dev": ["pytest", "pytest-timeout", "ray[data]>=2.40", "wandb"],
         "ray": ["ray[data]>=2.40"],  # `python -m data_pipeline all --executor ray`
         "deepspeed": ["deepspeed"],
+        "wandb": ["wandb"],  # train.wandb = dict(project=...): log to Weights & Biases
     },
     entry_points={
         "console_scripts": [

@@ -7,7 +7,13 @@ counted as `lang_detect_failed`) -> optional Gopher quality rules (--quality, Ra
 their reason, and so do malformed input lines (whole, as `raw`). Work is split over --workers
 processes; output order is input order.
 
+The input is the download output, or users' own data (readers.py): JSONL with any --text-key (a file, a
+folder, .gz/.zst), Parquet, a Hugging Face dataset folder, or WARC/WET files, whose pages get their main
+text extracted here as download extracts it. Each kept record carries the input's `id` and `url`.
+
     python -m data_pipeline cleanup raw.jsonl --output clean.jsonl --lang en --min-tokens 128
+    python -m data_pipeline cleanup CC-MAIN-20240101-00000.warc.gz --output clean.jsonl
+    python -m data_pipeline cleanup fineweb/ --input-format parquet --output clean.jsonl
 """
 from __future__ import annotations
 
@@ -129,12 +135,17 @@ def _fix_text(text: str) -> str:
     return ftfy.fix_text(text)
 
 
-def _process_batch(task: tuple[list[tuple[int, bytes]], str, int, bool]) -> list[tuple]:
-    """Worker: parse + clean a batch of raw lines -> [(lineno, kind, payload...)]."""
-    lines, lang, min_tokens, quality = task
+def _process_batch(task: tuple[list[tuple[int, bytes]], str, int, bool, tuple[str, str, str]]) -> list[tuple]:
+    """Worker: parse + clean a batch of raw lines -> [(lineno, kind, payload...)]; `keys` are the text, id
+    and URL keys of the input (readers.rename_keys)."""
+    from data_pipeline.readers import rename_keys
+
+    lines, lang, min_tokens, quality, keys = task
     results = []
     for lineno, raw in lines:
-        rec, err = parse_jsonl_line(raw)
+        rec, err = parse_jsonl_line(raw, keys[0])
+        if rec is not None:
+            rec = rename_keys(rec, *keys)
         if rec is None:
             results.append((lineno, "blank" if not err else "malformed", err,
                             raw.decode("utf-8", errors="replace").rstrip("\n") if err else None))
@@ -148,10 +159,38 @@ def _process_batch(task: tuple[list[tuple[int, bytes]], str, int, bool]) -> list
     return results
 
 
+def process_items(task: tuple[list[tuple], str, int, bool]) -> list[tuple]:
+    """Worker: extract (a WARC page) and clean a batch of readers.py items -> results as `_process_batch`'s,
+    each named by the document's id instead of a line number."""
+    from data_pipeline.warc import extract_page
+
+    items, lang, min_tokens, quality = task
+    results = []
+    for item in items:
+        if item[0] == "skip":  # the reader found no document there: no text, or a response that is no page
+            _, doc_id, reason, detail, url = item
+            results.append((doc_id, "reject", reason, (detail, url, "")))
+            continue
+        _, rec, is_page = item
+        try:
+            if is_page:
+                rec = extract_page(rec)
+            reason, payload = ("no_text", "no main text extracted") if not rec["text"] else \
+                clean_record(rec, lang, min_tokens, quality)
+        except Exception as e:  # a library crash on odd text: reject with the reason, keep going
+            reason, payload = "error", f"{type(e).__name__}: {e}"[:300]
+        results.append((rec["id"], "reject" if reason else "keep", reason, payload if not reason else
+                        (payload, rec.get("url"), rec["text"][:200])))
+    return results
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from data_pipeline.readers import add_input_args
+
     p = subparsers.add_parser("cleanup", help="fix text, filter by language, length and quality",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", help="JSONL with a 'text' field (the download output)")
+    p.add_argument("input", help="the download output (JSONL), or JSONL, Parquet, a Hugging Face dataset or "
+                                 "WARC files of your own (a file or a folder; see --input-format)")
     add_output_arg(p, "cleaned JSONL; rejects go to OUTPUT.rejected.jsonl")
     p.add_argument("--lang", default="en", help="keep this langdetect code ('any' disables the filter)")
     p.add_argument("--min-tokens", type=int, default=128,
@@ -160,6 +199,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "or vocab.json + merges.txt) or a tokenizer.json file")
     p.add_argument("--quality", action="store_true", help="apply Gopher quality and repetition rules")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes")
+    add_input_args(p)
     add_common_args(p)
     return p
 
@@ -169,6 +209,7 @@ def record_result(result: tuple, out, rej, counts: Counter, languages: Counter, 
     """Write one of `_process_batch`'s results where it belongs (a kept document to `out`, anything else to
     the rejects file `rej`, a malformed line whole) and count it; returns the kept document's length, or 0."""
     lineno, kind, reason, payload = result
+    where = {"line": lineno} if isinstance(lineno, int) else {"id": lineno}  # a line, or a reader's document
     if kind == "blank":
         counts["blank_lines"] += 1
     elif kind == "malformed":
@@ -186,10 +227,17 @@ def record_result(result: tuple, out, rej, counts: Counter, languages: Counter, 
         counts[reason] += 1
         if reason == "wrong_lang":
             languages[detail] += 1
-        rej.write(dumps({"line": lineno, "url": url, "reason": reason, "detail": detail, "text_head": head}))
+        rej.write(dumps({**where, "url": url, "reason": reason, "detail": detail, "text_head": head}))
     return 0
 
+def input_keys(args: argparse.Namespace) -> tuple[str, str, str]:
+    """The input's text, id and URL keys (readers.add_input_args)."""
+    return args.text_key, args.id_key, args.url_key
+
+
 def run(args: argparse.Namespace) -> int:
+    from data_pipeline.readers import Source, is_line_input
+
     started = time.time()
     check_input(args.input)
     tokenizer_json = None
@@ -201,8 +249,17 @@ def run(args: argparse.Namespace) -> int:
     languages: Counter = Counter()
     total_length = 0
     report = BadLineReporter(args.input, args.strict, action=f"recorded in {args.output}.rejected.jsonl")
-    tasks = ((batch, args.lang, args.min_tokens, args.quality) for batch in iter_line_batches(args.input, BATCH_LINES))
-    results = imap_bounded(_process_batch, tasks, args.workers, _init_worker, (tokenizer_json,))
+    inputs, extra = [args.input], {}
+    if is_line_input(args):
+        tasks = ((batch, args.lang, args.min_tokens, args.quality, input_keys(args))
+                 for batch in iter_line_batches(args.input, BATCH_LINES))
+        results = imap_bounded(_process_batch, tasks, args.workers, _init_worker, (tokenizer_json,))
+    else:  # read through readers.py, unit after unit, in input order
+        source = Source.from_args(args)
+        inputs, extra = source.files(), {"input_format": source.format}
+        items = (item for unit in source.units() for item in source.read(unit))
+        tasks = ((batch, args.lang, args.min_tokens, args.quality) for batch in batched(items, BATCH_LINES))
+        results = imap_bounded(process_items, tasks, args.workers, _init_worker, (tokenizer_json,))
     try:
         with atomic_write(args.output) as out, atomic_write(args.output + ".rejected.jsonl") as rej, \
                 progress(desc="cleanup", unit="doc") as bar:
@@ -214,7 +271,19 @@ def run(args: argparse.Namespace) -> int:
         results.close()  # stops the worker pool even when a --strict error is raised
     unit = f"tokens ({args.tokenizer})" if args.tokenizer else "words (whitespace split; no --tokenizer)"
     # the tokenizer (file or directory) is an input: `all` re-runs cleanup when it is replaced
-    write_stats(args.output, "cleanup", counts, args, [args.input] + ([args.tokenizer] if args.tokenizer else []),
+    write_stats(args.output, "cleanup", counts, args, inputs + ([args.tokenizer] if args.tokenizer else []),
                 started, length_unit=unit,
-                kept_length_total=total_length, languages=dict(languages.most_common()))
+                kept_length_total=total_length, languages=dict(languages.most_common()), **extra)
     return 0
+
+
+def batched(items, size: int):
+    """Lists of `size` items (the last one shorter) from an iterable: the unit of work sent to a worker."""
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -127,7 +127,8 @@ def cleanup_task(rank: int, world: int, work: str, sargs: argparse.Namespace, to
     report = BadLineReporter(sargs.input, sargs.strict, action=f"recorded in {sargs.output}.rejected.jsonl")
     with atomic_write(part(work, "out", rank)) as out, atomic_write(part(work, "rejected", rank)) as rej:
         for batch in dist_dedup.batches(lines, cleanup.BATCH_LINES):
-            for result in cleanup._process_batch((batch, sargs.lang, sargs.min_tokens, sargs.quality)):
+            for result in cleanup._process_batch((batch, sargs.lang, sargs.min_tokens, sargs.quality,
+                                                  cleanup.input_keys(sargs))):
                 total_length += cleanup.record_result(result, out, rej, counts, languages, report)
     write_json(part(work, "counts", rank, ".json"),
                {"counts": counts, "languages": languages, "total_length": total_length})
@@ -150,11 +151,17 @@ def cleanup_merge(rank: int, world: int, work: str, shards: int, sargs: argparse
 
 
 def cleanup_jobs(args, sargs, work, started) -> list[Job]:
+    from data_pipeline.readers import is_line_input
+
     tokenizer_json = None
     if sargs.tokenizer:
         from data_pipeline.tokenizer import load_backend
 
         tokenizer_json = load_backend(sargs.tokenizer, require_eod=False)[0].to_str()
+    if not is_line_input(sargs):  # Parquet, datasets, WARC, JSONL folders: a task per group of files
+        from data_pipeline.dist_cleanup import reader_jobs
+
+        return reader_jobs(args, sargs, work, started, tokenizer_json)
     n = num_tasks(args, file_size(sargs.input))
     return [Job("lines", count_lines, n, {"path": sargs.input, "out_dir": work}),
             Job("clean", cleanup_task, n, {"work": work, "sargs": sargs, "tokenizer_json": tokenizer_json}),

@@ -158,6 +158,18 @@ def decode_body(body: bytes, header_charset: str | None, is_html: bool) -> tuple
     return body.decode("utf-8", errors="replace"), "utf-8", True
 
 
+def body_type(ctype: str, body: bytes, status: int | None = None) -> str:
+    """The media type of a fetched body: `ctype` (its Content-Type's, "" when there was none), or for an
+    untyped body text/html or text/plain sniffed from its start. FetchError "binary" for NUL bytes near
+    the start. Also how a WARC response is typed (warc.py), so a page gives the same text either way."""
+    if b"\x00" in body[:4096]:
+        raise FetchError("binary", f"NUL bytes in a {ctype or 'untyped'} body", status)
+    if ctype:
+        return ctype
+    head = body[:2048].lower()
+    return "text/html" if (b"<html" in head or b"<!doctype html" in head or b"<body" in head) else "text/plain"
+
+
 def extract(payload: tuple[str, str, bool]) -> tuple[str, str]:
     """(text, title) of a page; runs in a worker process (trafilatura is CPU-bound)."""
     body, url, is_html = payload
@@ -260,13 +272,8 @@ class Fetcher:
                 raise FetchError("too_large", f"body over --max-bytes {self.args.max_bytes}", resp.status)
             chunks.append(chunk)
         body = b"".join(chunks)
-        if b"\x00" in body[:4096]:
-            raise FetchError("binary", f"NUL bytes in a {ctype or 'untyped'} body", resp.status)
-        if not ctype:  # no Content-Type: sniff
-            head = body[:2048].lower()
-            ctype = "text/html" if (b"<html" in head or b"<!doctype html" in head or b"<body" in head) \
-                else "text/plain"
-        return Page(url, final_url, resp.status, body, ctype, resp.charset if header else None)
+        return Page(url, final_url, resp.status, body, body_type(ctype, body, resp.status),
+                    resp.charset if header else None)
 
     async def close(self) -> None:
         await self.session.close()

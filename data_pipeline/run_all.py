@@ -19,6 +19,11 @@ find-duplicates' fingerprints (its sharded tasks do not use them).
 
     python -m data_pipeline all --urls urls/ --workdir data/webtext --lang en --threshold 0.7 --tokenize
 
+With --input instead of --urls, the chain starts at cleanup, which reads users' own data (readers.py):
+JSONL with any --text-key, Parquet, a Hugging Face dataset folder, or WARC/WET files (--input-format).
+
+    python -m data_pipeline all --input CC-MAIN-20240101-00000.warc.gz --workdir data/cc --tokenize
+
 The CPU stages run as sharded, resumable datatrove tasks (dist_stages.py) on --executor: local
 processes by default, a Ray cluster (`--executor ray [--ray-address ADDR]`), or Slurm job arrays.
 """
@@ -44,9 +49,11 @@ CORPUS_STAGES = ("blacklist", "download", "cleanup", "remove-duplicates", "shuff
 # Its positionals are files too, and never options of `all`.
 CHAIN_OPTIONS = {
     "blacklist": {"output"}, "download": {"output"}, "cleanup": {"output"},
-    "find-duplicates": {"input", "output"},  # input: --inputs FILE url, the tutorial's form of IN
+    # input: --inputs FILE url, the tutorial's form of IN; text_key: clean.jsonl holds `text` whatever the
+    # input's key (--text-key of `all` is cleanup's)
+    "find-duplicates": {"input", "output", "text_key"},
     "group-duplicates": {"output"},
-    "remove-duplicates": {"output", "source"},  # source: the groups name clean.jsonl, the file it reads
+    "remove-duplicates": {"output", "source", "text_key"},  # source: the groups name clean.jsonl, the file it reads
     "shuffle": {"output"}, "train-tokenizer": {"output"},
     "tokenize": {"output_prefix", "tokenizer"},  # tokenizer: `all`'s --tokenizer, or the one trained
 }
@@ -63,7 +70,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "all", help="run blacklist -> ... -> shuffle [-> tokenize], skipping complete stages",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--urls", required=True, help="a .txt of URLs or a directory of them")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--urls", help="a .txt of URLs or a directory of them")
+    source.add_argument("--input", help="instead of --urls: your own documents, a file or a folder (JSONL, "
+                                        "Parquet, a Hugging Face dataset, WARC/WET; see --input-format); the chain "
+                                        "starts at cleanup")
     p.add_argument("--workdir", required=True, help="directory for every stage's output")
     p.add_argument("--force", action="store_true",
                    help="re-run every stage even if complete (download starts over instead of resuming)")
@@ -139,6 +150,10 @@ def chain_argvs(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
         ("blacklist", [a.urls, "--output", out["blacklist"]]),
         ("download", [out["blacklist"], "--output", out["download"]]),
         ("cleanup", [out["download"], "--output", out["cleanup"]]),
+    ] if a.input is None else [
+        ("cleanup", [a.input, "--output", out["cleanup"]]),  # the user's documents: no URLs to fetch
+    ]
+    stages += [
         ("find-duplicates", [out["cleanup"], "--output", out["find-duplicates"]]),
         ("group-duplicates", [out["find-duplicates"], "--output", out["group-duplicates"]]),
         ("remove-duplicates", [out["group-duplicates"], out["cleanup"], "--output", out["remove-duplicates"]]),
