@@ -98,6 +98,12 @@ class Engine:
         """fp16's current dynamic loss scale (1.0 for fp32 and bf16)."""
         return self.sharded_optim.loss_scaler.scale
 
+    @property
+    def last_step_found_inf(self) -> torch.Tensor:
+        """1.0 when the last optimizer step was skipped (a non-finite gradient; fp16: an overflow), else 0.0:
+        a 0-dim device tensor, not read back to the host (bf16/fp32 skip on the device)."""
+        return self.sharded_optim.found_inf
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (a scalar), scaled for fp16 and averaged over accumulation steps.
 

@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -46,7 +47,9 @@ class EngineDouble:
         self.global_step = 0
         self.skip_steps = set(skip_steps)      # optimizer steps reported as fp16-skipped
         self.last_step_skipped = False
+        self.last_step_found_inf = torch.zeros(())
         self.loss_scale = loss_scale
+        self.config = SimpleNamespace(clip_grad_norm=None, precision="fp32")   # what the NaN guard's advice reads
         self.saved: list[tuple[str, dict]] = []
 
     def __call__(self, *args, **kwargs):
@@ -68,6 +71,7 @@ class EngineDouble:
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
                                                           for p in self.module.parameters() if p.grad is not None]))
         self.last_step_skipped = (self.global_step + 1) in self.skip_steps
+        self.last_step_found_inf = torch.tensor(float(self.last_step_skipped))
         if not self.last_step_skipped:
             self.optimizer.step()
         self.global_step += 1

@@ -78,20 +78,71 @@ def test_checkpoint_hook_saves_prunes_and_points_latest(tmp_path):
     assert extra["trainer"]["step"] == 7 and extra["trainer"]["consumed_samples"] == 28
 
 
-def test_no_checkpoint_of_weights_a_non_finite_gradient_reached(tmp_path):
-    """bf16/fp32 steps are not skipped on a non-finite gradient (that would take a host sync every step), so
-    the save of such a step is refused: good checkpoints are not rotated out by garbage ones."""
+def test_a_step_with_a_non_finite_gradient_is_saved_like_any_other(tmp_path):
+    """The engine skips such a step (its weights are the step before's, tests/zero/test_nonfinite_step.py), so the
+    checkpoint hook saves on schedule and reads no norm (issue 31.4; it used to refuse, which cost checkpoints)."""
     out = str(tmp_path)
 
-    class DivergingEngine(EngineDouble):
+    class NaNNormEngine(EngineDouble):
         def step(self):
             norm = super().step()
             return None if norm is None else (norm * float("nan") if self.global_step >= 4 else norm)
 
-    engine = DivergingEngine()
+    engine = NaNNormEngine()
     Trainer(engine, hooks=[SaveCheckpointHook(out, save_interval=2, keep_last=2)]).fit(token_batches(8), max_steps=7)
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_2"]
-    assert latest_checkpoint(out) == os.path.join(out, "checkpoints", "step_2")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_6", "step_7"]
+
+
+class NaNAtStep:
+    """GPT loss that is NaN on optimizer step `bad` only (accumulation 1): its gradient is NaN everywhere."""
+
+    def __init__(self, criterion, bad):
+        self.criterion, self.bad, self.calls = criterion, bad, 0
+
+    def __call__(self, logits, labels):
+        self.calls += 1
+        loss = self.criterion(logits, labels)
+        return loss * float("nan") if self.calls == self.bad else loss
+
+
+def test_a_nan_step_is_skipped_counted_and_shown_as_nan(tmp_path, caplog):
+    """Issue 31.4 through the loop: one NaN batch on the real engine is skipped, the run goes on, metrics.jsonl
+    counts it (skipped_steps, also in a checkpoint's trainer state), and the console line says `loss nan`."""
+    import zerogpt
+    from model_zoo import GPTLMLoss, gpt2_tiny
+    from zerogpt.context import DistContext
+
+    torch.manual_seed(0)
+    cfg = zerogpt.Config(dict(zero=dict(stage=2), optimizer=dict(type="AdamW", lr=1e-3), clip_grad_norm=1.0))
+    engine = zerogpt.initialize(gpt2_tiny(vocab_size=32, max_position_embeddings=8), dict(cfg.optimizer),
+                                criterion=NaNAtStep(GPTLMLoss(shift=False), bad=3), config=cfg,
+                                ctx=DistContext.current(logger=logging.getLogger("zerogpt.test.nan")))
+    trainer = Trainer(engine, hooks=[LogMetricByStepHook(str(tmp_path), log_interval=1), NaNGuardHook()])
+    with caplog.at_level(logging.INFO, logger="zerogpt.test.nan"):
+        trainer.fit(token_batches(8), max_steps=6)
+    train = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["skipped_steps"] for r in train] == [0, 0, 1, 1, 1, 1]
+    assert train[2]["loss"] is None and train[2]["grad_norm"] is None           # strict JSON: null
+    assert all(math.isfinite(r["loss"]) for r in train[3:])                      # the run goes on
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert "loss nan | norm nan" in lines[2] and "| 1 skipped" in lines[2], lines[2]
+    assert "loss -" not in "".join(lines) and "skipped" not in lines[1]
+    assert trainer.state_dict()["trainer"]["skipped_steps"] == 1
+    engine.close()
+
+
+def test_nan_guard_advice_leaves_out_what_the_run_does(tmp_path):
+    engine = EngineDouble()
+    engine.criterion = NaNAfter(start=1)
+    engine.config.clip_grad_norm = 1.0
+    hooks = [LogMetricByStepHook(None, log_interval=1), NaNGuardHook(max_bad_steps=2)]
+    with pytest.raises(FloatingPointError, match="non-finite for 2") as error:
+        Trainer(engine, hooks=hooks).fit(token_batches(8), max_steps=8)
+    assert "clip_grad_norm" not in str(error.value) and "Lower optimizer.lr" in str(error.value)
+    engine = EngineDouble()
+    engine.criterion = NaNAfter(start=1)
+    with pytest.raises(FloatingPointError, match="set clip_grad_norm=1.0"):
+        Trainer(engine, hooks=hooks[:1] + [NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8), max_steps=8)
 
 
 def test_latest_checkpoint_none_and_stale(tmp_path):

@@ -199,6 +199,7 @@ def test_trainer_state_fields_are_typed():
     s.load_state_dict({"step": 5, "epoch": 1, "micro_step": 10, "consumed_samples": 40, "epoch_samples": 8,
                        "tokens_seen": 320})
     assert s.state_dict()["tokens_seen"] == 320
+    assert s.skipped_steps == 0   # a checkpoint from before skipped_steps was counted
 
 
 def test_split_batch_forms():
@@ -251,7 +252,7 @@ def test_real_engine_two_ranks_agree_on_state_and_loss(stage):
     # 24 samples / (2 per rank x 2 ranks) = 6 micro-batches per epoch; 2 epochs / accumulation 2 = 6 steps
     assert r0["state"] == r1["state"]
     assert r0["state"] == {"step": 6, "epoch": 2, "micro_step": 12, "consumed_samples": 48, "epoch_samples": 0,
-                           "tokens_seen": 48 * 16}
+                           "tokens_seen": 48 * 16, "skipped_steps": 0}
     assert r0["global_step"] == 6
     assert r0["losses"] == r1["losses"] and r0["losses"][-1] < r0["losses"][0]
     assert r0["eval"] == r1["eval"]

@@ -181,11 +181,14 @@ class CPUAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None,
-             params: Iterable[torch.Tensor] | None = None) -> Any:
+             params: Iterable[torch.Tensor] | None = None, found_inf: torch.Tensor | None = None) -> Any:
         """One Adam(W) update of every param with a grad (or only of `params`, a subset).
 
         `params` lets the engine step chunk by chunk as each chunk's grads arrive on the host,
-        overlapping the CPU step with the copies of the next chunk.
+        overlapping the CPU step with the copies of the next chunk. `found_inf` (a 0-dim tensor, 1.0 when the
+        gradients are not finite) makes the step change nothing: params, moments and step count stay bit for bit
+        (torch's fused kernel takes the flag on the device; DeepSpeed's host kernel reads it on the host, where
+        the gradients it steps on already are).
         """
         loss = None
         if closure is not None:
@@ -210,11 +213,12 @@ class CPUAdam(torch.optim.Optimizer):
                 (host if p.device.type == "cpu" else dev).append((p, grad, state))
             if host:
                 if self.backend == BACKEND_DEEPSPEED:
-                    self._step_deepspeed(group, host)
+                    if found_inf is None or not found_inf.item():
+                        self._step_deepspeed(group, host)
                 else:
-                    self._step_torch(group, host)
+                    self._step_torch(group, host, found_inf)
             if dev:
-                self._step_torch(group, dev)
+                self._step_torch(group, dev, found_inf)
         return loss
 
     def _init_state(self, p: torch.Tensor) -> dict:
@@ -260,7 +264,7 @@ class CPUAdam(torch.optim.Optimizer):
                 if w is not t and t is not grad:
                     t.copy_(w)
 
-    def _step_torch(self, group: dict, items: list) -> None:
+    def _step_torch(self, group: dict, items: list, found_inf: torch.Tensor | None = None) -> None:
         ps, gs, ms, vs, steps = ([it[0] for it in items], [it[1] for it in items],
                                  [it[2]["exp_avg"] for it in items], [it[2]["exp_avg_sq"] for it in items],
                                  [it[2]["step"] for it in items])
@@ -270,7 +274,9 @@ class CPUAdam(torch.optim.Optimizer):
 
             torch_adam(ps, gs, ms, vs, [], steps, fused=True, amsgrad=False, beta1=beta1,
                        beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                       maximize=False, decoupled_weight_decay=bool(group["adamw_mode"]))
+                       maximize=False, decoupled_weight_decay=bool(group["adamw_mode"]), found_inf=found_inf)
+            return
+        if found_inf is not None and found_inf.item():  # this rare mode has no kernel to hand the flag to
             return
         # torch's kernels always bias-correct; this rare mode runs as plain foreach ops instead
         torch._foreach_add_(steps, 1)

@@ -27,6 +27,9 @@ class StepMetrics:
     """fp16 only: the loss scaler found an overflow and the update was skipped."""
     loss_scale: float | None = None
     """fp16 only: the loss scale after this step."""
+    skipped_steps: torch.Tensor | int | None = None
+    """Steps of the run whose update was skipped so far (a non-finite gradient, skipped on the device; fp16: an
+    overflow), this one included."""
     logged: bool = False
     """True on a log step: the loop has copied every number to the host (one sync for the whole step)."""
     step_ms: float | None = None

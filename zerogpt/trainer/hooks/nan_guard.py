@@ -34,8 +34,17 @@ class NaNGuardHook(Hook):
             return
         self._bad.append(s.step)
         if len(self._bad) >= self.max_bad_steps:
-            raise FloatingPointError(
-                f"loss is {loss} at step {s.step}, non-finite for {len(self._bad)} consecutive logged steps "
-                f"(steps {self._bad[0]}..{s.step}). Lower optimizer.lr or add warmup "
-                "(lr_scheduler.warmup_steps), set clip_grad_norm=1.0, or use precision='bf16'; then "
-                "restart from the last good checkpoint with --resume auto.")
+            raise FloatingPointError(f"loss is {loss} at step {s.step}, non-finite for {len(self._bad)} consecutive "
+                                     f"logged steps (steps {self._bad[0]}..{s.step}). {advice(trainer.engine)}")
+
+
+def advice(engine) -> str:
+    """What to change, leaving out what the run already does (clipping; bf16 is offered to fp16 runs only)."""
+    fixes = ["Lower optimizer.lr", "add warmup (lr_scheduler.warmup_steps)"]
+    if not engine.config.clip_grad_norm:
+        fixes.append("set clip_grad_norm=1.0")
+    if engine.config.precision == "fp16":
+        fixes.append("use precision='bf16'")
+    return (f"{', '.join(fixes[:-1])} or {fixes[-1]}; then "
+            "restart from the last good checkpoint with --resume auto. Steps whose gradient was not finite were "
+            "skipped (skipped_steps in metrics.jsonl): no checkpoint holds a non-finite update.")
