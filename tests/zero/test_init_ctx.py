@@ -218,7 +218,7 @@ def test_meta_tensors_the_context_did_not_record_are_rejected():
 
 
 @pytest.mark.timeout(60)
-def test_nesting_and_bad_configs_are_rejected():
+def test_nesting_and_initialize_inside_are_rejected():
     assert zerogpt.ZeroInitContext is ZeroInitContext
     with pytest.raises(RuntimeError, match="cannot be nested"):
         with ZeroInitContext():
@@ -229,10 +229,6 @@ def test_nesting_and_bad_configs_are_rejected():
             early = nn.Linear(2, 2)
             zerogpt.initialize(early, torch.optim.AdamW(early.parameters()), config=make_config(3),
                                ctx=DistContext.current())
-    with pytest.raises(TypeError, match="takes a zerogpt.Config, a dict or None, got int"):
-        ZeroInitContext(3)
-    with pytest.raises(ValueError, match="did you mean 'zero.stage'"):
-        ZeroInitContext(dict(zero=dict(stag=3)))
     assert _torch_state()["dispatch_modes"] == 0
 
 
@@ -244,13 +240,11 @@ SHARDINGS = [(stage, "bucket") for stage in (0, 1, 2, 3)] + [(3, "tensor"), (2, 
 
 
 def _sharded_init(rank: int, world: int) -> dict:
-    import torch.distributed as dist
+    import os
 
-    from zerogpt.zero import shm
-
-    # Opened once for the process: the engines below share it, so its staging buffer (communication, not
-    # model state) is not allocated inside the watched construction.
-    transport_opened = dist.is_initialized() and shm.open_transport(None) is not None
+    # No shared-memory transport (this spawned process only): each engine would open its own inside the watched
+    # construction, and its staging buffer is communication, not model state.
+    os.environ["ZEROGPT_SHM_COMM"] = "0"
     out = {}
     for name in MODELS:
         for stage, kind in SHARDINGS:
@@ -267,8 +261,6 @@ def _sharded_init(rank: int, world: int) -> dict:
                                             num_chunks=len(engine.chunks),
                                             params_bytes=sum(engine.memory_stats()["params"].values()))
             engine.close()
-    if transport_opened:
-        shm.close_transport(None)
     return out
 
 
@@ -324,25 +316,3 @@ def test_training_after_the_context_matches_plain_construction():
         for n, t in plain_params.items():
             torch.testing.assert_close(ctx_params[n], t, rtol=1e-6, atol=0,
                                        msg=lambda m: f"stage={stage} {precision} {n}: {m}")
-
-
-def test_the_private_torch_apis_it_relies_on_still_exist():
-    """ZeroInitContext rests on private torch APIs (zero/init_modes.py lists them). A torch upgrade that removes
-    one fails here, by name, rather than somewhere inside a model's initialisation."""
-    import importlib
-
-    from zerogpt.zero.init_modes import PRIVATE_TORCH_APIS
-
-    missing = []
-    for module, name, purpose in PRIVATE_TORCH_APIS:
-        owner: object
-        try:
-            owner = importlib.import_module(module)
-        except ImportError:
-            head, _, cls = module.rpartition(".")
-            owner = getattr(importlib.import_module(head), cls, None)
-        if owner is None or not hasattr(owner, name):
-            missing.append(f"{module}.{name} (used to {purpose})")
-    assert not missing, (f"torch {torch.__version__} no longer has: " + "; ".join(missing)
-                         + ". Update zerogpt/zero/init_modes.py / init_record.py, or build the model without "
-                           "ZeroInitContext")

@@ -76,10 +76,11 @@ def test_meta_build_holds_the_plain_weights_and_trains_identically():
 
 
 def _medium(rank: int, world: int) -> dict:
-    from zerogpt.zero import shm
+    import os
 
-    # Opened before the watch: the shared-memory transport's staging buffer is communication, not model state.
-    transport_opened = shm.open_transport(None) is not None
+    # No shared-memory transport (this spawned process only): the engine would open it inside the watch, and
+    # its staging buffer is communication, not model state.
+    os.environ["ZEROGPT_SHM_COMM"] = "0"
     watch = LargestAllocation()
     with watch:
         with torch.device("meta"):
@@ -91,8 +92,6 @@ def _medium(rank: int, world: int) -> dict:
                params_bytes=sum(engine.memory_stats()["params"].values()), num_chunks=len(engine.chunks),
                model_bytes=model_bytes)
     engine.close()
-    if transport_opened:
-        shm.close_transport(None)
     return out
 
 
