@@ -32,6 +32,7 @@ from zerogpt.parallel.plan import parallelize
 from zerogpt.preflight import is_jsonl
 from zerogpt.trainer import (EvalHook, LogMetricByStepHook, MemoryHook, NaNGuardHook, PlotHook, ProgressBarHook,
                              SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer, latest_checkpoint)
+from zerogpt.trainer.hooks.wandb import WandbHook, check_installed as check_wandb_installed
 from model_zoo import GPTLMLoss, build_model, builds_on_meta
 import data_pipeline
 
@@ -128,6 +129,8 @@ def main(argv=None) -> int:
         from_env = preflight.data_from_env(data)
         preflight.check_data(data, skip=is_sample(data))
         preflight.check_schedule(train, lr_scheduler_config(cfg) if "lr_scheduler" in cfg else None)
+        if train.wandb is not None:
+            check_wandb_installed(train.wandb.mode)
         dims = preflight.check_parallel(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
         preflight.check_resume(args.resume)
         preflight.check_output_dir(train.output_dir)
@@ -205,7 +208,10 @@ def setup(cfg, train, data, ctx, dims, resume):
     #    but the plot), then the config's own
     hooks = [ThroughputHook(flops), MemoryHook(train.log_interval),
              LogMetricByStepHook(out, train.log_interval),
-             TensorboardHook(os.path.join(out, "tensorboard"), train.log_interval), NaNGuardHook()]
+             TensorboardHook(os.path.join(out, "tensorboard"), train.log_interval)]
+    if train.wandb is not None and train.wandb.mode != "disabled":  # the same numbers and the config in W&B
+        hooks.append(WandbHook(out, train.log_interval, config=cfg.to_dict(), **vars(train.wandb)))
+    hooks.append(NaNGuardHook())
     if sys.stderr.isatty():
         hooks.append(ProgressBarHook())
     hooks += [EvalHook(train.eval_interval, train.eval_iters, at_start=True),

@@ -4,11 +4,11 @@ from zerogpt.config.colossalai import ColossalZeroConfig, zero_config
 from zerogpt.config.load import (Config, RunConfig, data_config, engine_config, lr_scheduler_config, parallel_config,
                                  train_config)
 from zerogpt.config.schema import (OPTIMIZER_NAMES, DataConfig, EngineConfig, HostConfig, LossScaleConfig, LRSchedulerConfig,
-                                   OffloadConfig, ParallelConfig, TensorParallelConfig, TrainConfig, ZeroConfig,
-                                   optimizer_class)
+                                   OffloadConfig, ParallelConfig, TensorParallelConfig, TrainConfig, WandbConfig,
+                                   ZeroConfig, optimizer_class)
 
 __all__ = [
     "Config", "RunConfig", "OffloadConfig", "LossScaleConfig", "ZeroConfig", "ColossalZeroConfig", "HostConfig", "EngineConfig",
-    "TrainConfig", "LRSchedulerConfig", "DataConfig", "engine_config", "train_config", "lr_scheduler_config",
+    "TrainConfig", "WandbConfig", "LRSchedulerConfig", "DataConfig", "engine_config", "train_config", "lr_scheduler_config",
     "data_config", "parallel_config", "ParallelConfig", "TensorParallelConfig", "zero_config", "optimizer_class", "OPTIMIZER_NAMES",
 ]

@@ -327,6 +327,29 @@ class EngineConfig:
 
 
 @dataclass
+class WandbConfig:
+    """`train.wandb = dict(project=...)`: the run's scalars and config in Weights & Biases, from rank 0
+    (zerogpt/trainer/hooks/wandb.py; needs `pip install 'zerogpt[wandb]'`)."""
+
+    project: str = "zerogpt"
+    """W&B project of the run."""
+    name: str | None = None
+    """Run name shown in W&B; None = the basename of train.output_dir."""
+    entity: str | None = None
+    """W&B team or user; None = your default entity."""
+    group: str | None = None
+    """Run group (runs of one experiment); None = none."""
+    tags: list | tuple = ()
+    """Tags of the run (strings)."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """"online" (stream to the server), "offline" (write <output_dir>/wandb/ for a later `wandb sync`) or
+    "disabled" (log nothing)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "train.wandb")
+
+
+@dataclass
 class TrainConfig:
     """The `train = dict(...)` section: loop length, logging, eval and checkpoint cadence."""
 
@@ -348,8 +371,12 @@ class TrainConfig:
     """Seed for python/numpy/torch RNGs (launch_from_torch)."""
     cpu_threads: int | None = None
     """Torch threads per rank on CPU; None = OMP_NUM_THREADS if set, else the cores available / ranks on this host."""
+    wandb: WandbConfig | None = None
+    """Log to Weights & Biases too (WandbConfig); None = not at all."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.wandb, dict):
+            self.wandb = WandbConfig(**self.wandb)
         check_fields(self, "train")
         for name in ("max_steps", "log_interval", "eval_interval", "eval_iters", "save_interval", "keep_last",
                      "cpu_threads"):

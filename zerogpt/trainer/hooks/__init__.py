@@ -11,7 +11,8 @@ from zerogpt.trainer.hooks.plot import PlotHook, plot_losses
 from zerogpt.trainer.hooks.progress import ProgressBarHook
 from zerogpt.trainer.hooks.tensorboard import TensorboardHook
 from zerogpt.trainer.hooks.throughput import ThroughputHook
+from zerogpt.trainer.hooks.wandb import WandbHook
 
 __all__ = ["Hook", "LossHook", "LRSchedulerHook", "ThroughputHook", "MemoryHook", "LogMetricByStepHook",
            "LogMetricByEpochHook", "TensorboardHook", "EvalHook", "SaveCheckpointHook", "ProgressBarHook",
-           "NaNGuardHook", "PlotHook", "latest_checkpoint", "plot_losses"]
+           "NaNGuardHook", "PlotHook", "WandbHook", "latest_checkpoint", "plot_losses"]
