@@ -18,7 +18,7 @@ from datatrove.pipeline.readers.base import BaseDiskReader
 
 from data_pipeline.download import HTML_TYPES, TEXT_TYPES, FetchError, body_type, decode_body, extract
 
-WARC_SUFFIXES = (".warc", ".warc.gz", ".arc", ".arc.gz", ".wet", ".wet.gz", ".warc.zst")
+WARC_SUFFIXES = (".warc", ".warc.gz", ".warc.zst", ".wet", ".wet.gz")  # Common Crawl's WET: .warc.wet.gz
 _CHARSET_RE = re.compile(r"""charset\s*=\s*["']?([^"';\s]+)""", re.I)
 
 

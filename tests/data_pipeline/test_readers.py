@@ -197,6 +197,38 @@ def test_warc_pages_give_the_documents_download_gets(pages):
     assert "too_short" in rejects  # the short pages are cleanup's to reject, as for downloaded ones
 
 
+def test_wet_records_are_text_already(tmp_path):
+    """A WET file (Common Crawl's extracted text: `conversion` records) gives its texts, ids and URLs as they are;
+    its warcinfo record is not a document."""
+    from io import BytesIO
+
+    from warcio.warcwriter import WARCWriter
+
+    with open(SAMPLE) as f:
+        texts = [json.loads(line)["text"] for _, line in zip(range(6), f)]
+    path = tmp_path / "CC-MAIN-1-00000.warc.wet.gz"
+    with open(path, "wb") as f:
+        writer = WARCWriter(f, gzip=True)
+        writer.write_record(writer.create_warcinfo_record("CC-MAIN-1-00000.warc.wet.gz", {"software": "test"}))
+        for i, text in enumerate(texts):
+            writer.write_record(writer.create_warc_record(
+                f"https://docs.python.org/3/{i}.html", "conversion", payload=BytesIO(text.encode()),
+                warc_content_type="text/plain"))
+    got, stats = cleanup(str(path), tmp_path / "wet.jsonl", "--min-tokens", "1", "--lang", "any")
+    want, _ = cleanup(str(write_plain(tmp_path / "plain.jsonl", texts)), tmp_path / "plain.jsonl.out",
+                      "--min-tokens", "1", "--lang", "any", "--text-key", "text", "--url-key", "url")
+    assert stats["input_format"] == "warc" and stats["counts"]["kept"] == len(texts)
+    assert [(r["text"], r["url"]) for r in got] == [(r["text"], r["url"]) for r in want]
+    assert all(r["id"].startswith("<urn:uuid:") and r["status"] is None for r in got)
+
+
+def write_plain(path, texts):
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": t, "url": f"https://docs.python.org/3/{i}.html"}) + "\n"
+                     for i, t in enumerate(texts))
+    return path
+
+
 @pytest.mark.timeout(300)
 def test_all_input_on_ray_gives_the_in_process_documents(formats, tmp_path):
     """`all --input` on a Parquet folder, on a local Ray (2 CPUs), writes the corpus that the JSONL of the
