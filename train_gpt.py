@@ -30,6 +30,7 @@ from zerogpt.optim.lr_scheduler import build_lr_scheduler
 from zerogpt.parallel.pipeline import Pipeline
 from zerogpt.parallel.plan import parallelize
 from zerogpt.preflight import is_jsonl
+from zerogpt.preflight_memory import check_memory
 from zerogpt.trainer import (EvalHook, LogMetricByStepHook, MemoryHook, NaNGuardHook, PlotHook, ProgressBarHook,
                              SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer, latest_checkpoint)
 from zerogpt.trainer.hooks.wandb import WandbHook, check_installed as check_wandb_installed
@@ -132,6 +133,8 @@ def main(argv=None) -> int:
         if train.wandb is not None:
             check_wandb_installed(train.wandb.mode)
         dims = preflight.check_parallel(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
+        # the model state must fit this host's RAM (and the offload disk): refused now, not killed mid-build
+        check_memory(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
         preflight.check_resume(args.resume)
         preflight.check_output_dir(train.output_dir)
         preflight.check_fresh_run(train.output_dir, args.resume, args.overwrite)
