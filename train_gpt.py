@@ -122,6 +122,9 @@ def build_data(cfg, data, ctx):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # 1. config and preflight: a typo, a bad value or a missing file fails here, before any process group exists
+    #    and before anything is written; then rank 0 locks the output directory for the whole run (one run per
+    #    directory: a second one started beside it is refused, naming the first's process)
+    lock = None
     try:
         cfg = zerogpt.Config.from_file(args.config).apply_overrides(args.set)
         train, data = train_config(cfg), data_config(cfg)
@@ -132,15 +135,27 @@ def main(argv=None) -> int:
         preflight.check_schedule(train, lr_scheduler_config(cfg) if "lr_scheduler" in cfg else None)
         if train.wandb is not None:
             check_wandb_installed(train.wandb.mode)
+        preflight.check_optimizer(cfg)
         dims = preflight.check_parallel(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
         # the model state must fit this host's RAM (and the offload disk): refused now, not killed mid-build
         check_memory(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
         preflight.check_resume(args.resume)
-        preflight.check_output_dir(train.output_dir)
+        preflight.check_output_dir(train.output_dir)   # creates it: the first write
+        lock = preflight.lock_run_dir(train.output_dir) if env_rank() == 0 else None
         preflight.check_fresh_run(train.output_dir, args.resume, args.overwrite)
     except USER_ERRORS as e:
+        if lock is not None:
+            lock.release()
         return report_user_error(e, env_rank(), from_config=True)
+    try:
+        return launch_and_train(args, cfg, train, data, dims, from_env)
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+def launch_and_train(args, cfg, train, data, dims, from_env) -> int:
+    """Launch, set up and train; the exit code (130 when a signal stopped the run)."""
     # 2. launch: process group, device, CPU threads, seeds, rank-aware logger; with tensor or pipeline parallelism
     #    the (pp, dp, tp) mesh: ZeRO and the data split over "dp"
     ctx = zerogpt.launch_from_torch(cfg, dims=dims)
@@ -156,7 +171,14 @@ def main(argv=None) -> int:
     try:
         trainer, train_dl, valid_dl = setup(cfg, train, data, ctx, dims, args.resume)
         if trainer is not None:
-            fit(trainer, cfg, train, train_dl, valid_dl, ctx)
+            return fit(trainer, cfg, train, train_dl, valid_dl, ctx)
+    except KeyboardInterrupt:  # Ctrl-C before training, or a second one during it: out at once, nothing saved
+        if ctx.is_main:
+            ckpt = latest_checkpoint(train.output_dir)
+            print("interrupted: stopped at once, no checkpoint saved; "
+                  + (f"{ckpt} is the newest, continue with --resume auto" if ckpt else "no checkpoint yet"),
+                  file=sys.stderr, flush=True)
+        return 130
     except Exception as e:  # before training, a mistake (data, vocabulary, checkpoint) is one line; then, a crash
         user_error = trainer is None and isinstance(e, USER_ERRORS)
         return report_user_error(e, ctx.global_rank) if user_error else report_crash(e, ctx.global_rank)
@@ -218,9 +240,11 @@ def setup(cfg, train, data, ctx, dims, resume):
     if sys.stderr.isatty():
         hooks.append(ProgressBarHook())
     hooks += [EvalHook(train.eval_interval, train.eval_iters, at_start=True),
-              SaveCheckpointHook(out, train.save_interval, train.keep_last), PlotHook(out)]
+              SaveCheckpointHook(out, train.save_interval, train.keep_last, save_on_interrupt=train.save_on_interrupt),
+              PlotHook(out)]
+    # Ctrl-C / SIGTERM: every rank stops after the same step, the checkpoint hook saves it, fit() returns
     trainer = Trainer(engine, hooks=hooks + list(cfg.hooks), lr_scheduler=lr_scheduler, logger=ctx.logger,
-                      pipeline=pipeline)
+                      pipeline=pipeline, stop_on_signal=True)
     if resume:
         ckpt = latest_checkpoint(out) if resume == "auto" else resume
         if ckpt is None:
@@ -251,10 +275,16 @@ def check_run_vocab(dataset, data, model) -> None:
                           data_key=(data.vocab_size, "data.vocab_size") if data.vocab_size else None)
 
 
-def fit(trainer, cfg, train, train_dl, valid_dl, ctx) -> None:
+def fit(trainer, cfg, train, train_dl, valid_dl, ctx) -> int:
     out = train.output_dir
     state = trainer.fit(train_dl, epochs=cfg.NUM_EPOCHS, max_steps=train.max_steps, eval_dataloader=valid_dl)
     trainer.engine.close()  # hooks off, offload files removed, the shared-memory transport and its thread closed
+    if state.interrupted:
+        ckpt = latest_checkpoint(out)
+        ctx.logger.info(f"interrupted ({state.interrupted}) at step {state.step}: "
+                        + (f"checkpoint {ckpt} kept, continue with --resume auto" if ckpt else
+                           "no checkpoint yet, a new run starts at step 0"))
+        return 130
 
     ctx.logger.info(f"done: {state.step} steps, {state.tokens_seen:,} tokens"
                     + (f", valid loss {state.eval_results['loss']:.4f}" if state.eval_results else "")
@@ -262,6 +292,7 @@ def fit(trainer, cfg, train, train_dl, valid_dl, ctx) -> None:
                     + f"\n  checkpoint:  {latest_checkpoint(out)}\n  tensorboard: tensorboard --logdir {out}/tensorboard"
                     + f"\n  continue:    add --resume auto --set train.max_steps={2 * state.step}"
                     + "\n  start over:  add --overwrite, or --set train.output_dir=NEW_DIR")
+    return 0
 
 
 if __name__ == "__main__":

@@ -232,3 +232,42 @@ def test_train_gpt_refuses_a_bad_layout_before_launch(tmp_path, monkeypatch, cap
     assert err == ["error: world size 3 is not divisible by parallel.tensor.size (2) x parallel.pipeline (1) = 2; "
                    "launch a multiple of 2 ranks (torchrun --nproc_per_node) or change the parallel sizes"], err
     assert not (tmp_path / "run").exists()                                      # refused before anything was made
+
+
+def test_the_run_directory_lock_names_its_holder_and_dies_with_it(tmp_path):
+    """Issue 31.1: an OS lock held by the first run's process; released when that process dies, kill -9 included."""
+    import signal
+    import subprocess
+    import sys
+
+    from zerogpt.preflight import LOCK_FILE, lock_run_dir
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from zerogpt.preflight import lock_run_dir; "
+                               f"lock_run_dir({str(tmp_path)!r}); print('locked', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(PreflightError, match=rf"is in use by another run: pid {holder.pid} on .*, started .*--set train.output_dir=NEW_DIR"):
+            lock_run_dir(str(tmp_path))
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        lock = lock_run_dir(str(tmp_path))     # the kernel dropped the dead process's lock
+        assert f"pid {os.getpid()} " in (tmp_path / LOCK_FILE).read_text()
+        lock.release()
+        assert not (tmp_path / LOCK_FILE).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_optimizer_values_are_checked_before_anything_is_written(tmp_path):
+    """Issue 31.6: torch's own check of optimizer.lr=-1 runs in preflight and names the --set."""
+    from zerogpt.preflight import check_optimizer
+
+    cfg = Config.from_file(train_gpt.__file__.replace("train_gpt.py", "configs/demo_cpu.py"))
+    check_optimizer(cfg)
+    with pytest.raises(PreflightError, match=r"Invalid learning rate: -1 \(in --set optimizer.lr=-1\)"):
+        check_optimizer(cfg.apply_overrides(["optimizer.lr=-1"]))
+    hybrid = Config.from_file(train_gpt.__file__.replace("train_gpt.py", "configs/demo_cpu.py"))
+    with pytest.raises(PreflightError, match=r"HybridAdam.*invalid betas=\(1.5, 0.9\).*\(in --set optimizer.betas"):
+        check_optimizer(hybrid.apply_overrides(["optimizer.type='HybridAdam'", "optimizer.betas=(1.5, 0.9)"]))

@@ -8,13 +8,15 @@ records that tensor's layout in the unsharded parameter (zerogpt/parallel/layout
 is saved once (a TP-replicated parameter by TP rank 0 only, a pipeline stage its own parameters, the last
 stage's copy of the tied head not at all) and a rank of any other (T, P, D), stage or shard strategy reads the
 elements it needs straight from the files that hold them: a read, not a gather. Saving is atomic (a `.tmp`
-directory renamed by global rank 0 once every rank is done). What the engine tells it: `engine.param_layouts`
+directory renamed by global rank 0 once every rank is done; a full disk on any rank removes it on every rank's
+word and raises CheckpointNotSaved everywhere). What the engine tells it: `engine.param_layouts`
 (name -> layout; absent = whole) and `engine.tied_copies` (alias -> canonical, a last stage's head copy); the
 files are read by checkpoint_reader.py.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import random
@@ -31,7 +33,21 @@ from zerogpt.context import DistContext
 from zerogpt.parallel.layout import ParamLayout, as_layout
 
 __all__ = ["save_engine", "load_engine", "engine_layouts", "engine_tied", "CheckpointReader", "CheckpointError",
-           "resolve_checkpoint"]
+           "CheckpointNotSaved", "resolve_checkpoint"]
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointNotSaved(OSError):
+    """A save that ran out of disk space on some rank: nothing of it is left, and every rank raises it alike.
+
+    Attributes: directory (the checkpoint that was not written), needed_bytes (what all ranks would have
+    written, about), free_bytes (free in its parent now, after the partial directory was removed).
+    """
+
+    def __init__(self, directory: str, reason: str, needed_bytes: int, free_bytes: int):
+        super().__init__(errno.ENOSPC, f"{directory} not saved: {reason}")
+        self.directory, self.reason, self.needed_bytes, self.free_bytes = directory, reason, needed_bytes, free_bytes
 
 
 
@@ -220,6 +236,8 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
     """Write `engine`'s state to `directory` (every rank of the run calls). Returns the absolute directory.
 
     extra_state must be JSON-serialisable (the trainer's state_dict is): a checkpoint never holds pickles.
+    Raises CheckpointNotSaved on every rank when any rank's disk is full (ENOSPC, EDQUOT): the partial directory
+    is removed, an existing checkpoint of that step is left in place, and the ranks stay in step.
     """
     ctx = engine.ctx
     final = os.path.abspath(directory)
@@ -229,51 +247,91 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
         extra_json = json.loads(json.dumps(extra_state or {}))
     except TypeError as e:
         raise TypeError(f"save_checkpoint(extra_state=...) must be JSON-serialisable (no pickles in checkpoints): {e}")
-    if ctx.global_rank == 0:
-        os.makedirs(parent, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
-        os.makedirs(tmp)
-    _barrier(ctx)
-
     state = engine.state_dict()
     layouts, tied = engine_layouts(engine), engine_tied(engine)
-    files = _write_rank_files(engine, state, ctx, tmp, layouts, tied)
-    rng_tensors, rng_plain = _rng_state()
-    _save_safetensors_atomic(rng_tensors, os.path.join(tmp, f"rng_r{ctx.global_rank:05d}.safetensors"))
-    buffer_file = None
-    if ctx.dp_rank == 0 and ctx.tp_rank == 0 and state["buffers"]:  # one copy per pipeline stage
-        buffer_file = BUFFERS if ctx.global_rank == 0 else f"buffers_r{ctx.global_rank:05d}.safetensors"
-        buffers = {n: b.detach().cpu().clone() for n, b in state["buffers"].items()}
-        _save_safetensors_atomic(buffers, os.path.join(tmp, buffer_file))
-    mine = _rank_meta(engine, state, files, layouts, tied)
-    mine.update(rng=rng_plain, buffer_file=buffer_file)
-    gathered = _all_gather_objects(mine, ctx)
-    if ctx.global_rank == 0:
-        meta = {
-            "format": FORMAT, "version": VERSION,
-            "world_size": ctx.world_size, "parallel": ctx.parallel_sizes,
-            "stage": engine.stage, "precision": engine.config.precision,
-            "global_step": state["global_step"],
-            "model": _model_description(engine.module),
-            "loss_scaler": state["optimizer"]["loss_scaler"],
-            "extra_state": extra_json,
-            **_merge_rank_meta(gathered, tmp),
-        }
-        if engine.run_config is not None:
-            with open(os.path.join(tmp, "config.py"), "w") as f:
-                f.write(engine.run_config.to_python())
-        _write_json_atomic(os.path.join(tmp, META), meta)  # last: its presence marks a complete checkpoint
-        if os.path.exists(final):  # re-saving a step: move the old one aside, never delete before the new is in
-            old = os.path.join(parent, f".{name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(parent)
-    _barrier(ctx)
+    mine: dict[str, Any] = {"bytes": _planned_bytes(engine, state, ctx, layouts, tied)}
+    try:
+        if ctx.global_rank == 0:
+            os.makedirs(parent, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+            os.makedirs(tmp)
+        _barrier(ctx)
+        files = _write_rank_files(engine, state, ctx, tmp, layouts, tied)
+        rng_tensors, rng_plain = _rng_state()
+        _save_safetensors_atomic(rng_tensors, os.path.join(tmp, f"rng_r{ctx.global_rank:05d}.safetensors"))
+        buffer_file = None
+        if ctx.dp_rank == 0 and ctx.tp_rank == 0 and state["buffers"]:  # one copy per pipeline stage
+            buffer_file = BUFFERS if ctx.global_rank == 0 else f"buffers_r{ctx.global_rank:05d}.safetensors"
+            buffers = {n: b.detach().cpu().clone() for n, b in state["buffers"].items()}
+            _save_safetensors_atomic(buffers, os.path.join(tmp, buffer_file))
+        mine.update(_rank_meta(engine, state, files, layouts, tied), rng=rng_plain, buffer_file=buffer_file)
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        mine["error"] = e.strerror or str(e)
+    gathered = _all_gather_objects(mine, ctx)   # every rank learns whether any rank failed
+    error = next((part["error"] for part in gathered if "error" in part), None)
+    if error is None:
+        if ctx.global_rank == 0:
+            try:
+                _finish_save(engine, state, ctx, gathered, extra_json, tmp, final)
+            except OSError as e:
+                if e.errno not in NO_SPACE:
+                    raise
+                error = e.strerror or str(e)
+        error = _all_gather_objects(error, ctx)[0]  # how rank 0's meta.json and rename went (and a barrier)
+    if error is not None:
+        if ctx.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier(ctx)
+        free = shutil.disk_usage(parent).free if os.path.isdir(parent) else 0
+        raise CheckpointNotSaved(final, error, sum(part["bytes"] for part in gathered), free)
     return final
+
+
+def _finish_save(engine: Any, state: dict, ctx: DistContext, gathered: list[dict], extra_json: dict, tmp: str,
+                 final: str) -> None:
+    """Rank 0: meta.json from every rank's part, config.py, then the rename that makes the checkpoint."""
+    parent, name = os.path.split(final)
+    meta = {
+        "format": FORMAT, "version": VERSION,
+        "world_size": ctx.world_size, "parallel": ctx.parallel_sizes,
+        "stage": engine.stage, "precision": engine.config.precision,
+        "global_step": state["global_step"],
+        "model": _model_description(engine.module),
+        "loss_scaler": state["optimizer"]["loss_scaler"],
+        "extra_state": extra_json,
+        **_merge_rank_meta(gathered, tmp),
+    }
+    if engine.run_config is not None:
+        with open(os.path.join(tmp, "config.py"), "w") as f:
+            f.write(engine.run_config.to_python())
+    _write_json_atomic(os.path.join(tmp, META), meta)  # last: its presence marks a complete checkpoint
+    if os.path.exists(final):  # re-saving a step: move the old one aside, never delete before the new is in
+        old = os.path.join(parent, f".{name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(parent)
+
+
+def _planned_bytes(engine: Any, state: dict, ctx: DistContext, layouts: dict[str, ParamLayout],
+                   tied: dict[str, str]) -> int:
+    """About what this rank's shard files take (fp32 pieces; the small RNG and buffer files left out)."""
+    total = 0
+    for chunk in engine.chunks:
+        if chunk.plan.num_shards == 1 and ctx.dp_rank != 0:
+            continue
+        if chunk.plan.trainable:
+            sources = [v for v in state["optimizer"]["chunks"][chunk.plan.index].values()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0]
+        else:
+            sources = [state["frozen"][chunk.plan.index]]
+        total += sum(min(v.numel(), chunk.plan.numel) * 4 for v in sources)
+    return total
 
 
 def _merge_rank_meta(gathered: list[dict], tmp: str) -> dict:

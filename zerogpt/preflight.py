@@ -20,11 +20,13 @@ from zerogpt.config import engine_config, parallel_config
 from zerogpt.parallel.mesh import ParallelDims
 
 __all__ = ["PreflightError", "data_from_env", "check_data", "is_jsonl", "check_schedule", "check_output_dir",
-           "check_fresh_run", "clear_run", "check_resume", "check_vocab", "check_parallel", "env_world_size",
-           "known_vocab_size", "RUN_FILES"]
+           "check_fresh_run", "clear_run", "check_resume", "check_vocab", "check_parallel", "check_optimizer",
+           "env_world_size", "known_vocab_size", "lock_run_dir", "RunLock", "RUN_FILES", "LOCK_FILE"]
 
 RUN_FILES = ("metrics.jsonl", "loss.png", "config.py", "checkpoints", "tensorboard")
 """What a run writes into train.output_dir; --overwrite deletes exactly these."""
+LOCK_FILE = ".zerogpt.lock"
+"""In train.output_dir while a run holds it: who (pid, host, command). The lock is the OS's, not the file's."""
 
 
 class PreflightError(ValueError):
@@ -121,6 +123,66 @@ def check_fresh_run(out: str, resume: str | None, overwrite: bool) -> None:
                              f"--overwrite to delete it and start over")
 
 
+class RunLock:
+    """An exclusive lock on a run directory, held by this process until `release()` or its death (kill -9 too).
+
+    A POSIX record lock (fcntl.lockf): the kernel drops it when the process dies, a forked child (a DataLoader
+    worker) does not inherit it, and it works on NFS. The lock file names its holder for whoever is refused.
+    """
+
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path = fd, path
+
+    def release(self) -> None:
+        """Remove the lock file, then unlock (a run that opened the old file finds it unlinked and retries)."""
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)   # closing drops the lock
+        self.fd = None
+
+
+def lock_run_dir(out: str) -> RunLock:
+    """Lock train.output_dir for this run (its global rank 0), or raise naming the process that holds it.
+
+    Two runs started at once into one directory would both pass check_fresh_run (neither has written yet) and
+    then mix their metrics and checkpoints; the lock, taken before that check and held until the run ends,
+    lets exactly one of them in.
+    """
+    import fcntl
+    import socket
+    import sys
+    import time
+
+    path = os.path.join(out, LOCK_FILE)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise PreflightError(f"train.output_dir={out!r} is in use by another run: "
+                                 f"{holder or 'a process holds ' + path}. Wait for it to finish or stop it, or "
+                                 f"pass --set train.output_dir=NEW_DIR") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)   # the holder removed it as we opened it: lock the file that is there now
+    launcher = f", torchrun pid {os.getppid()}" if os.environ.get("TORCHELASTIC_RUN_ID") else ""
+    who = (f"pid {os.getpid()}{launcher} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+           f"{' '.join(sys.argv)}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, who.encode() + b"\n", 0)
+    return RunLock(fd, path)
+
+
 def clear_run(out: str) -> list[str]:
     """--overwrite: delete the earlier run's files (RUN_FILES) from `out`; other files are left alone."""
     removed = []
@@ -187,6 +249,30 @@ def check_vocab(*, tokenizer: tuple[int, str] | None = None, dataset: tuple[int,
                 raise PreflightError(f"vocabulary mismatch: {name(holder)} is smaller than the {name(entry)} it "
                                      f"must hold; raise it to at least {entry[0]:,}, or pass the tokenizer the model "
                                      f"was trained with")
+
+
+def check_optimizer(cfg: Any) -> None:
+    """The `optimizer = dict(...)` section's values, checked by its own class on a one-element parameter (torch
+    refuses lr=-1, betas out of [0, 1), ... in its constructor), so a bad value fails here, before anything is
+    written, and names where it was set. An optimizer object in a library call is checked by its caller.
+    """
+    if "optimizer" not in cfg or not isinstance(cfg.optimizer, dict):
+        return
+    import torch
+
+    from zerogpt.config import optimizer_class
+    from zerogpt.optim import CPUAdam
+
+    kwargs = {k: v for k, v in dict(cfg.optimizer).items() if k not in ("type", "no_decay_1d")}
+    cls = optimizer_class(cfg.optimizer["type"])
+    if issubclass(cls, CPUAdam):
+        kwargs["backend"] = "torch"   # the values are what is checked here; the kernel is chosen at launch
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    except (ValueError, TypeError, RuntimeError) as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "backend")
+        raise PreflightError(f"optimizer {cls.__name__}({given}) is refused by {cls.__name__}: {e} "
+                             f"(in {cfg.where('optimizer')})") from None
 
 
 def env_world_size() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -218,12 +219,20 @@ class Config(dict):
         return self
 
     # --- validation --------------------------------------------------------------------------------------
-    def _where(self, path: str) -> str:
+    def where(self, path: str) -> str:
+        """Where the value at dotted `path` (or under it) was set: the last `--set` that set it, else the file."""
         for item in reversed(self._overrides):
             key = item.split("=", 1)[0].strip()
             if key == path or key.startswith(path + "."):
                 return f"--set {item}"
         return self._source
+
+    def _origin(self, message: str) -> str:
+        """Where the value a check's `message` names was set: each `--set` whose key (or a key under it) the
+        message names, else the file. A value check names its key (`train.max_steps must be >= 1, got -1`)."""
+        named = [f"--set {item}" for item in self._overrides
+                 if re.search(rf"(?<![\w.]){re.escape(item.split('=', 1)[0].strip())}(?!\w)", message)]
+        return ", ".join(dict.fromkeys(named)) or self._source
 
     def validate(self) -> "Config":
         """Check every key and type against RunConfig, then build every typed section once (value checks).
@@ -236,12 +245,12 @@ class Config(dict):
             for build in (_engine_config, _train_config, _lr_scheduler_config, _data_config):
                 build(self)
         except (ValueError, TypeError) as e:
-            raise type(e)(f"{e} (in {self._source})") from None
+            raise type(e)(f"{e} (in {self._origin(str(e))})") from None
         return self
 
     def check_keys(self) -> None:
         """Keys and value types only (no value ranges): every key is a RunConfig field, recursively."""
-        check_tree(self, (RunConfig,), "", self._unknown, self._where)
+        check_tree(self, (RunConfig,), "", self._unknown, self.where)
         for name in ("model", "optimizer"):
             if name in self:
                 self._check_typed_dict(name, self[name])
@@ -249,7 +258,7 @@ class Config(dict):
     def _unknown(self, path: str, valid: list[str]) -> None:
         hint = _FOREIGN_KEYS.get(path)
         if hint:
-            raise ValueError(f"unknown key '{path}' in {self._where(path)}; {hint}")
+            raise ValueError(f"unknown key '{path}' in {self.where(path)}; {hint}")
         prefix, _, key = path.rpartition(".")
         prefix = prefix + "." if prefix else ""
         # A misplaced key (zero.cpu_offload -> zero.optimizer_config.cpu_offload) beats a fuzzy sibling match.
@@ -257,11 +266,11 @@ class Config(dict):
         suggestion = f"; did you mean '{matches[0]}'?" if matches else ""
         suggestion = suggestion or suggest(path, [prefix + k for k in valid]) or suggest(path, _ALL_PATHS)
         helper = "; a helper variable in a config file must start with '_'" if not prefix and not suggestion else ""
-        raise ValueError(f"unknown key '{path}' in {self._where(path)}{suggestion} "
+        raise ValueError(f"unknown key '{path}' in {self.where(path)}{suggestion} "
                          f"(valid keys{' in ' + prefix[:-1] if prefix else ''}: {', '.join(valid)}){helper}")
 
     def _check_typed_dict(self, name: str, node: dict) -> None:
-        where = self._where(name)
+        where = self.where(name)
         if "type" not in node:
             example = "gpt2_small" if name == "model" else "HybridAdam"
             raise ValueError(f"{name} needs a 'type' (in {where}), e.g. {name} = dict(type={example}, ...)")

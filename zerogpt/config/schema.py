@@ -365,6 +365,8 @@ class TrainConfig:
     """Optimizer steps between checkpoints; None = only at the end."""
     keep_last: int = 3
     """Checkpoints kept on disk (older ones are deleted)."""
+    save_on_interrupt: bool = True
+    """On SIGINT/SIGTERM (Ctrl-C) every rank stops after its current step; True saves that step's checkpoint."""
     output_dir: str = "runs/default"
     """Run directory: config.py, metrics.jsonl, tensorboard/, checkpoints/."""
     seed: int = 42

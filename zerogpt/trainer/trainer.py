@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -18,6 +19,7 @@ import torch
 
 from zerogpt.trainer.hooks.base import Hook
 from zerogpt.trainer.hooks.lr import LRSchedulerHook
+from zerogpt.trainer.interrupt import StopOnSignal
 from zerogpt.trainer.json_safe import json_safe
 from zerogpt.trainer.metrics import EpochMetrics, StepMetrics, host_float
 
@@ -54,6 +56,8 @@ class TrainerState:
     """the latest evaluation: {"step", "loss", "ppl"}"""
     should_stop: bool = False
     """a hook sets this to end fit() after the current step (early stopping)"""
+    interrupted: str | None = None
+    """the signal that ended fit() early ("SIGINT", "SIGTERM"; with stop_on_signal), else None"""
 
     _COUNTERS = ("step", "epoch", "micro_step", "consumed_samples", "epoch_samples", "tokens_seen", "skipped_steps")
 
@@ -116,6 +120,8 @@ class Trainer:
             advance it, as in DeepSpeed); an `LRSchedulerHook(lr_scheduler=...)` in `hooks` passes it too.
         schedule_by_epoch: step the schedule once per epoch instead (Colossal-AI's `by_epoch=True`).
         logger: defaults to the engine's rank-aware logger.
+        stop_on_signal: during fit(), SIGINT/SIGTERM stop every rank after the same step (`state.interrupted`;
+            hooks' after_train runs: the checkpoint hook saves); a second signal raises KeyboardInterrupt.
 
     Example:
         trainer = Trainer(engine, hooks=[LogMetricByStepHook("runs/x", log_interval=10)], lr_scheduler=sched)
@@ -123,7 +129,8 @@ class Trainer:
     """
 
     def __init__(self, engine: Any, hooks: Iterable[Hook] = (), lr_scheduler: Any = None,
-                 schedule_by_epoch: bool = False, logger: logging.Logger | None = None, pipeline: Any = None):
+                 schedule_by_epoch: bool = False, logger: logging.Logger | None = None, pipeline: Any = None,
+                 stop_on_signal: bool = False):
         self.engine = engine
         self.pipeline = pipeline
         self.ctx = ctx = engine.ctx
@@ -146,6 +153,11 @@ class Trainer:
                 lr_scheduler, schedule_by_epoch = h.lr_scheduler, h.by_epoch
         self.lr_scheduler = lr_scheduler
         self.schedule_by_epoch = schedule_by_epoch
+        self.stop_on_signal = stop_on_signal
+        # The ranks agree on a signal through a CPU all-reduce: the default group under gloo, else one of its own
+        # (made here, where every rank is).
+        multi = stop_on_signal and self.world_size > 1 and torch.distributed.is_initialized()
+        self._signal_group = torch.distributed.new_group(backend="gloo") if multi and ctx.backend != "gloo" else None
         self.state = TrainerState()
         self.train_dataloader: Any = None
         self.eval_dataloader: Any = None
@@ -161,7 +173,15 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
     def fit(self, train_dataloader: Iterable, epochs: int | None = None, max_steps: int | None = None,
             eval_dataloader: Iterable | None = None) -> TrainerState:
-        """Train until `max_steps` optimizer steps (or `epochs` passes over the data) are done."""
+        """Train until `max_steps` optimizer steps (or `epochs` passes over the data) are done, or a signal
+        (`stop_on_signal`) ends the run early."""
+        if not self.stop_on_signal:
+            return self._fit(train_dataloader, epochs, max_steps, eval_dataloader, None)
+        with StopOnSignal() as stop:
+            return self._fit(train_dataloader, epochs, max_steps, eval_dataloader, stop)
+
+    def _fit(self, train_dataloader: Iterable, epochs: int | None, max_steps: int | None,
+             eval_dataloader: Iterable | None, stop: StopOnSignal | None) -> TrainerState:
         s, engine, pipeline = self.state, self.engine, self.pipeline
         accum = engine.gradient_accumulation
         self.train_dataloader, self.eval_dataloader = train_dataloader, eval_dataloader
@@ -173,6 +193,9 @@ class Trainer:
         self.fire("before_train")
         self._start_window()
         while s.step < s.max_steps and not s.should_stop:
+            if stop is not None and (signum := self._agreed_signal(stop)):   # a step boundary, on every rank
+                s.interrupted = signal.Signals(signum).name
+                break
             batch = next(batches, None)             # fetched first, so epoch events precede before_step
             if batch is None:
                 break
@@ -433,6 +456,14 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.from_last_stage(tensor)
         return tensor
+
+    def _agreed_signal(self, stop: StopOnSignal) -> int:
+        """The signal any rank got (the largest number), the same on every rank; 0 when none did."""
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return stop.signum
+        signum = torch.tensor([stop.signum], dtype=torch.int64)
+        torch.distributed.all_reduce(signum, op=torch.distributed.ReduceOp.MAX, group=self._signal_group)
+        return int(signum.item())   # a CPU tensor: no device sync
 
     def barrier(self) -> None:
         """Every rank of the run (the checkpoint hook's: files span the run, not one data-parallel group)."""

@@ -49,6 +49,7 @@ class EvalHook(Hook):
             self._run(trainer)
 
     def after_train(self, trainer) -> None:
-        # Only when training ended early (data exhausted, a hook set should_stop) or had nothing to do.
-        if self._last_eval_step != trainer.state.step:
+        # Only when training ended early (data exhausted, a hook set should_stop) or had nothing to do; not when
+        # a signal stopped it (whoever pressed Ctrl-C wants out, and a resumed run evaluates on schedule).
+        if self._last_eval_step != trainer.state.step and trainer.state.interrupted is None:
             self._run(trainer)
