@@ -207,8 +207,13 @@ def main(argv: list[str] | None = None) -> int:
                                  stop_at_eos=not args.ignore_eos)
     except ValueError as e:  # CheckpointError is a ValueError
         raise SystemExit(f"error: {e}")
-    # Decode prompt and continuation together: a byte-level token may end mid-character.
-    print(tok.decode(ids + new) if args.prompt else tok.decode(new))
+    # The EOS generation stopped at ends the text, it is not part of it (--ignore-eos shows every one it passed).
+    if new and new[-1] == tok.eos_token_id and not args.ignore_eos:
+        new = new[:-1]
+    # Decode prompt and continuation together: a byte-level token may end mid-character. Trailing whitespace (a
+    # small model's greedy run of newlines) would print as a screen of blank lines: the text ends at its last
+    # visible character.
+    print((tok.decode(ids + new) if args.prompt else tok.decode(new)).rstrip())
     return 0
 
 

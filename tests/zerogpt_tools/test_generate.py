@@ -142,3 +142,19 @@ def test_corrupt_weights_and_a_larger_tokenizer_are_named(hf_dir, tmp_path):
     save_tokenizer_dir(train_byte_level_bpe(stdlib_docstrings(), vocab_size=400), str(big))
     with pytest.raises(SystemExit, match=r"vocabulary mismatch: 300 \(vocab_size of .*\) is smaller than the 400"):
         main(["--model", str(hf_dir), "--prompt", "hi", "--tokenizer", str(big)])
+
+
+def test_cli_output_ends_at_eos_and_at_the_last_visible_character(hf_dir, capsys, monkeypatch):
+    """Issue 31.7: a greedy run of newlines printed a screen of blank lines, and sampling printed the EOS it stopped
+    at as a literal <|endoftext|>."""
+    import zerogpt_tools.generate as generate
+
+    _, tok = load_model(str(hf_dir))
+    words, newline = tok("Return a new")["input_ids"], tok("\n")["input_ids"]
+    for new, flags, expected in [(words + newline * 28, ["--greedy"], "x Return a new"),
+                                 (words + [tok.eos_token_id], [], "x Return a new"),
+                                 (words + [tok.eos_token_id] + words, ["--ignore-eos"],
+                                  "x Return a new" + tok.decode([tok.eos_token_id]) + "Return a new")]:
+        monkeypatch.setattr(generate, "generate_text", lambda *a, new=new, **k: (tok("x ")["input_ids"], new))
+        assert main(["--model", str(hf_dir), "--prompt", "x ", *flags]) == 0
+        assert capsys.readouterr().out == expected + "\n", flags
