@@ -8,6 +8,7 @@ model-parallel one; without a mesh the whole run is data parallel.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import shutil
@@ -64,6 +65,8 @@ class DistContext:
     def __post_init__(self) -> None:
         if self.logger is None:
             self.logger = get_logger(self.global_rank)
+        if self.owns_group:  # destroyed at exit if the script does not: after the transports (closed first, LIFO)
+            atexit.register(self.destroy)
         if self.mesh is None:
             self.dp_rank, self.dp_size, self.dp_group, self.tp_rank = self.global_rank, self.world_size, None, 0
             self.parallel_sizes = {"tp": 1, "pp": 1, "dp": self.world_size}
@@ -106,8 +109,10 @@ class DistContext:
 
     def destroy(self) -> None:
         """Destroy the process group if this context created it (a wrapped, pre-existing group is left alone)."""
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.owns_group:
+            atexit.unregister(self.destroy)
+            if dist.is_initialized():
+                dist.destroy_process_group()
         self.owns_group = False
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)

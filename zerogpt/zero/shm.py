@@ -21,6 +21,7 @@ cannot all map the same file get None from `open_transport` and stay on gloo. No
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import os
 import queue
@@ -63,6 +64,10 @@ class SharedMemoryTransport:
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="zerogpt-shm-comm", daemon=True)
         self._worker.start()
+        # A script that never calls close() (engine.close()) still stops the thread at exit, before the process
+        # group is torn down (launch_from_torch registers that earlier, so it runs later): left to interpreter
+        # shutdown, the thread and its gloo group went in no set order, and once in 16 runs the process aborted.
+        atexit.register(self.close)
 
     # -- public collectives (async: each returns a handle with .wait()) ---------------------
 
@@ -98,6 +103,7 @@ class SharedMemoryTransport:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         self._queue.put(None)
         self._worker.join()
         self.buffers = None  # the mapping goes with its last reference
