@@ -9,7 +9,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # torch 2.13.0: without an NVIDIA driver, the CPU wheel from PyTorch's CPU index (no multi-GB CUDA libraries);
 # with one (nvidia-smi on PATH), PyPI's default Linux wheel, which bundles its CUDA runtime.
-# Override with e.g. make test TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# Override with e.g. make test TORCH_INDEX=https://download.pytorch.org/whl/cu128. An index that does not answer
+# a 5 s probe is left out (said on the console), so a machine that reaches only a mirror does not wait on it.
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
 ARGS  ?=
 TESTS ?= tests
@@ -21,7 +22,8 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install torch==2.13.0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+# one 5 s probe of TORCH_INDEX (scripts/torch_index.py): out of reach, pip's own index is used at once
+	$(PY) -m pip install torch==2.13.0 $$($(PYTHON) scripts/torch_index.py "$(TORCH_INDEX)")
 	$(PY) -m pip install -e '.[dev]'
 	$(PY) -m pip install --no-build-isolation deepspeed  # its setup.py imports torch: build against ours
 	touch $@

@@ -3,6 +3,8 @@ Makefile's two targets install into a virtual environment before they run."""
 import os
 import re
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -47,3 +49,45 @@ def test_make_targets_install_into_a_venv_first():
     assert any(line.startswith("/tmp/zerogpt-venv-plan/bin/python -m pytest tests") for line in lines)
     assert any("/tmp/zerogpt-venv-plan/bin/torchrun --standalone --nproc_per_node 2 train_gpt.py --config "
                "configs/demo_cpu.py" in line for line in lines)
+
+
+def probe_index(url, timeout=1.0):
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "torch_index.py"), url, "--timeout",
+                           str(timeout)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip(), proc.stderr.strip(), time.monotonic() - started
+
+
+def test_an_unreachable_torch_index_is_found_at_once_and_the_index_used_is_named():
+    """Issue 31.8: a machine that reaches only a package mirror waited ~75 s on PyTorch's index (pip's retries)."""
+    import http.server
+    import socket
+    import threading
+
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))
+    port = refused.getsockname()[1]
+    refused.close()                                  # nothing listens there
+    flags, said, _ = probe_index(f"http://127.0.0.1:{port}/whl/cpu")
+    assert flags == "" and "out of reach" in said and "pip's configured index" in said
+
+    silent = socket.socket()                         # accepts connections, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        flags, said, seconds = probe_index(f"http://127.0.0.1:{silent.getsockname()[1]}/whl/cpu")
+        assert flags == "" and "out of reach" in said and seconds < 10
+    finally:
+        silent.close()
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)   # answers 501: there
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/whl/cpu"
+        flags, said, _ = probe_index(url)
+        assert flags == f"--extra-index-url {url}" and said.startswith(f"torch: from {url}")
+    finally:
+        server.shutdown()
+    assert probe_index("")[:2] == ("", "torch: from pip's configured index (TORCH_INDEX is empty)")
+    assert 'scripts/torch_index.py "$(TORCH_INDEX)"' in read("Makefile")
