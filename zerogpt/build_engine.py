@@ -29,7 +29,7 @@ from zerogpt.zero.gather_hooks import Stage3GatherHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
 from zerogpt.zero.meta_init import range_init
-from zerogpt.zero.offload import Placement, check_disk_path
+from zerogpt.zero.offload import Placement, Traffic, check_disk_path
 from zerogpt.zero.sharded_optim import ShardedOptimizer
 from zerogpt.zero.shm import open_transport
 
@@ -56,6 +56,13 @@ class EnginePlan:
     """Optimizer state this rank writes to zero.offload_optimizer.path (0 unless optim_home is "disk")."""
     no_decay: frozenset[str]
     """Parameters that take no weight decay whatever their group says (a dict optimizer's biases and norms)."""
+    resident_chunks: frozenset[int] = frozenset()
+    """With param offload: the chunks whose shards stay on the device anyway (zero.offload_param.device_budget)."""
+    accumulate_on_device: bool = False
+    """Offloaded gradients summed over the micro-steps in an fp32 shard on the device, which crosses to the host
+    once per step (stages 2-3 with optimizer offload, no param offload, accumulation > 1, and room on the device)."""
+    grad_accum_bytes: int = 0
+    """The device memory that accumulation needs (fp32 gradient shards), whether or not it was granted."""
 
     @property
     def stage(self) -> int:
@@ -63,9 +70,12 @@ class EnginePlan:
 
 
 def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]], ctx: DistContext,
-                no_decay: frozenset[str] = frozenset(), host: HostConfig | None = None) -> EnginePlan:
+                no_decay: frozenset[str] = frozenset(), host: HostConfig | None = None,
+                device_free_bytes: int | None = None) -> EnginePlan:
     """The frozen plan for these (name, param, group) at this rank's place; pure (no allocation, no collective).
-    `host`: the host.* settings already resolved (default: the config's, with the environment's overrides)."""
+    `host`: the host.* settings already resolved (default: the config's, with the environment's overrides).
+    `device_free_bytes`: the device's free memory at build (None: a CPU-only run, where host and device are
+    one memory); it decides whether gradients can accumulate on the device and what device_budget="auto" is."""
     zero = config.zero
     dtype = compute_dtype(config.precision)
     num_shards = 1 if zero.stage == 0 else ctx.dp_size
@@ -75,8 +85,32 @@ def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]
     optim_home = HOMES[zero.offload_optimizer.device]
     disk_bytes = sum(p.shard_numel for p in chunks if p.trainable) * 4 * 3 if optim_home == "disk" else 0
     host = host or config.host.with_env_overrides()
-    return EnginePlan(config, host, dtype, HOMES[zero.offload_param.device],
-                      optim_home, tuple(chunks), disk_bytes, no_decay)
+    param_home = HOMES[zero.offload_param.device]
+    resident: frozenset[int] = frozenset()
+    if param_home == "host":
+        budget = zero.offload_param.device_budget
+        if budget == "auto":  # half the free memory: the rest is for gathered chunks and activations
+            budget = None if device_free_bytes is None else device_free_bytes // 2
+        resident = _resident_chunks(chunks, torch.empty(0, dtype=dtype).element_size(), budget)
+    # One fp32 gradient shard per trainable chunk on the device, instead of a copy to the host every micro-step
+    # (stages 0-1 reduce once per step already; with param offload the device memory is what is short).
+    grad_accum_bytes = sum(p.shard_numel for p in chunks if p.trainable) * 4
+    accumulate = (zero.stage >= 2 and optim_home != "device" and param_home == "device"
+                  and config.gradient_accumulation > 1)
+    fits = device_free_bytes is None or grad_accum_bytes <= device_free_bytes
+    return EnginePlan(config, host, dtype, param_home, optim_home, tuple(chunks), disk_bytes, no_decay,
+                      resident, accumulate and fits, grad_accum_bytes if accumulate else 0)
+
+
+def _resident_chunks(chunks: list[ChunkPlan], element_size: int, budget: int | None) -> frozenset[int]:
+    """The chunks, in order, whose param shards fit `budget` bytes of device memory (None: all of them)."""
+    out, used = [], 0
+    for plan in chunks:
+        size = plan.shard_numel * element_size
+        if budget is None or used + size <= budget:
+            out.append(plan.index)
+            used += size
+    return frozenset(out)
 
 
 def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any = None, *, config: Any,
@@ -114,8 +148,9 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
     optimizer, no_decay = _resolve_optimizer(optimizer, module, host.cpu_adam)
     params = _param_groups(module, optimizer)
     _check_devices(params)
-    plan = plan_engine(ecfg, params, ctx, frozenset(no_decay), host)
+    plan = plan_engine(ecfg, params, ctx, frozenset(no_decay), host, _device_free_bytes(ctx.device))
     _check_same_plan(plan, ctx)
+    _log_offload_plan(plan, ctx)
     if plan.disk_bytes:
         check_disk_path(ecfg.zero.offload_optimizer.path, plan.disk_bytes, ctx.local_world_size)
 
@@ -127,13 +162,15 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
     # A meta model: values per shard from its init_param_range (model_zoo GPT built on meta, meta_init.py) or
     # replayed from what ZeroInitContext recorded (any model, init_ctx.py); None for a model with real weights.
     init_values = range_init(module) or recorded_init(module)
-    chunks = _build_chunks(params, plan, ctx, placement, transport, init_values)
+    traffic = Traffic()  # host<->device bytes, counted by the chunks, the optimizer's write-back and the engine
+    chunks = _build_chunks(params, plan, ctx, placement, transport, init_values, traffic)
     _place_buffers(module, ctx.device, init_values.buffer_values() if init_values is not None else {})
     grad_hooks, gather_hooks = _register_hooks(module, chunks, plan)
-    sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, transport)
+    sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, transport, traffic)
     engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx,
                     criterion=parallel.criterion(criterion), parallel=parallel, transport=transport,
-                    run_config=run_config, keeps_freed_memory=keeps_freed_memory)
+                    run_config=run_config, keeps_freed_memory=keeps_freed_memory, traffic=traffic,
+                    accumulate_on_device=plan.accumulate_on_device)
     ctx.logger.info(engine.describe())
     return engine
 
@@ -242,6 +279,28 @@ def _check_same_plan(plan: EnginePlan, ctx: DistContext) -> None:
                              f"initialize()")
 
 
+def _device_free_bytes(device: torch.device) -> int | None:
+    """Free memory of the compute device now (None on a CPU-only run: host and device are one memory)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def _log_offload_plan(plan: EnginePlan, ctx: DistContext) -> None:
+    """Say at build where offloaded gradients accumulate and which param chunks stay on the device."""
+    mib = plan.grad_accum_bytes / 2**20
+    if plan.accumulate_on_device:
+        ctx.logger.info(f"gradients accumulate on the device over {plan.config.gradient_accumulation} micro-steps "
+                        f"({mib:,.1f} MiB of fp32 shards) and cross to the host once per step")
+    elif plan.grad_accum_bytes:
+        ctx.logger.warning(f"gradients cross to the host at every micro-step: accumulating them on the device "
+                           f"needs {mib:,.1f} MiB of fp32 shards, more than the device's free memory at build "
+                           f"(more data-parallel ranks shrink the shards)")
+    if plan.param_home == "host" and plan.resident_chunks:
+        ctx.logger.info(f"zero.offload_param.device_budget: {len(plan.resident_chunks)} of {len(plan.chunks)} "
+                        f"chunks' param shards stay on the device")
+
+
 def _shares_host_memory(ctx: DistContext) -> bool:
     """Whether the shared-memory transport could carry this run's collectives (gloo on CPU tensors)."""
     if not dist.is_initialized() or ctx.dp_size < 2 or ctx.device.type != "cpu":
@@ -253,17 +312,18 @@ def _shares_host_memory(ctx: DistContext) -> bool:
 # -- build -------------------------------------------------------------------------------------------------------
 
 def _build_chunks(params, plan: EnginePlan, ctx: DistContext, placement: Placement, transport: Any,
-                  init_values: Any) -> list[Chunk]:
+                  init_values: Any, traffic: Traffic | None = None) -> list[Chunk]:
     """Pack the parameters into chunks in the compute dtype; every parameter becomes a view of its slot."""
     by_name = {name: p for name, p, _ in params}
     chunks = []
     for chunk_plan in plan.chunks:
         chunk_params = [by_name[s.name] for s in chunk_plan.slots]
+        home = "device" if chunk_plan.index in plan.resident_chunks else plan.param_home
         chunk = Chunk(chunk_plan, chunk_params, dtype=plan.compute_dtype, device=ctx.device, rank=ctx.dp_rank,
                       group=ctx.dp_group, persistent_full=plan.stage < 3,
-                      shard_device=placement.torch_device(plan.param_home),
-                      pin_memory=plan.config.zero.offload_param.pin_memory, shard_home=plan.param_home,
-                      transport=transport)
+                      shard_device=placement.torch_device(home),
+                      pin_memory=plan.config.zero.offload_param.pin_memory, shard_home=home,
+                      transport=transport, traffic=traffic)
         if init_values is not None:  # meta model: this rank fills only its shard; params leave meta
             chunk.load_shard(init_values.chunk_shard(chunk_plan, chunk.shard_index, plan.compute_dtype))
             swap_meta_for_empty(chunk_params)
@@ -299,7 +359,8 @@ def _register_hooks(model: nn.Module, chunks: list[Chunk], plan: EnginePlan
 
 
 def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan: EnginePlan, ctx: DistContext,
-                     placement: Placement, parallel: ParallelModel, transport: Any) -> ShardedOptimizer:
+                     placement: Placement, parallel: ParallelModel, transport: Any,
+                     traffic: Traffic | None = None) -> ShardedOptimizer:
     """One ChunkState per trainable chunk at its home, and the fp16 loss scaler."""
     zero = plan.config.zero
     loss_scaler = DynamicLossScaler(zero.loss_scale, enabled=plan.config.precision == "fp16")
@@ -307,4 +368,4 @@ def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan
                             precision=plan.config.precision, stage=plan.stage, group=ctx.dp_group,
                             loss_scaler=loss_scaler, clip_grad_norm=plan.config.clip_grad_norm,
                             no_decay=set(plan.no_decay), norm_duplicates=set(parallel.norm_duplicates),
-                            model_parallel_group=ctx.model_parallel_group)
+                            model_parallel_group=ctx.model_parallel_group, traffic=traffic)

@@ -7,7 +7,7 @@ is set in __init__ from what initialize resolved (the model's parallel layout in
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -19,7 +19,7 @@ from zerogpt.parallel.layout import ParamLayout
 from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk
 from zerogpt.zero.comm import all_gather_flat
-from zerogpt.zero.offload import HOMES, Placement, start_d2h
+from zerogpt.zero.offload import HOMES, Placement, Traffic, start_d2h
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.sharded_optim import ShardedOptimizer
@@ -34,7 +34,8 @@ class Engine:
                  grad_hooks: GradReduceHooks, gather_hooks: Stage3GatherHooks | None, placement: Placement,
                  config: EngineConfig, ctx: DistContext, *, criterion: Callable | None = None,
                  parallel: ParallelModel | None = None, transport: Any = None, run_config: Any = None,
-                 keeps_freed_memory: bool = False) -> None:
+                 keeps_freed_memory: bool = False, traffic: Traffic | None = None,
+                 accumulate_on_device: bool = False) -> None:
         parallel = parallel or ParallelModel(module)
         self.module = module
         self.sharded_optim = sharded_optim
@@ -73,6 +74,16 @@ class Engine:
         self.hand_over_at_launch = offload_grads
         # Reduced grad shards still being copied device->host: (fp32 host shard, staging copy, event).
         self._pending_d2h: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        self.accumulate_on_device = accumulate_on_device
+        """Offloaded gradients are summed over the micro-steps on the device and cross to the host once per step."""
+        # chunk index -> fp32 grad shard on the device, the sum of this step's micro-steps (accumulate_on_device)
+        self._device_grads: dict[int, torch.Tensor] = {}
+        self._last_reduce = True  # this backward's reduction is the step's last (its sum goes to the host)
+        self.traffic = traffic or Traffic()
+        """Host<->device bytes counted so far in the current step (zero/offload.py Traffic)."""
+        self.last_step_traffic = Traffic()
+        """The bytes the last optimizer step moved between host (or disk) and device: its micro-steps' gathers and
+        gradient hand-overs, and the step's write-backs."""
 
     # -- forward / backward / step ------------------------------------------------------------
 
@@ -83,6 +94,7 @@ class Engine:
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
+        self.traffic.counting = mode  # evaluation's gathers are no optimizer step's traffic
         return self
 
     def eval(self) -> "Engine":
@@ -114,6 +126,7 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; "
                              f"reduce it first (e.g. loss.mean())")
         reduce = self.stage >= 2 or self.is_accumulation_boundary
+        self._last_reduce = self.is_accumulation_boundary
         self.grad_hooks.begin_backward(reduce, self._hand_over, at_launch=self.hand_over_at_launch)
         if self.gather_hooks is not None:
             self.gather_hooks.in_backward = True
@@ -150,6 +163,7 @@ class Engine:
             self.grad_hooks.end_backward()
         if before_reduce is not None:
             before_reduce()
+        self._last_reduce = True
         self.grad_hooks.begin_backward(True, self._hand_over, at_launch=self.hand_over_at_launch)
         self.grad_hooks.end_backward()  # every chunk reduced and handed over
         self.micro_step = self.gradient_accumulation
@@ -166,18 +180,31 @@ class Engine:
     def _hand_over(self, chunk: Chunk) -> None:
         """Finish a chunk's launched reduction and add the result into its fp32 grad shard.
 
-        On CUDA with offloaded grads this runs on the copy stream: waiting for the collective makes that
-        stream (not the host) wait, and the device->host copy is queued behind it.
+        Offloaded grads (`grad_home` host): with `accumulate_on_device` the reduced shard is added into an fp32 shard
+        on the device, which goes to the host once, at the step's last reduction; otherwise each reduced shard goes
+        to the host. On CUDA this runs on the copy stream: waiting for the collective makes that stream (not the
+        host) wait, and the device->host copy is queued behind it. The CPU runs the same code on no stream.
         """
-        state = self.sharded_optim.states[chunk.plan.index]
-        if self._copy_stream is None:
-            state.add_grad(chunk.finish_reduce(), self.placement)
-            return
-        self._copy_stream.wait_stream(torch.cuda.current_stream())  # grads written by backward (world 1)
-        with torch.cuda.stream(self._copy_stream):
+        index = chunk.plan.index
+        state = self.sharded_optim.states[index]
+        stream = self._copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # grads written by backward (world 1)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
             reduced = chunk.finish_reduce()
-            reduced.record_stream(self._copy_stream)  # not reused by backward until the copy has read it
-            grad = state.add_grad(reduced, self.placement)
+            if stream is not None:
+                reduced.record_stream(stream)  # not reused by backward until this stream has read it
+            # (a step's only reduction, as a pipeline schedule makes, goes to the host as it is)
+            if self.accumulate_on_device and (index in self._device_grads or not self._last_reduce):
+                if index not in self._device_grads:  # allocated on this stream, which alone uses and frees it
+                    self._device_grads[index] = self.placement.empty(reduced.numel(), torch.float32, "device",
+                                                                     f"grad_acc{index}")
+                self._device_grads[index].add_(reduced)
+                if not self._last_reduce:
+                    return
+                reduced = self._device_grads.pop(index)  # the step's sum crosses once
+            grad = state.add_grad(reduced, self.placement)  # adds when on the same device (CPU; grads on device)
+            self.traffic.copied("device", state.grad_home, reduced)
             if reduced.device != grad.device:
                 # Start this chunk's device->host copy, then add the copies that have landed into their
                 # host shards, never blocking the host on one still in flight (backward keeps queueing
@@ -213,6 +240,7 @@ class Engine:
             return None
         self._finish_d2h()
         grad_norm, self.last_step_skipped = self.sharded_optim.step()
+        self.last_step_traffic = self.traffic.take()
         self.global_step += 1
         self.micro_step = 0
         self._pending_backward = False
@@ -240,6 +268,7 @@ class Engine:
         for chunk in self.chunks:
             chunk.reset_grads()
         self._pending_d2h.clear()
+        self._device_grads.clear()
         self.sharded_optim.zero_grad()
 
     # -- accounting ---------------------------------------------------------------------------
@@ -266,6 +295,8 @@ class Engine:
             add("params", chunk.full_buffer, "device")  # in-flight prefetches included
             add("params", chunk.shard, chunk.shard_home)
             add("grads", chunk.grad_full, "device")
+        for grad in self._device_grads.values():
+            add("grads", grad, "device")
         for state in self.sharded_optim.states.values():
             add("grads", state.grad, state.grad_home)
             add("master", state.master, state.home)
@@ -275,6 +306,25 @@ class Engine:
 
     def num_params(self) -> int:
         return sum(chunk.plan.numel for chunk in self.chunks)
+
+    def host_bytes(self) -> int:
+        """Host RAM this rank holds while it trains, in bytes (what the build line states; issue 30 point 1).
+
+        The model state in host memory now (`memory_stats()`; on a CPU run every home but disk is host memory),
+        the fp32 gradient shards each step allocates there, and on a CPU run the compute's own largest buffers:
+        the largest chunk twice (a parameter's gradient as autograd makes it beside the chunk buffer it lands in;
+        the tied embedding's two gradients), and at stage 3 once more (its gathered copy). Not counted:
+        activations, and the interpreter and libraries.
+        """
+        stats = self.memory_stats()
+        homes = ("device", "host") if self.ctx.device.type == "cpu" else ("host",)
+        held = sum(stats[c][h] for c in CATEGORIES for h in homes)
+        held += sum(s.master.numel() * 4 for s in self.sharded_optim.states.values()
+                    if s.grad is None and s.grad_home in homes)
+        if self.ctx.device.type == "cpu":
+            largest = max((c.plan.padded_numel * c.dtype.itemsize for c in self.chunks), default=0)
+            held += (3 if self.stage == 3 else 2) * largest
+        return held
 
     def describe(self) -> str:
         """One startup line: stage, chunks, this rank's model-state bytes, and the process-wide host settings."""
@@ -286,6 +336,8 @@ class Engine:
                 f"{len(self.chunks)} chunks, {self.num_params() / 1e6:.2f}M params, world {self.ctx.dp_size}, "
                 f"accumulation {self.gradient_accumulation}; model state on this rank: "
                 + ", ".join(f"{h} {total[h] / 2**20:.1f} MiB" for h in HOMES if total[h])
+                + f"; host RAM held while training {self.host_bytes() / 2**30:.2f} GiB "
+                f"({self.host_bytes() / max(self.num_params(), 1):.1f} bytes/param)"
                 + f"; host: keep_freed_memory {on[self.host_settings['keep_freed_memory']]}, "
                 f"shm_collectives {on[self.host_settings['shm_collectives']]}"
                 + (f", cpu_adam {kernel}" if kernel else ""))
@@ -357,6 +409,7 @@ class Engine:
         self.micro_step = 0
         self._pending_backward = False
         self.zero_grad()
+        self.traffic.take()  # the load's copies are no step's traffic
 
     # -- checkpoints --------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from zerogpt.config.schema import LossScaleConfig, OffloadConfig, ZeroConfig, section_types
+from zerogpt.config.schema import LossScaleConfig, OffloadConfig, ParamOffloadConfig, ZeroConfig, section_types
 from zerogpt.zero.strategy import ShardStrategy
 
 SEED_STAGE = 3
@@ -78,7 +78,7 @@ def zero_config(z: dict) -> ZeroConfig:
     if model_cfg.get("prefetch") is not None:
         kwargs.setdefault("prefetch", model_cfg["prefetch"])
 
-    param = kwargs.setdefault("offload_param", OffloadConfig())
+    param = kwargs.setdefault("offload_param", ParamOffloadConfig())
     if model_cfg.get("offload_config", {}).get("device") == "cpu" or model_cfg.get("tensor_placement_policy") == "cpu":
         if "offload_param" in z and param.device == "none":
             raise ValueError("zero.offload_param.device='none' contradicts zero.model_config "

@@ -165,6 +165,23 @@ class OffloadConfig:
 
 
 @dataclass
+class ParamOffloadConfig(OffloadConfig):
+    """`zero.offload_param`: OffloadConfig, plus how many parameter shards stay on the device anyway."""
+
+    device_budget: int | Literal["auto"] = 0
+    """Bytes of device memory for parameter shards kept on the device across micro-steps (whole chunks, in
+    order, compute dtype): those chunks are not streamed from the host at every gather, only written once per
+    step. 0 = stream every chunk; "auto" = half the device memory free at build (CUDA; on a CPU-only run host
+    and device are one memory, so every chunk)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.device_budget, str) and self.device_budget < 0:
+            raise ValueError(f"zero.offload_param.device_budget must be bytes >= 0 or 'auto', got "
+                             f"{self.device_budget!r}")
+
+
+@dataclass
 class LossScaleConfig:
     """Dynamic loss scaling for fp16 (ignored for fp32/bf16)."""
 
@@ -208,8 +225,9 @@ class ZeroConfig:
     """How parameters are grouped into chunks (zerogpt.zero.strategy)."""
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     """Where fp32 master + Adam state rest: "none" | "cpu" | "disk"."""
-    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
-    """Where parameter shards rest between uses: "none" | "cpu" (stage 3 only)."""
+    offload_param: ParamOffloadConfig = field(default_factory=ParamOffloadConfig)
+    """Where parameter shards rest between uses: "none" | "cpu" (stage 3 only); `device_budget` keeps some on the
+    device."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """fp16 dynamic loss scaling."""
     prefetch: int = 2

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from zerogpt.zero.comm import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from zerogpt.zero.offload import Traffic
 from zerogpt.zero.shm import SharedMemoryTransport
 from zerogpt.zero.strategy import ShardStrategy
 
@@ -212,6 +213,7 @@ class Chunk:
         pin_memory: bool,
         shard_home: str = "device",
         transport: SharedMemoryTransport | None = None,
+        traffic: Traffic | None = None,
     ) -> None:
         assert len(params) == len(plan.slots), (len(params), len(plan.slots))
         self.plan = plan
@@ -222,6 +224,7 @@ class Chunk:
         self.shard_index = rank if plan.num_shards > 1 else 0
         self.group = group
         self.transport = transport
+        self.traffic = traffic  # counts the host->device copy of a host shard at each gather
         self.persistent_full = persistent_full
         self.shard_home = "device" if persistent_full else shard_home  # for the memory accounting
         self.full: torch.Tensor | None = None
@@ -292,6 +295,8 @@ class Chunk:
                 self.wait_gather()
             return
         shard = self.shard.to(self.device, non_blocking=True) if self.shard.device != self.device else self.shard
+        if self.traffic is not None:
+            self.traffic.copied(self.shard_home, "device", self.shard)
         buffer = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
         if self.plan.num_shards == 1:
             buffer.copy_(shard)
@@ -339,11 +344,20 @@ class Chunk:
         buffer plus add_ would write the whole buffer twice. Padding and slots that never get a
         gradient are zeroed before the reduction (`_zero_unwritten`).
         """
+        grad = to_local(grad)
+        if self.grad_full is None and grad.numel() == self.plan.padded_numel and grad.is_contiguous() \
+                and grad.dtype == self.dtype and grad.device == self.device and grad._base is None \
+                and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size():
+            # A chunk that is this one parameter (the embedding, at one shard): its gradient, a tensor that owns
+            # its whole storage, becomes the buffer; no second buffer of the chunk's size beside it (the caller
+            # drops param.grad, so it is ours)
+            self.grad_full, self._written = grad.reshape(-1), {slot_index}
+            self.slots_ready.add(slot_index)
+            return
         if self.grad_full is None:
             self.grad_full = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
             self._written = set()
         slot = self.plan.slots[slot_index]
-        grad = to_local(grad)
         target = self.grad_full[slot.offset : slot.end]
         if slot_index in self._written:
             target.add_(grad.reshape(-1))

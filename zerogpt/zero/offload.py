@@ -78,6 +78,38 @@ def start_d2h(tensor: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | N
 
 
 @dataclass
+class Traffic:
+    """Bytes copied between the host (RAM or disk-backed pages) and the compute device, by direction.
+
+    Counted where the copy is made (a stage-3 gather of a host shard, a reduced gradient handed to the host, a
+    master written back into a param shard on the other side), from the homes the owners record, not from the
+    tensors' devices: on a CPU-only run host and "device" are the same memory and the same copies are counted,
+    so tests can assert on them. 0-dim control scalars (the clip factor, found_inf) are not counted.
+    """
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    counting: bool = True
+    """False while the engine is in eval mode: evaluation is not part of an optimizer step's traffic."""
+
+    def copied(self, src_home: str, dst_home: str, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s bytes (as written to `dst_home`) when the copy crosses between host/disk and device."""
+        if not self.counting or (src_home == "device") == (dst_home == "device"):
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        if dst_home == "device":
+            self.h2d_bytes += nbytes
+        else:
+            self.d2h_bytes += nbytes
+
+    def take(self) -> "Traffic":
+        """The bytes counted since the last take(), as a new Traffic; the counters restart from zero."""
+        out = Traffic(self.h2d_bytes, self.d2h_bytes)
+        self.h2d_bytes = self.d2h_bytes = 0
+        return out
+
+
+@dataclass
 class _DiskTensor:
     path: str
     mm: mmap.mmap
