@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from zerogpt.amp import DynamicLossScaler
 from zerogpt.zero.chunk import Chunk
-from zerogpt.zero.offload import Placement
+from zerogpt.zero.offload import Placement, Traffic
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 CLIP_EPS = 1e-6
@@ -212,10 +212,11 @@ class ShardedOptimizer:
                  optim_home: str, precision: str, stage: int, group: dist.ProcessGroup | None,
                  loss_scaler: DynamicLossScaler, clip_grad_norm: float | None,
                  no_decay: set[str] | None = None, norm_duplicates: set[str] | None = None,
-                 model_parallel_group: dist.ProcessGroup | None = None) -> None:
+                 model_parallel_group: dist.ProcessGroup | None = None, traffic: Traffic | None = None) -> None:
         self.optimizer = optimizer  # holds the hyperparameters; LR schedulers bind to it
         self.chunks = chunks
         self.placement = placement
+        self.traffic = traffic or Traffic()  # the write-backs that cross between host and device
         self.optim_home = optim_home
         self.grad_home = "host" if optim_home == "disk" else optim_home
         self.stage = stage
@@ -347,6 +348,8 @@ class ShardedOptimizer:
             # Copy the updated master into its param shard now, while its pages are in RAM (disk)
             # and so the host->device copy overlaps the next chunk's CPU step.
             state.write_back()
+            if not state.master_is_param_shard:
+                self.traffic.copied(state.home, state.chunk.shard_home, state.chunk.shard)
             if state.chunk.persistent_full:
                 gathers.append(state.chunk.all_gather_full(async_op=True))
             for t in state.tensors():
