@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from zerogpt.context import DistContext
+from zerogpt.zero.offload import Traffic
 
 
 class TinyLM(nn.Module):
@@ -48,6 +49,7 @@ class EngineDouble:
         self.skip_steps = set(skip_steps)      # optimizer steps reported as fp16-skipped
         self.last_step_skipped = False
         self.last_step_found_inf = torch.zeros(())
+        self.last_step_traffic = Traffic()     # no offload: nothing crosses between host and device
         self.loss_scale = loss_scale
         self.config = SimpleNamespace(clip_grad_norm=None, precision="fp32")   # what the NaN guard's advice reads
         self.saved: list[tuple[str, dict]] = []

@@ -30,6 +30,12 @@ class StepMetrics:
     skipped_steps: torch.Tensor | int | None = None
     """Steps of the run whose update was skipped so far (a non-finite gradient, skipped on the device; fp16: an
     overflow), this one included."""
+    h2d_bytes: int | None = None
+    """Bytes this step copied from host (or disk) to the compute device on this rank: stage-3 gathers of host
+    param shards, masters written into device param shards (engine.last_step_traffic). Counted on CPU too."""
+    d2h_bytes: int | None = None
+    """Bytes this step copied from the compute device to the host on this rank: reduced gradient shards handed to
+    an offloaded optimizer, masters written into host param shards."""
     logged: bool = False
     """True on a log step: the loop has copied every number to the host (one sync for the whole step)."""
     step_ms: float | None = None

@@ -237,8 +237,10 @@ class Trainer:
             # ------------------------------ TRAINING SECTION END --------------------------------
             s.step += 1
             self._add_to_epoch(step_loss)
+            traffic = engine.last_step_traffic                      # host<->device bytes: Python ints
             s.metrics = StepMetrics(step=s.step, loss=step_loss, grad_norm=grad_norm, lr=lr, skipped=skipped,
-                                    loss_scale=engine.loss_scale, skipped_steps=self._skipped)
+                                    loss_scale=engine.loss_scale, skipped_steps=self._skipped,
+                                    h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes)
             if any(h.logs_at(s.step, s.max_steps) for h in self.hooks):
                 self._read_metrics(s.metrics)                       # the one host sync of a log step
             self.fire("after_step")

@@ -3,7 +3,8 @@ LogMetricByEpochHook: one console line per epoch.
 
 metrics.jsonl (DESIGN §5) holds one JSON object per line, written by rank 0 only:
   train: {"split": "train", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
-          "loss_scale", "skipped", "skipped_steps", "mem"}
+          "loss_scale", "skipped", "skipped_steps", "h2d_bytes", "d2h_bytes", "mem"}
+  (h2d_bytes / d2h_bytes: the logged step's host<->device copies on rank 0, StepMetrics)
   valid: {"split": "valid", "step", "loss", "ppl"}
 A number the run does not have (tflops without a FLOP count, loss_scale outside fp16) is null, and so is a
 non-finite one (strict JSON has no NaN); the console line shows it as `nan` / `inf`.
@@ -19,7 +20,7 @@ from dataclasses import asdict
 from zerogpt.trainer.hooks.base import Hook, every
 
 TRAIN_KEYS = ("split", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
-              "loss_scale", "skipped", "skipped_steps", "mem")
+              "loss_scale", "skipped", "skipped_steps", "h2d_bytes", "d2h_bytes", "mem")
 VALID_KEYS = ("split", "step", "loss", "ppl")
 
 
@@ -100,11 +101,20 @@ def format_train_line(rec: dict, max_steps: int | None, step_ms: float | None) -
         parts.append(f"SKIPPED (loss scale {rec.get('loss_scale')})")
     if rec.get("skipped_steps"):
         parts.append(f"{rec['skipped_steps']} skipped")
+    if rec.get("h2d_bytes") or rec.get("d2h_bytes"):  # offload: what crossed the bus in this step
+        parts.append(f"h2d {_size(rec.get('h2d_bytes'))} d2h {_size(rec.get('d2h_bytes'))}")
     mem = rec.get("mem") or {}
     if mem:
         dev = mem.get("device_peak_mb")
         parts.append(("" if dev is None else f"dev {dev / 1024:.2f}G ") + f"host {mem['host_rss_mb'] / 1024:.2f}G")
     return " | ".join(parts)
+
+
+def _size(nbytes: int | None) -> str:
+    """Bytes as the mem field writes them: G (GiB) from 1 GiB up, else M (MiB)."""
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / 2**30:.2f}G" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f}M"
 
 
 class LogMetricByEpochHook(Hook):
