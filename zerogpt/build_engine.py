@@ -60,7 +60,8 @@ class EnginePlan:
     """With param offload: the chunks whose shards stay on the device anyway (zero.offload_param.device_budget)."""
     accumulate_on_device: bool = False
     """Offloaded gradients summed over the micro-steps in an fp32 shard on the device, which crosses to the host
-    once per step (stages 2-3 with optimizer offload, no param offload, accumulation > 1, and room on the device)."""
+    once per step (stages 2-3 with optimizer offload, no param offload or every trainable chunk kept on the device
+    by its device_budget, accumulation > 1, and room on the device)."""
     grad_accum_bytes: int = 0
     """The device memory that accumulation needs (fp32 gradient shards), whether or not it was granted."""
 
@@ -86,18 +87,22 @@ def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]
     disk_bytes = sum(p.shard_numel for p in chunks if p.trainable) * 4 * 3 if optim_home == "disk" else 0
     host = host or config.host.with_env_overrides()
     param_home = HOMES[zero.offload_param.device]
+    element_size = torch.empty(0, dtype=dtype).element_size()
     resident: frozenset[int] = frozenset()
     if param_home == "host":
         budget = zero.offload_param.device_budget
         if budget == "auto":  # half the free memory: the rest is for gathered chunks and activations
             budget = None if device_free_bytes is None else device_free_bytes // 2
-        resident = _resident_chunks(chunks, torch.empty(0, dtype=dtype).element_size(), budget)
+        resident = _resident_chunks(chunks, element_size, budget)
     # One fp32 gradient shard per trainable chunk on the device, instead of a copy to the host every micro-step
-    # (stages 0-1 reduce once per step already; with param offload the device memory is what is short).
+    # (stages 0-1 reduce once per step already; with param offload the device memory is what is short, unless
+    # device_budget kept every trainable chunk on the device).
     grad_accum_bytes = sum(p.shard_numel for p in chunks if p.trainable) * 4
-    accumulate = (zero.stage >= 2 and optim_home != "device" and param_home == "device"
+    params_on_device = param_home == "device" or all(p.index in resident for p in chunks if p.trainable)
+    accumulate = (zero.stage >= 2 and optim_home != "device" and params_on_device
                   and config.gradient_accumulation > 1)
-    fits = device_free_bytes is None or grad_accum_bytes <= device_free_bytes
+    resident_bytes = sum(p.shard_numel for p in chunks if p.index in resident) * element_size
+    fits = device_free_bytes is None or grad_accum_bytes + resident_bytes <= device_free_bytes
     return EnginePlan(config, host, dtype, param_home, optim_home, tuple(chunks), disk_bytes, no_decay,
                       resident, accumulate and fits, grad_accum_bytes if accumulate else 0)
 

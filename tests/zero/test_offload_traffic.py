@@ -216,7 +216,8 @@ def test_two_ranks_accumulate_as_the_per_micro_step_path():
 def test_device_budget_keeps_chunks_on_the_device():
     """Stage 3, params and optimizer on the host, accumulation 4: a budget of 0 streams every chunk at every gather,
     half keeps the first chunks on the device, all of them leaves only the once-per-step write-back of the masters
-    into the device shards. h2d per step falls as the budget grows; the training is the same."""
+    into the device shards. h2d per step falls as the budget grows; the training is the same. With every chunk on
+    the device the gradients also accumulate there (d2h once per step, as without param offload)."""
     probe = build(3, param=True)
     total = shard_bytes(probe, 4, trainable_only=False)
     probe.close()
@@ -232,6 +233,8 @@ def test_device_budget_keeps_chunks_on_the_device():
     assert runs["0"]["on_device"] == 0 and runs["all"]["on_device"] == total
     # all resident: each step writes the trainable masters into their device shards, and gathers nothing up
     assert h2d["all"] == sum(c.plan.shard_numel * 4 for c in probe.chunks if c.plan.trainable)
+    d2h = {name: run["traffic"][-1][1] for name, run in runs.items()}
+    assert d2h["0"] == d2h["half"] == 4 * d2h["all"] == 4 * h2d["all"], d2h
     for name in ("half", "all"):
         assert runs[name]["losses"] == runs["0"]["losses"], name
         assert max_param_diff(runs[name]["params"], runs["0"]["params"]) <= 1e-6, name
