@@ -16,6 +16,7 @@ import json
 import math
 import os
 import struct
+import sys
 import time
 from collections import Counter
 
@@ -421,6 +422,12 @@ def run_on_executor(stage: str, sargs: argparse.Namespace, args: argparse.Namesp
     check_paths(stage, sargs, args)
     with executor_session(args):
         run_stage(stage, sargs, args)
+    workdir = local_path(args.workdir)
+    if workdir and args.executor != "slurm" and not getattr(args, "verbose", False):  # the tasks' lines: in its log
+        from data_pipeline.console import stage_log, summary
+
+        output = getattr(sargs, "output", None) or sargs.output_prefix
+        print(summary(stage, output, stage_log(workdir, stage)), file=sys.stderr)
     return 0
 
 

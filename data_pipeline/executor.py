@@ -80,6 +80,9 @@ def add_executor_args(p: argparse.ArgumentParser, single_stage: bool = False) ->
     p.add_argument("--shard-size", default="256M", help="target input bytes per task; bounds a task's memory")
     p.add_argument("--slurm-partition", help="--executor slurm: partition for the job arrays")
     p.add_argument("--slurm-time", default="4:00:00", help="--executor slurm: time limit per task")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show the tasks' own output (datatrove's logs, each task's counts) on the console; by "
+                        "default it goes to WORKDIR/logs/STAGE.log and a stage shows one progress line and a summary")
     if not single_stage:
         return
     p.add_argument("--workdir", help="with --executor: task files go to WORKDIR/.tasks/STAGE "
@@ -111,11 +114,14 @@ def executor_session(args: argparse.Namespace) -> Iterator[None]:
         return
     import ray
 
+    from data_pipeline.console import ray_init_kwargs
+
     started = not ray.is_initialized()
+    quiet = ray_init_kwargs(getattr(args, "verbose", False))
     if started and args.ray_address:
-        ray.init(address=args.ray_address)
+        ray.init(address=args.ray_address, **quiet)
     elif started:
-        ray.init(num_cpus=args.workers, include_dashboard=False)
+        ray.init(num_cpus=args.workers, include_dashboard=False, **quiet)
     try:
         yield
     finally:
@@ -173,17 +179,27 @@ def run_jobs(args: argparse.Namespace, stage_dir: str, jobs: list[Job]) -> None:
         check_not_queued(args, stage_dir, jobs)
     if getattr(args, "force", False):
         remove_tree(stage_dir)
+    from data_pipeline.console import stage_log, stage_output
+    from data_pipeline.files import local_path
+
+    stage = os.path.basename(stage_dir.rstrip("/"))
+    workdir = local_path(os.path.dirname(os.path.dirname(stage_dir.rstrip("/"))))
+    log = stage_log(workdir, stage) if workdir else None   # a remote --workdir: the output stays on the console
+    quiet = log is not None and args.executor != "slurm" and not getattr(args, "verbose", False)
+    completions = [os.path.join(stage_dir, "logs", job.name, "completions") for job in jobs]
     previous = None
-    for job in jobs:
-        job.rss_dir = job.rss_dir or os.path.join(stage_dir, "rss")
-        executor = _executor(args, job, stage_dir, depends=previous)
-        if args.executor == "slurm":
-            previous = executor
-            continue
-        executor.run()
-        failed = executor.get_incomplete_ranks()
-        if failed:
-            raise RuntimeError(f"{job.name}: tasks {failed[:10]} failed (logs in {stage_dir}/logs/{job.name}/logs); "
-                               f"re-run to retry them, finished tasks are skipped")
+    with stage_output(log, not quiet, sum(job.tasks for job in jobs), completions, f"[{stage}]"):
+        for job in jobs:
+            job.rss_dir = job.rss_dir or os.path.join(stage_dir, "rss")
+            executor = _executor(args, job, stage_dir, depends=previous)
+            if args.executor == "slurm":
+                previous = executor
+                continue
+            executor.run()
+            failed = executor.get_incomplete_ranks()
+            if failed:
+                raise RuntimeError(f"{job.name}: tasks {failed[:10]} failed (logs in {stage_dir}/logs/{job.name}/logs"
+                                   + (f" and {log}" if quiet else "") + "); re-run to retry them, finished tasks are "
+                                   "skipped")
     if previous is not None:
         previous.run()

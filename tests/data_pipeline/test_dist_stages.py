@@ -34,9 +34,10 @@ def stage_args(stage: str, argv: list[str]) -> argparse.Namespace:
 
 
 def executor_args(workdir, executor="local", tasks=None, workers=2, shard_size="256M",
-                  force=False) -> argparse.Namespace:
+                  force=False, verbose=False) -> argparse.Namespace:
     return argparse.Namespace(workdir=str(workdir), executor=executor, tasks=tasks, workers=workers, force=force,
-                              shard_size=shard_size, ray_address=None, slurm_partition=None, slurm_time="1:00:00")
+                              shard_size=shard_size, ray_address=None, slurm_partition=None, slurm_time="1:00:00",
+                              verbose=verbose)
 
 
 def dup_corpus(path, n: int = 40, seed: int = 0):
@@ -258,7 +259,8 @@ def _run_cleanup_in_subprocess(workdir, docs, tasks, force=False, **popen):
     code = ("import sys; from data_pipeline import dist_stages as d; from tests.data_pipeline.test_dist_stages "
             "import stage_args, executor_args; "
             f"d.run_stage('cleanup', stage_args('cleanup', [{docs!r}, '--output', {str(workdir / 'c.jsonl')!r}, "
-            f"'--min-tokens', '100']), executor_args({str(workdir)!r}, tasks={tasks}, workers=1, force={force}))")
+            f"'--min-tokens', '100']), executor_args({str(workdir)!r}, tasks={tasks}, workers=1, force={force}, "
+            f"verbose=True))")  # -v: datatrove's lines on stderr, where this counts the tasks that ran
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, start_new_session=True,
