@@ -79,8 +79,8 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
     is 18Psi/N in bf16/fp16; stages 0/1 keep full compute-dtype grads while accumulating and convert
     them chunk by chunk into fp32 shards at the boundary, so their grad peak is max(c Psi, 4 Psi/N_opt)
     per home (stage 0 mixed: 18Psi; stage 1: 4Psi+12Psi/N for N >= 2). In fp32 the master *is* the
-    param shard when the optimizer lives on the device (16Psi ... 16Psi/N); with optimizer offload a
-    separate fp32 master is kept where the optimizer runs (also with param offload alone: on the device).
+    param shard when the params rest where the optimizer lives (16Psi ... 16Psi/N; stage 3 with param and
+    optimizer offload: 16Psi/N on the host); otherwise a separate fp32 master is kept where the optimizer runs.
 
     Args:
         num_params: Psi, trainable parameters (tied weights counted once).
@@ -129,9 +129,9 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
         out["grads"]["device"] = max(full_grads, shard_grads)
     else:
         out["grads"]["device"], out["grads"]["host"] = full_grads, shard_grads
-    # master: aliased to the param shard only in fp32 with the optimizer and the params on the device
-    # (with param offload the fp32 master stays with the optimizer, on the device, apart from the host shard)
-    if not (precision == "fp32" and optim_home == "device" and param_home == "device"):
+    # master: aliased to the param shard in fp32 when the params rest where the optimizer lives (both on the
+    # device, or both on the host: stage 3 with param and optimizer offload); apart otherwise
+    if not (precision == "fp32" and optim_home == param_home):
         out["master"][optim_home] += per_rank(4, n_opt)
     out["optimizer"][optim_home] += per_rank(optimizer_bytes_per_param, n_opt)
     return out
