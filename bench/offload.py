@@ -3,6 +3,7 @@ the same step without offload, and against DeepSpeed ZeRO-Offload at the same st
 
     python bench/offload.py                                  # CPU: small GPT, stages 2 and 3, 1 and 2 gloo ranks
     python bench/offload.py --world 1 --stages 2 --steps 4 --json /tmp/offload.json
+    python bench/offload.py --world 1 --stages 2 3 --accum 16 --no-deepspeed   # 16 micro-steps per step
     python bench/offload.py --device cuda --world 1          # GPU: the same table on the GPU (real PCIe
                                                              # copies), then the largest GPT that trains
                                                              # on this GPU with CPU offload
@@ -11,9 +12,10 @@ Every system trains the same GPT-2 (dropout 0, fp32 on CPU, bf16 on CUDA) on the
 the fused CPU Adam(W) (zerogpt HybridAdam / DeepSpeed's DeepSpeedCPUAdam under offload; on CPU both
 use the same cpu_adam kernel), one rank per process. zerogpt modes: `none`, `cpu` (master + Adam state
 on the host), `cpu+param` (also param shards, stage 3), `disk` (master + Adam state in memory-mapped
-files under --disk-path). Reported: median step time (forward + backward + step, communication
-included), the ratio to zerogpt `none` at the same stage and world size, and where this rank's model
-state lives by the engine's own accounting (`engine.memory_stats()`).
+files under --disk-path). Reported: median step time (--accum micro-steps of forward + backward, then the
+step, communication included), the ratio to zerogpt `none` at the same stage and world size, where this
+rank's model state lives by the engine's own accounting (`engine.memory_stats()`), and the bytes one
+optimizer step copied host->device and device->host on rank 0 (`engine.last_step_traffic`).
 
 On a CPU-only machine "device" and "host" are the same RAM: the numbers measure the bookkeeping of
 offload (extra fp32 master copy, chunk-by-chunk step, write-back, page-cache traffic for disk), not
@@ -76,20 +78,21 @@ def make_zerogpt(model, args, stage: int, mode: str, disk_dir: str):
 
     zero = dict(stage=stage, offload_optimizer=dict(device={"cpu+param": "cpu"}.get(mode, mode), path=disk_dir))
     if mode == "cpu+param":
-        zero["offload_param"] = dict(device="cpu")
+        zero["offload_param"] = dict(device="cpu", device_budget=args.device_budget)
     precision = "bf16" if args.device == "cuda" else "fp32"
     engine = zerogpt.initialize(model, HybridAdam(model.parameters(), lr=LR), config=zerogpt.Config(
-        dict(zero=zero, precision=precision)), ctx=DistContext.current())
+        dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=args.accum)), ctx=DistContext.current())
     engine.logger.setLevel("WARNING")
 
     def step(tokens):
         tokens = tokens.to(args.device)
-        loss = GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
+        for _ in range(args.accum):  # the same micro-batch each time: the bytes and the work are what count
+            loss = GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
         return loss
-    return step, engine.memory_stats, engine.close
+    return step, engine.memory_stats, engine.close, lambda: engine.last_step_traffic
 
 
 def make_deepspeed(model, args, stage: int, mode: str, disk_dir: str):
@@ -102,7 +105,7 @@ def make_deepspeed(model, args, stage: int, mode: str, disk_dir: str):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": args.device == "cuda"}
     if mode == "cpu+param":
         zero["offload_param"] = {"device": "cpu", "pin_memory": args.device == "cuda"}
-    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.accum,
               "zero_optimization": zero, "steps_per_print": 1 << 30,
               # AdamW from the config: DeepSpeedCPUAdam under offload, FusedAdam otherwise
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
@@ -111,11 +114,12 @@ def make_deepspeed(model, args, stage: int, mode: str, disk_dir: str):
 
     def step(tokens):
         tokens = tokens.to(engine.device)
-        loss = GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:])
-        engine.backward(loss)
-        engine.step()
+        for _ in range(args.accum):
+            loss = GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
         return loss
-    return step, None, lambda: None
+    return step, None, lambda: None, None
 
 
 # -------------------------------------------------------------------------------------------------
@@ -157,8 +161,10 @@ def time_stage(rank: int, stage: int, systems: list[str], args, disk_dir: str) -
             print(f"  stage {stage} step {i}: " + ", ".join(
                 f"{s.split(':', 1)[0]}:{s.rsplit(':', 1)[1]} {results[s]['times'][-1] * 1e3:,.0f} ms"
                 for s in names if results[s]["times"]), flush=True)
-    for system, (_, memory_stats, close) in built.items():
+    for system, (_, memory_stats, close, traffic) in built.items():
         results[system]["mem_mib"] = _mib_by_home(memory_stats() if memory_stats else None)
+        if traffic is not None:  # the last optimizer step's copies between host (or disk) and device
+            results[system]["h2d_bytes"], results[system]["d2h_bytes"] = traffic().h2d_bytes, traffic().d2h_bytes
         close()
     return results
 
@@ -215,13 +221,13 @@ def _paired(r: dict, base: dict) -> tuple[float, float, float, float]:
 def report(rows: list[dict], args) -> str:
     lines = ["| world | stage | system | offload | step ms (median) | vs zerogpt none (paired median [IQR], ms) | "
              "vs DeepSpeed same offload (paired) | max rel loss diff vs zerogpt none | "
-             "model state MiB device / host / disk (rank 0) |",
-             "|---:|---:|---|---|---:|---:|---:|---:|---|"]
+             "model state MiB device / host / disk (rank 0) | h2d / d2h MiB per step (rank 0) |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---|---:|"]
     by_key = {(r["world"], r["system"]): r for r in rows}
     for r in rows:
         name, stage, mode = r["system"].split(":")
         if "error" in r:
-            lines.append(f"| {r['world']} | {stage} | {name} | {mode} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['world']} | {stage} | {name} | {mode} | failed: {r['error']} | | | | | |")
             continue
         base = by_key.get((r["world"], f"zerogpt:{stage}:none"))
         ds = by_key.get((r["world"], f"deepspeed:{stage}:{mode}"))
@@ -234,8 +240,9 @@ def report(rows: list[dict], args) -> str:
             ratio = _paired(ds, r)[0]
             vs_ds = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
         mem = " / ".join(f"{r['mem_mib'].get(h, 0):,.1f}" for h in ("device", "host", "disk")) if r["mem_mib"] else "n/a"
+        traffic = f"{r['h2d_bytes'] / 2**20:,.2f} / {r['d2h_bytes'] / 2**20:,.2f}" if "h2d_bytes" in r else "n/a"
         lines.append(f"| {r['world']} | {stage} | {name} | {mode} | {r['median_s'] * 1e3:,.0f} | {vs_none} | "
-                     f"{vs_ds} | {dloss} | {mem} |")
+                     f"{vs_ds} | {dloss} | {mem} | {traffic} |")
     return "\n".join(lines)
 
 
@@ -313,6 +320,9 @@ def main(argv=None) -> None:
     p.add_argument("--stages", nargs="+", type=int, default=[2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--world", nargs="+", type=int, default=[1, 2], help="rank counts to run (one run each)")
     p.add_argument("--batch", type=int, default=2, help="micro-batch per rank (sequences)")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
+    p.add_argument("--device-budget", type=lambda v: v if v == "auto" else int(v), default=0,
+                   help="cpu+param: zero.offload_param.device_budget, bytes or 'auto' (param shards kept on the device)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=8, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per system")
@@ -344,7 +354,8 @@ def main(argv=None) -> None:
     args.world, args.threads = worlds, threads
     order = {s: i for i, s in enumerate(s for st in args.stages for s in systems_for(st, args))}
     rows.sort(key=lambda r: (r["world"], order[r["system"]]))
-    print(f"\nmodel {args.model}, micro-batch {args.batch} x {args.seq} tokens per rank, {args.device}, "
+    print(f"\nmodel {args.model}, micro-batch {args.batch} x {args.seq} tokens per rank x {args.accum} micro-steps, "
+          f"{args.device}, "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs\n")
     print(report(rows, args))
     gpu_rows = []
