@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
 # is what is in flight: the tied embedding's gradient (77M elements) as autograd sums its two uses, the chunk
 # buffers gathered for compute, and glibc's heap kept across steps (host.keep_freed_memory, on for CPU compute).
 # NOT the issue's goals yet, marked as such: issue 30 asks for <= 18 bytes/param and a stated figure within 10%
-# of the peak. This code reaches 19.2-20.3 bytes/param over five runs (26.3 before: a master beside the param
-# shard, a second gradient buffer per chunk) and states 17.75, 8-14% under the peak (18.7-19.4 and 5-9% with
+# of the peak. This code reaches 19.2-20.4 bytes/param over six runs (26.3 before: a master beside the param
+# shard, a second gradient buffer per chunk) and states 17.75, 8-15% under the peak (18.7-19.4 and 5-9% with
 # host.keep_freed_memory off, whose kept heap adds ~0.5). The bounds below leave room for that spread. What remains: the tied embedding (77M elements, 14% of this model), whose two gradients
 # autograd sums in a third buffer while the head's waits and whose gathered copy lives through forward and
 # backward (~1.7 bytes/param here, counted in the stated figure), and glibc's heap: the gradient shards each step
