@@ -187,10 +187,13 @@ def measure(spec: Spec) -> dict:
     tokens_per_s = spec.batch * spec.seq * spec.steps / seconds
     tflops = tokens_per_s * flops_per_token / 1e12
     peak = device_peak_tflops(device)
+    traffic = getattr(forward, "last_step_traffic", None)  # zerogpt's engine: the last step's host<->device bytes
     out = dict(spec=asdict(spec), params=num_params, step_s=seconds / spec.steps, tokens_per_s=tokens_per_s,
                tflops=tflops, mfu=tflops / peak if peak else None, losses=losses,
                peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-               peak_host_gib=_host_peak_bytes() / 2**30)
+               peak_host_gib=_host_peak_bytes() / 2**30,
+               h2d_bytes=traffic.h2d_bytes if traffic is not None else None,
+               d2h_bytes=traffic.d2h_bytes if traffic is not None else None)
     if spec.profile_to:
         out["profile"] = profile_step(train_step, optimizer, spec, sync, cuda)
     close()
