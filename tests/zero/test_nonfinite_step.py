@@ -2,9 +2,9 @@
 
 One NaN gradient is injected on one rank mid-run (it reaches every rank through the reduction). The weights and
 the optimizer state after that step equal those before it, bit for bit, at every stage, with and without offload,
-for each way a chunk's step can skip: CPUAdam/HybridAdam's kernel (DeepSpeed or torch), torch's fused optimizers
-(`found_inf`), and the copy-and-restore of any other optimizer. The run then goes on training, and the engine
-counts the step as skipped without reading anything on the host.
+for each way a chunk's step can skip: CPUAdam/HybridAdam's kernel (DeepSpeed or torch) and torch's fused optimizers
+take the flag on the device (`found_inf`); any other optimizer has it read on the host once per step. The run then
+goes on training, and the engine counts the skipped step on the device.
 """
 from __future__ import annotations
 
@@ -137,3 +137,20 @@ def test_a_nan_on_the_first_step_leaves_the_optimizer_as_never_stepped():
     for result in run_distributed(_first_step_nan, 2, timeout=110):
         for kind, r in result.items():
             assert r["untouched"] and r["fresh"] and r["finite"], (kind, r)
+
+
+def test_a_gpu_run_steps_torch_optimizers_fused_unless_the_user_chose():
+    """What makes the skip free of host syncs on a GPU: torch's Adam/AdamW/SGD with the implementation left to
+    torch get the fused kernel (it takes found_inf); an explicit choice, the CPU, or offloaded state keep theirs."""
+    from types import SimpleNamespace
+
+    from zerogpt.build_engine import _fused_on_the_device
+
+    def fused(kind, device="cuda", home="device", **kwargs):
+        opt = kind([torch.nn.Parameter(torch.zeros(2))], lr=1e-3, **kwargs)
+        _fused_on_the_device(opt, SimpleNamespace(optim_home=home), SimpleNamespace(device=torch.device(device)))
+        return opt.param_groups[0]["fused"]
+
+    assert fused(torch.optim.AdamW) is True and fused(torch.optim.Adam) is True and fused(torch.optim.SGD) is True
+    assert fused(torch.optim.AdamW, device="cpu") is None and fused(torch.optim.AdamW, home="host") is None
+    assert fused(torch.optim.AdamW, foreach=True) is None and fused(torch.optim.AdamW, fused=False) is False

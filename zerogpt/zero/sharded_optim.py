@@ -147,21 +147,19 @@ class ChunkState:
         hyperparameters of `group` (the user's param group this chunk follows).
 
         `found_inf` (bf16/fp32: a 0-dim device tensor, 1.0 when the global gradient norm is not finite) skips the
-        step on the device, with no host sync: the master, the optimizer state and its step count stay bit for
-        bit. torch's fused optimizers and CPUAdam/HybridAdam take the flag into their kernel; any other optimizer
-        steps and is put back (`torch.where` against a copy of this chunk's tensors, one chunk at a time).
+        step: the master, the optimizer state and its step count stay bit for bit. torch's fused optimizers and
+        CPUAdam/HybridAdam take the flag into their kernel, on the device, with no host sync (initialize makes a
+        GPU run's torch Adam/AdamW/SGD fused when the user left the implementation to torch). Any other optimizer
+        has the flag read on the host first (ShardedOptimizer.step, once per step), as torch's GradScaler does for
+        it, and gets `found_inf` only when it is set: free when the step runs on the CPU, a sync on a GPU.
         """
-        flag = None if found_inf is None else found_inf.to(self.master.device, non_blocking=True)
-        if flag is not None and not self.state and not _takes_found_inf(self.optimizer) \
-                and not _is_adam_family(self.optimizer):
-            # State made at the first step (SGD's momentum buffer is the first gradient) has no value to go back
-            # to, so this first step reads the flag on the host instead.
-            if flag.item():
+        flag = None
+        if found_inf is not None:
+            if not _takes_found_inf(self.optimizer):
                 return
-            flag = None
-        undo = None
-        if flag is not None and not _takes_found_inf(self.optimizer):
-            undo = (set(self.state), [(t, t.clone()) for t in (self.master, *self._state_values())])
+            # to a host master: a blocking copy, since non_blocking would return pinned memory still being
+            # written (the host step waits for the gradients anyway); to the device: no wait
+            flag = found_inf.to(self.master.device, non_blocking=self.master.device.type != "cpu")
         grad = self.grad if self.grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
         if factor is not None:
             grad.mul_(factor.to(grad.device, non_blocking=True))
@@ -173,13 +171,13 @@ class ChunkState:
             if wd and self._decay_views:
                 if _decay_is_decoupled(self.optimizer, group):
                     keep = 1.0 - group["lr"] * wd
-                    if flag is not None and undo is None:  # the kernel skips on the flag: so must this decay
+                    if flag is not None:  # the kernel skips on the flag: so must this decay (no branch on it)
                         keep = torch.where(flag > 0, 1.0, keep)
                     torch._foreach_mul_(self._decay_views, keep)
                 else:
                     torch._foreach_add_([grad[a:b] for a, b in self.decay_ranges], self._decay_views, alpha=wd)
         self.master.grad = grad
-        if flag is None or undo is not None:
+        if flag is None:
             self.optimizer.step()
         elif _is_cpu_adam(self.optimizer):
             self.optimizer.step(found_inf=flag)
@@ -190,24 +188,6 @@ class ChunkState:
             finally:
                 del self.optimizer.found_inf
         self.master.grad = None
-        if undo is not None:
-            self._undo_step(flag, *undo)
-
-    def _state_values(self) -> list[torch.Tensor]:
-        return [v for v in self.state.values() if isinstance(v, torch.Tensor)]
-
-    def _undo_step(self, flag: torch.Tensor, keys_before: set, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Where `flag` is set, put the master and the state back as they were before the step, on the device.
-
-        State the step created (Adam's moments and step count at its first step) goes back to the zeros torch's
-        Adam creates it with. A state tensor on another device than the flag (the host step count of a non-fused
-        torch optimizer on a GPU) costs a copy of the flag: pass fused=True to avoid it.
-        """
-        for tensor, before in saved:
-            torch.where(flag.to(tensor.device) > 0, before, tensor, out=tensor)
-        for key, value in self.state.items():
-            if key not in keys_before and isinstance(value, torch.Tensor):
-                torch.where(flag.to(value.device) > 0, torch.zeros_like(value), value, out=value)
 
     def write_back(self) -> None:
         """Cast the updated master into its param shard (compute dtype, the shard's home)."""
@@ -328,6 +308,8 @@ class ShardedOptimizer:
         # with no host sync: one bad batch reaches neither the weights nor the optimizer state.
         found_inf = None if self.loss_scaler.enabled else (~torch.isfinite(grad_norm)).float()
         self.found_inf = found_inf if found_inf is not None else torch.zeros_like(grad_norm)
+        if found_inf is not None and not all(_takes_found_inf(s.optimizer) for s in self.states.values()):
+            found_inf = found_inf if found_inf.item() else None  # one read per step, GradScaler's way for these
         factor = None
         if self.clip_grad_norm is not None:
             factor = torch.clamp(self.clip_grad_norm / (grad_norm + CLIP_EPS), max=1.0) / scale
