@@ -19,6 +19,7 @@ BENCH = os.path.join(REPO, "bench")
 
 # script -> (arguments, a string its output must contain). "--help" where a real run costs minutes.
 RUNS = {
+    "build_time.py": (["--layers", "1", "--hidden", "64", "--seq", "32"], "ratio zerogpt / DeepSpeed = "),
     "cpu_adam.py": (["--help"], "usage:"),
     "dedup.py": (["--sources", "60", "--repeats", "1"], "| method |"),
     "gpu_check.py": (["--help"], "usage:"),          # its tiny CPU dry run is tests/test_gpu_check.py

@@ -1,6 +1,6 @@
 """Preflight for memory: refuse, before anything is built, a run whose model state cannot fit this host or disk.
 
-The bytes come from zerogpt_tools.estimate (the ZeRO accounting the engine holds, per rank, by home) applied to
+The bytes come from zerogpt/memory_model.py (the ZeRO accounting the engine holds, per rank, by home) applied to
 the model's shape on the meta device; what is available from the kernel (MemAvailable, the cgroup's limit) and
 the disk-offload directory's free space. A run that cannot fit ends in seconds with one line giving both numbers
 and the fix, instead of being killed by the OOM killer minutes into the build (issue 30 point 5).
@@ -80,7 +80,7 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
 
     from zerogpt.config import engine_config, parallel_config
     from zerogpt.parallel.mesh import ParallelDims
-    from zerogpt_tools.estimate import CATEGORIES, ModelShape, activation_bytes, buffer_bytes, model_state_bytes
+    from zerogpt.memory_model import CATEGORIES, ModelShape, activation_bytes, buffer_bytes, model_state_bytes
 
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     dims = ParallelDims.from_config(parallel_config(cfg), world_size)
@@ -93,7 +93,7 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
     params = {id(p): p for p in built.parameters() if p.requires_grad}  # tied weights once
     psi = math.ceil(sum(p.numel() for p in params.values()) / (dims.tp * dims.pp))  # this rank's part
     states = model_state_bytes(psi, zero.stage, dims.dp, precision, zero.offload_optimizer.device,
-                               zero.offload_param.device)
+                               zero.offload_param.device, accumulation=ecfg.gradient_accumulation)
     homes = HOMES_ON_HOST if on_gpu else ("device", "host")
     per_rank = {h: sum(states[c][h] for c in CATEGORIES) for h in ("device", "host", "disk")}
     host_rank = sum(per_rank[h] for h in homes)

@@ -2,55 +2,24 @@
 
     python -m zerogpt_tools.estimate --model gpt2_xl --stage 3 --offload cpu --world 1 --gpu-mem 80GiB
 
-Pure functions of ints: model states (`model_state_bytes`, the ZeRO-paper accounting as the engine holds
-it), activations (Korthikanti et al. 2022) and chunk buffers in flight; the engine's `memory_stats()`
-measures the same categories and tests compare the two. Unlike DeepSpeed's estimators it also counts
+The arithmetic is zerogpt/memory_model.py's (model states as the engine holds them, activations, chunk buffers in
+flight; preflight refuses a run with the same numbers). Unlike DeepSpeed's estimators it also counts
 activations, disk offload, precision and buffers, and compares the totals with the capacities given.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from data_pipeline.cli_args import parse_size
 from model_zoo.gpt import SIZES, GPTConfig
 from zerogpt.cli import HelpFormatter
+from zerogpt.memory_model import (CATEGORIES, HOMES, PRECISIONS, ModelShape, activation_bytes, buffer_bytes, estimate,
+                                  model_state_bytes, zero_paper_bytes)
 
-__all__ = ["MODELS", "ModelShape", "model_state_bytes", "activation_bytes", "estimate", "main"]
-
-HOMES = ("device", "host", "disk")
-CATEGORIES = ("params", "grads", "master", "optimizer")
-PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of params/activations in compute dtype
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A GPT-2-style decoder (tied wte/lm_head, learned positions, 4h MLP, biases, pre-LN)."""
-
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int = 50257
-    positions: int = 1024
-    pad_vocab_multiple: int = 64  # model_zoo pads the embedding rows to a multiple of 64
-
-    @property
-    def padded_vocab(self) -> int:
-        m = self.pad_vocab_multiple
-        return (self.vocab + m - 1) // m * m
-
-    @property
-    def num_params(self) -> int:
-        """wte (tied with lm_head) + wpe + L x (12h^2 + 13h) + final LayerNorm (2h)."""
-        h = self.hidden
-        return self.padded_vocab * h + self.positions * h + self.layers * (12 * h * h + 13 * h) + 2 * h
-
-    @property
-    def largest_param(self) -> int:
-        return max(self.padded_vocab * self.hidden, 4 * self.hidden * self.hidden)
+__all__ = ["MODELS", "ModelShape", "model_state_bytes", "activation_bytes", "buffer_bytes", "estimate", "main"]
 
 
 def _shape(size: dict) -> ModelShape:
@@ -61,149 +30,6 @@ def _shape(size: dict) -> ModelShape:
 
 MODELS: dict[str, ModelShape] = {name: _shape(size) for name, size in SIZES.items()}
 """model_zoo's GPT sizes (gpt2_tiny ... gpt2_xl) as shapes."""
-
-
-def _check_choice(name: str, value: str, valid) -> None:
-    if value not in valid:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(map(str, valid))}")
-
-
-def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precision: str = "bf16",
-                      offload_optimizer: str = "none", offload_param: str = "none",
-                      optimizer_bytes_per_param: int = 8) -> dict[str, dict[str, int]]:
-    """Peak model-state bytes on ONE rank, as our engine holds them (chunk padding ignored).
-
-    ZeRO paper (Rajbhandari et al. 2020, Fig. 1; mixed precision + Adam, K=12): 16Psi, 4Psi+12Psi/N,
-    2Psi+14Psi/N, 16Psi/N for stages 0-3. Our engine differs in one place: reduced gradients land in an
-    **fp32** grad shard next to the master (4 B/param/N, not 2), so stage 2 is 2Psi+16Psi/N and stage 3
-    is 18Psi/N in bf16/fp16; stages 0/1 keep full compute-dtype grads while accumulating and convert
-    them chunk by chunk into fp32 shards at the boundary, so their grad peak is max(c Psi, 4 Psi/N_opt)
-    per home (stage 0 mixed: 18Psi; stage 1: 4Psi+12Psi/N for N >= 2). In fp32 the master *is* the
-    param shard when the params rest where the optimizer lives (16Psi ... 16Psi/N; stage 3 with param and
-    optimizer offload: 16Psi/N on the host); otherwise a separate fp32 master is kept where the optimizer runs.
-
-    Args:
-        num_params: Psi, trainable parameters (tied weights counted once).
-        stage: ZeRO stage 0-3.  world_size: N, data-parallel ranks.
-        precision: "fp32" | "bf16" | "fp16" (params/grads compute dtype; masters and Adam are fp32).
-        offload_optimizer: "none" | "cpu" | "disk": where master + optimizer state (and fp32 grad shards:
-            host for both cpu and disk) live.
-        offload_param: "none" | "cpu": where stage-3 param shards rest between uses.
-        optimizer_bytes_per_param: 8 for Adam (exp_avg + exp_avg_sq in fp32), 4 for SGD+momentum.
-    Returns:
-        {"params"|"grads"|"master"|"optimizer": {"device"|"host"|"disk": bytes}} -- the same layout as
-        `engine.memory_stats()`.
-
-    Example:
-        >>> b = model_state_bytes(10**9, stage=3, world_size=8, precision="bf16")
-        >>> sum(b[c]["device"] for c in b) == 18 * 10**9 // 8
-        True
-    """
-    _check_choice("stage", stage, (0, 1, 2, 3))
-    _check_choice("precision", precision, tuple(PRECISIONS))
-    _check_choice("offload_optimizer", offload_optimizer, ("none", "cpu", "disk"))
-    _check_choice("offload_param", offload_param, ("none", "cpu"))
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if offload_param != "none" and stage != 3:
-        raise ValueError(f"offload_param needs stage 3, got stage {stage}; use --stage 3 or --offload-param none")
-    c = PRECISIONS[precision]
-    psi = num_params
-    n_opt = 1 if stage == 0 else world_size  # master/optimizer/grad shards: 1/N from stage 1 on
-
-    def per_rank(nbytes_per_param: int, shards: int) -> int:
-        return math.ceil(psi / shards) * nbytes_per_param
-
-    out = {cat: dict.fromkeys(HOMES, 0) for cat in CATEGORIES}
-    optim_home = {"none": "device", "cpu": "host", "disk": "disk"}[offload_optimizer]
-    grad_home = "device" if optim_home == "device" else "host"
-    param_home = "host" if offload_param == "cpu" else "device"
-
-    # params: full compute-dtype copy at stages 0-2; only this rank's shard at stage 3
-    out["params"][param_home] += per_rank(c, world_size if stage == 3 else 1)
-    # grads: fp32 shards at every stage (reduced grads land there) + full compute-dtype grads at
-    # stages 0/1 (held while accumulating); the two never peak together within one home
-    shard_grads = per_rank(4, n_opt)
-    full_grads = per_rank(c, 1) if stage <= 1 else 0
-    if grad_home == "device":
-        out["grads"]["device"] = max(full_grads, shard_grads)
-    else:
-        out["grads"]["device"], out["grads"]["host"] = full_grads, shard_grads
-    # master: aliased to the param shard in fp32 when the params rest where the optimizer lives (both on the
-    # device, or both on the host: stage 3 with param and optimizer offload); apart otherwise
-    if not (precision == "fp32" and optim_home == param_home):
-        out["master"][optim_home] += per_rank(4, n_opt)
-    out["optimizer"][optim_home] += per_rank(optimizer_bytes_per_param, n_opt)
-    return out
-
-
-def zero_paper_bytes(num_params: int, stage: int, world_size: int) -> tuple[str, int]:
-    """The ZeRO paper's per-rank model states (mixed precision, Adam, K=12) for reference."""
-    psi, n = num_params, world_size
-    return [("16Psi", 16 * psi), ("4Psi+12Psi/N", 4 * psi + 12 * psi // n),
-            ("2Psi+14Psi/N", 2 * psi + 14 * psi // n), ("16Psi/N", 16 * psi // n)][stage]
-
-
-def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str = "bf16",
-                     checkpoint: bool = False, flash: bool = True, dropout: bool = False) -> dict[str, int]:
-    """Activation bytes saved for backward on one rank (no tensor/sequence parallelism).
-
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4.1:
-    per layer s*b*h*(34 + 5*a*s/h) bytes with 2-byte activations and 1-byte dropout masks, i.e.
-    16e*sbh + (2e)*a*s^2*b + masks (2sbh + a*s^2*b) for element size e. SDPA/flash attention saves no
-    s x s scores (only a tiny logsumexp), so the s^2 term drops (`flash=True`, what model_zoo uses);
-    with dropout 0 (model_zoo's default) there are no masks. Full per-block checkpointing keeps only
-    each block's input (e*sbh per layer) plus one block's activations while it is recomputed.
-    The loss head keeps compute-dtype logits, their fp32 copy and fp32 log-probs: s*b*V*(e + 8) (e + 4 in fp32).
-
-    Returns: dict(per_layer, layers, embeddings, logits, total) in bytes.
-    """
-    e = PRECISIONS[precision]
-    s, b, h, a, L = seq_len, batch, shape.hidden, shape.heads, shape.layers
-    sbh = s * b * h
-    per_layer = 16 * e * sbh + (2 * sbh if dropout else 0)
-    if not flash:
-        per_layer += (2 * e + (1 if dropout else 0)) * a * s * s * b
-    layers = L * e * sbh + per_layer if checkpoint else L * per_layer
-    embeddings = e * sbh + (sbh if dropout else 0)
-    logits = s * b * shape.vocab * (e + (4 if e == 4 else 8))
-    return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits,
-                total=layers + embeddings + logits)
-
-
-def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
-                 prefetch: int = 2, bucket_mb: float = 25.0) -> dict[str, int]:
-    """Chunk buffers in flight on one rank, by home.
-
-    A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding).
-    Stage 3 gathers the current chunk plus `prefetch` ahead (full chunk, compute dtype); stages 2/3
-    keep about two full-size grad chunks in flight (one filling, one reducing). Disk offload streams
-    master + Adam state of the current and the read-ahead chunk shard (12 B/param) through host RAM.
-    """
-    c = PRECISIONS[precision]
-    chunk_numel = max(int(bucket_mb * 2**20) // c if bucket_mb > 0 else 0, shape.largest_param)
-    out = dict.fromkeys(HOMES, 0)
-    if stage == 3:
-        out["device"] += (1 + prefetch) * chunk_numel * c
-    if stage >= 2:
-        out["device"] += 2 * chunk_numel * c
-    if offload_optimizer == "disk":
-        out["host"] += 2 * math.ceil(chunk_numel / (1 if stage == 0 else world_size)) * 12
-    return out
-
-
-def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str = "bf16",
-             offload_optimizer: str = "none", offload_param: str = "none", seq_len: int = 1024,
-             batch: int = 1, checkpoint: bool = False, flash: bool = True, dropout: bool = False,
-             prefetch: int = 2, bucket_mb: float = 25.0, gpu_overhead: int = 2**30) -> dict:
-    """Everything on one rank: model states, activations, buffers, totals per home (bytes)."""
-    states = model_state_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, offload_param)
-    acts = activation_bytes(shape, seq_len, batch, precision, checkpoint, flash, dropout)
-    buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb)
-    totals = {h: sum(states[cat][h] for cat in CATEGORIES) + buffers[h] for h in HOMES}
-    totals["device"] += acts["total"] + gpu_overhead
-    return dict(num_params=shape.num_params, model_states=states, activations=acts, buffers=buffers,
-                gpu_overhead=gpu_overhead, totals=totals)
 
 
 # -- CLI -------------------------------------------------------------------------------------------
@@ -278,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16", choices=tuple(PRECISIONS), help="training precision")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="micro-batch per rank")
-    p.add_argument("--grad-accum", type=int, default=1, help="accumulation steps (no extra memory)")
+    p.add_argument("--grad-accum", type=int, default=1, help="accumulation steps (stages 2-3 with the optimizer offloaded: an fp32 gradient shard sums on the GPU)")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
     p.add_argument("--eager-attention", action="store_true", help="attention that stores s x s scores")
     p.add_argument("--dropout", action="store_true", help="dropout > 0 (1-byte masks are stored)")
@@ -305,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         est = estimate(shape, args.stage, args.world, args.precision, args.offload, args.offload_param,
                        args.seq_len, args.batch, args.checkpoint, not args.eager_attention, args.dropout,
-                       args.prefetch, args.bucket_mb, args.gpu_overhead)
+                       args.prefetch, args.bucket_mb, args.gpu_overhead, args.grad_accum)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     if args.json:

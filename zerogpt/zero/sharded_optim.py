@@ -161,8 +161,8 @@ class ChunkState:
             # written (the host step waits for the gradients anyway); to the device: no wait
             flag = found_inf.to(self.master.device, non_blocking=self.master.device.type != "cpu")
         grad = self.grad if self.grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
-        if factor is not None:
-            grad.mul_(factor.to(grad.device, non_blocking=True))
+        if factor is not None:  # to a host gradient: blocking, for the reason the flag's copy above is
+            grad.mul_(factor.to(grad.device, non_blocking=grad.device.type != "cpu"))
         # Read `group` in place (chunk_optimizer): rebinding the view is not a copy, and follows a group dict that
         # torch's own optimizer.load_state_dict replaced.
         self.optimizer.param_groups[0].maps[-1] = group
