@@ -28,7 +28,7 @@ from data_pipeline.cli_args import add_common_args, add_output_arg, check_input
 from data_pipeline.files import atomic_write
 from data_pipeline.jsonl import BadLineReporter, dumps, iter_line_batches, parse_jsonl_line
 from data_pipeline.stats import write_stats
-from data_pipeline.workers import imap_bounded, progress
+from data_pipeline.workers import batched, imap_bounded, progress
 
 BATCH_LINES = 256  # lines per worker task: large enough to amortise pickling
 _HSPACE_RE = re.compile(r"[^\S\n]+")  # whitespace except newline (tabs, NBSP, ideographic space...)
@@ -275,15 +275,3 @@ def run(args: argparse.Namespace) -> int:
                 started, length_unit=unit,
                 kept_length_total=total_length, languages=dict(languages.most_common()), **extra)
     return 0
-
-
-def batched(items, size: int):
-    """Lists of `size` items (the last one shorter) from an iterable: the unit of work sent to a worker."""
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch

@@ -18,6 +18,7 @@ from data_pipeline.files import atomic_write, exists
 from data_pipeline.readers import Source, is_dir
 from data_pipeline.shards import concat, file_size, read_json, write_json
 from data_pipeline.stats import write_stats
+from data_pipeline.workers import batched
 
 
 def unit_file(work: str, kind: str, unit: int, suffix: str = ".jsonl") -> str:
@@ -48,7 +49,7 @@ def clean_task(rank: int, world: int, work: str, source: Source, units: list, sa
         languages: Counter = Counter()
         total_length = 0
         with atomic_write(unit_file(work, "out", u)) as out, atomic_write(unit_file(work, "rejected", u)) as rej:
-            for batch in cleanup.batched(source.read(units[u]), cleanup.BATCH_LINES):
+            for batch in batched(source.read(units[u]), cleanup.BATCH_LINES):
                 for result in cleanup.process_items((batch, sargs.lang, sargs.min_tokens, sargs.quality)):
                     total_length += cleanup.record_result(result, out, rej, counts, languages, report=None)
         write_json(unit_file(work, "counts", u, ".json"),
@@ -58,16 +59,23 @@ def clean_task(rank: int, world: int, work: str, source: Source, units: list, sa
 def merge_task(rank: int, world: int, work: str, source: Source, units: int, sargs: argparse.Namespace,
                started: float) -> None:
     """The units' outputs and rejects in unit order, and the stats, as cleanup writes them."""
+    merge_outputs(work, units, sargs, source.files(), started, input_format=source.format)
+
+
+def merge_outputs(work: str, parts: int, sargs: argparse.Namespace, inputs: list[str], started: float,
+                  **stats) -> None:
+    """Concatenate `parts` tasks' kept and rejected documents in task order and write cleanup's stats from their
+    counts: the output one process would have written (the sharded cleanup of a URL download's JSONL too)."""
     counts, languages, total_length = Counter(), Counter(), 0
-    for u in range(units):
+    for u in range(parts):
         c = read_json(unit_file(work, "counts", u, ".json"))
         counts.update(c["counts"])
         languages.update(c["languages"])
         total_length += c["total_length"]
     with atomic_write(sargs.output, "wb") as out, atomic_write(sargs.output + ".rejected.jsonl", "wb") as rej:
-        concat([unit_file(work, "out", u) for u in range(units)], out)
-        concat([unit_file(work, "rejected", u) for u in range(units)], rej)
+        concat([unit_file(work, "out", u) for u in range(parts)], out)
+        concat([unit_file(work, "rejected", u) for u in range(parts)], rej)
     unit = f"tokens ({sargs.tokenizer})" if sargs.tokenizer else "words (whitespace split; no --tokenizer)"
-    write_stats(sargs.output, "cleanup", counts, sargs, source.files() + ([sargs.tokenizer] if sargs.tokenizer else []),
+    write_stats(sargs.output, "cleanup", counts, sargs, inputs + ([sargs.tokenizer] if sargs.tokenizer else []),
                 started, length_unit=unit, kept_length_total=total_length,
-                languages=dict(languages.most_common()), input_format=source.format, shards=units)
+                languages=dict(languages.most_common()), shards=parts, **stats)

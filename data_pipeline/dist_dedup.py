@@ -33,6 +33,7 @@ import numpy as np
 
 from data_pipeline import find_duplicates as fd
 from data_pipeline.files import abspath, atomic_write
+from data_pipeline.workers import batched
 from data_pipeline.jsonl import BadLineReporter, dumps
 from data_pipeline.shards import first_line, iter_shard, read_json, write_json
 from data_pipeline.stats import write_stats
@@ -63,7 +64,7 @@ def signatures_task(rank: int, world: int, input: str, work: str, text_key: str,
     lines = ((first + i, raw) for i, raw in enumerate(iter_shard(input, rank, world)))
     with atomic_write(store_path + ".shingles", "wb") as sh_f, atomic_write(store_path + ".meta.jsonl") as meta_f:
         offset, meta_off = 0, 0
-        for batch in batches(lines, fd.BATCH_LINES):
+        for batch in batched(lines, fd.BATCH_LINES):
             for lineno, kind, detail, url, thash, shingles, sig in fd._fingerprint_batch(
                     (batch, text_key, ngram, unit, num_perm, seed)):
                 if kind == "malformed":
@@ -93,17 +94,6 @@ def signatures_task(rank: int, world: int, input: str, work: str, text_key: str,
         with atomic_write(os.path.join(work, "bands", f"{b:03d}", f"{rank:05d}.bin"), "wb") as f:
             f.write(arr.tobytes())
     write_json(os.path.join(work, "counts", "signatures", f"{rank:05d}.json"), dict(counts))
-
-
-def batches(items: Iterator, size: int) -> Iterator[list]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def _read_sorted(path: str, dtype: np.dtype, chunk: int) -> Iterator[tuple]:

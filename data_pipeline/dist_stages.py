@@ -31,6 +31,7 @@ from data_pipeline.jsonl import BadLineReporter, dumps, parse_jsonl_line
 from data_pipeline.shards import concat, count_lines, file_size, first_line, iter_shard, read_json, write_json
 from data_pipeline.stages import load_stage
 from data_pipeline.stats import file_signature, read_stats, stage_params, write_stats
+from data_pipeline.workers import batched
 
 SHUFFLE_RECORD = struct.Struct("<QQI")  # key, line index, byte length (as shuffle.py's bucket files)
 
@@ -127,7 +128,7 @@ def cleanup_task(rank: int, world: int, work: str, sargs: argparse.Namespace, to
     total_length = 0
     report = BadLineReporter(sargs.input, sargs.strict, action=f"recorded in {sargs.output}.rejected.jsonl")
     with atomic_write(part(work, "out", rank)) as out, atomic_write(part(work, "rejected", rank)) as rej:
-        for batch in dist_dedup.batches(lines, cleanup.BATCH_LINES):
+        for batch in batched(lines, cleanup.BATCH_LINES):
             for result in cleanup._process_batch((batch, sargs.lang, sargs.min_tokens, sargs.quality,
                                                   cleanup.input_keys(sargs))):
                 total_length += cleanup.record_result(result, out, rej, counts, languages, report)
@@ -136,19 +137,9 @@ def cleanup_task(rank: int, world: int, work: str, sargs: argparse.Namespace, to
 
 
 def cleanup_merge(rank: int, world: int, work: str, shards: int, sargs: argparse.Namespace, started: float) -> None:
-    counts, languages, total_length = Counter(), Counter(), 0
-    for r in range(shards):
-        c = read_json(part(work, "counts", r, ".json"))
-        counts.update(c["counts"])
-        languages.update(c["languages"])
-        total_length += c["total_length"]
-    with atomic_write(sargs.output, "wb") as out, atomic_write(sargs.output + ".rejected.jsonl", "wb") as rej:
-        concat([part(work, "out", r) for r in range(shards)], out)
-        concat([part(work, "rejected", r) for r in range(shards)], rej)
-    unit = f"tokens ({sargs.tokenizer})" if sargs.tokenizer else "words (whitespace split; no --tokenizer)"
-    write_stats(sargs.output, "cleanup", counts, sargs, [sargs.input] + ([sargs.tokenizer] if sargs.tokenizer else []),
-                started, length_unit=unit, kept_length_total=total_length,
-                languages=dict(languages.most_common()), shards=shards)
+    from data_pipeline.dist_cleanup import merge_outputs
+
+    merge_outputs(work, shards, sargs, [sargs.input], started)
 
 
 def cleanup_jobs(args, sargs, work, started) -> list[Job]:

@@ -1,5 +1,6 @@
 """How a stage spreads its work over processes and shows it: `imap_bounded`, an ordered map over
-worker processes with a bounded number of tasks in flight, and `progress`, the bar beside it.
+worker processes with a bounded number of tasks in flight, `batched`, the units it sends, and `progress`, the
+bar beside it.
 
 The sharded-task path (executor.py) is the other way a stage runs; this is the in-process one.
 """
@@ -68,3 +69,15 @@ class _PoolMap:
     def close(self) -> None:
         self.pool.terminate()
         self.pool.join()
+
+
+def batched(items: Iterable, size: int) -> Iterator[list]:
+    """Lists of `size` items (the last one shorter) from an iterable: the unit of work sent to a worker."""
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
