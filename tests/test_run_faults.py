@@ -1,20 +1,17 @@
 """train_gpt.py under the faults a user meets (issue 31): two runs into one directory, Ctrl-C / SIGTERM (once,
 twice), a bad value from --set, and the progress bar in a terminal. Real launches on CPU; helpers from
 test_train_gpt.py."""
-import fcntl
 import os
-import pty
 import re
 import signal
-import struct
 import subprocess
 import sys
-import termios
 import textwrap
 import time
 
 import pytest
 
+from tests.terminal import in_a_terminal
 from tests.test_train_gpt import DEMO, ROOT, SHORT, data_args, overrides, read_jsonl, user_error
 
 PY = sys.executable
@@ -162,33 +159,10 @@ def test_a_bad_optimizer_value_is_refused_before_anything_is_written(tmp_path, c
 # ---------------------------------------------------------------------------------------------------- 31.7
 
 
-def in_a_terminal(cmd, columns=None, timeout=150):
-    """Run `cmd` on a pseudo-terminal (its stdout and stderr); `columns`=None leaves the width unset, as a bare
-    pty (an IDE's, `docker exec -t`'s) often does. Returns (raw output, exit code)."""
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(ROOT)
-        os.execve(cmd[0], cmd, ENV)
-    if columns:
-        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-    out, deadline = b"", time.time() + timeout
-    while time.time() < deadline:
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        out += data
-    _, status = os.waitpid(pid, 0)
-    os.close(fd)
-    return out.decode(errors="replace"), os.waitstatus_to_exitcode(status)
-
-
 @pytest.mark.timeout(200)
 def test_progress_bar_in_a_terminal_of_unknown_width_and_log_lines_on_their_own_line(data_dir, tmp_path):
     raw, code = in_a_terminal([PY, os.path.join(ROOT, "train_gpt.py"), "--config", DEMO, *overrides(
-        SHORT + data_args(data_dir) + [f"train.output_dir={tmp_path}", "train.log_interval=3"])])
+        SHORT + data_args(data_dir) + [f"train.output_dir={tmp_path}", "train.log_interval=3"])], ENV, ROOT)
     assert code == 0, raw[-3000:]
     bars = re.findall(r"train: +\d+%\|[^\r\n]*\| (\d+)/6 \[", raw)
     assert bars and bars[-1] == "6", raw[-3000:]                      # the bar is drawn, and reaches the end

@@ -82,12 +82,13 @@ def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]
     num_shards = 1 if zero.stage == 0 else ctx.dp_size
     # the local shapes: with tensor parallelism a chunk holds this rank's shard of a DTensor parameter
     shapes = [(n, tuple(to_local(p).shape), g) for n, p, g in params]
-    chunks = plan_chunks(shapes, zero.shard_strategy, num_shards, torch.empty(0, dtype=dtype).element_size())
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    chunks = plan_chunks(shapes, zero.shard_strategy, num_shards, element_size)
+    trainable_shard = sum(p.shard_numel for p in chunks if p.trainable)  # elements this rank steps
     optim_home = HOMES[zero.offload_optimizer.device]
-    disk_bytes = sum(p.shard_numel for p in chunks if p.trainable) * 4 * 3 if optim_home == "disk" else 0
+    disk_bytes = trainable_shard * 4 * 3 if optim_home == "disk" else 0  # fp32 master, exp_avg, exp_avg_sq
     host = host or config.host.with_env_overrides()
     param_home = HOMES[zero.offload_param.device]
-    element_size = torch.empty(0, dtype=dtype).element_size()
     resident: frozenset[int] = frozenset()
     if param_home == "host":
         budget = zero.offload_param.device_budget
@@ -97,7 +98,7 @@ def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]
     # One fp32 gradient shard per trainable chunk on the device, instead of a copy to the host every micro-step
     # (stages 0-1 reduce once per step already; with param offload the device memory is what is short, unless
     # device_budget kept every trainable chunk on the device).
-    grad_accum_bytes = sum(p.shard_numel for p in chunks if p.trainable) * 4
+    grad_accum_bytes = trainable_shard * 4
     params_on_device = param_home == "device" or all(p.index in resident for p in chunks if p.trainable)
     accumulate = (zero.stage >= 2 and optim_home != "device" and params_on_device
                   and config.gradient_accumulation > 1)

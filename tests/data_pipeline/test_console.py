@@ -4,13 +4,13 @@ Run as real commands (subprocesses), since what is checked is what reaches the c
 from __future__ import annotations
 
 import os
-import pty
 import re
 import subprocess
 import sys
-import time
 
 import pytest
+
+from tests.terminal import in_a_terminal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
@@ -61,23 +61,9 @@ def test_a_stage_on_an_executor_is_quiet_unless_verbose_and_draws_a_bar_on_a_ter
     assert verbose.returncode == 0 and verbose.stderr.count("Launching pipeline for rank=") > 3   # every job's tasks
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
 
-    pid, fd = pty.fork()   # the same on a terminal: a bar of finished tasks, erased, then the summary
-    if pid == 0:
-        os.chdir(ROOT)
-        os.execve(sys.executable, [sys.executable, "-m", "data_pipeline", *args, "--output",
-                                   str(tmp_path / "c.jsonl")], ENV)
-    raw, deadline = b"", time.time() + 180
-    while time.time() < deadline:
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        raw += data
-    os.waitpid(pid, 0)
-    os.close(fd)
-    text = raw.decode(errors="replace")
+    # the same on a terminal: a bar of finished tasks, erased, then the summary
+    text, _ = in_a_terminal([sys.executable, "-m", "data_pipeline", *args, "--output", str(tmp_path / "c.jsonl")],
+                            ENV, ROOT, timeout=180)
     assert re.search(r"\r\[shuffle\]: [1-9]\d*/\d+ tasks \[#+ *\]", text) and "datatrove" not in text, text
     assert text.rstrip().split("\x1b[K")[-1].startswith(f"[shuffle] {tmp_path}/c.jsonl: docs=40")
 
