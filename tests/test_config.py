@@ -163,7 +163,7 @@ def test_missing_file():
     (dict(BATCH_SIZE="2"), TypeError, ["BATCH_SIZE must be int", "'2'"]),
     (dict(BATCH_SIZE=True), TypeError, ["BATCH_SIZE must be int"]),
     (dict(BATCH_SIZE=0), ValueError, ["BATCH_SIZE must be >= 1"]),
-    (dict(precision="fp8"), ValueError, ["precision must be one of", "'fp8'"]),
+    (dict(precision="int4"), ValueError, ["precision must be one of", "'int4'"]),
     (dict(precision="bf61"), ValueError, ["did you mean 'bf16'?"]),
     (dict(zero=dict(stage=4)), ValueError, ["zero.stage must be one of 0, 1, 2, 3", "4"]),
     (dict(zero=3), TypeError, ["zero must be a dict"]),

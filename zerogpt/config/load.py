@@ -36,8 +36,10 @@ class RunConfig:
     """Tokens per sample."""
     NUM_EPOCHS: int | None = None
     """Passes over the training data when train.max_steps is None."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     """Compute dtype (EngineConfig.precision)."""
+    compile: bool = False
+    """torch.compile each transformer block (EngineConfig.compile)."""
     clip_grad_norm: float | None = None
     """Global L2 grad-norm clip; None or 0 = off."""
     zero: ZeroConfig | ColossalZeroConfig = field(default_factory=ZeroConfig)
@@ -186,8 +188,8 @@ class Config(dict):
         """Apply `key.sub=VALUE` strings (from `--set`), then validate.
 
         VALUE is parsed with `ast.literal_eval` (`2`, `1e-4`, `None`, `True`, `'x'`, `[1, 2]`); anything
-        that is not a Python literal is taken as a bare string (`precision=bf16`, `data.path=/d/x`).
-        Missing intermediate dicts are created.
+        that is not a Python literal is taken as a bare string (`precision=bf16`, `data.path=/d/x`), except
+        `true`/`false` in any case, which are bools (`compile=true`). Missing intermediate dicts are created.
 
         Example:
             >>> Config().apply_overrides(["zero.stage=2", "precision=bf16"]).zero.stage
@@ -203,7 +205,7 @@ class Config(dict):
             try:
                 value = ast.literal_eval(raw)
             except (ValueError, SyntaxError):
-                value = raw
+                value = {"true": True, "false": False}.get(raw.lower(), raw)  # shell habit: compile=true
             node = self
             parts = key.split(".")
             for depth, part in enumerate(parts[:-1]):
@@ -346,7 +348,8 @@ def _engine_config(cfg: Config, world_size: int = 1) -> EngineConfig:
     clip = cfg.clip_grad_norm
     zero = zero_config(cfg["zero"]) if "zero" in cfg else ZeroConfig()
     return EngineConfig(zero=zero, precision=cfg.precision, gradient_accumulation=accumulation,
-                        clip_grad_norm=float(clip) if clip else None, host=HostConfig(**cfg.get("host", {})))
+                        clip_grad_norm=float(clip) if clip else None, host=HostConfig(**cfg.get("host", {})),
+                        compile=cfg.compile)
 
 
 def _train_config(cfg: Config) -> TrainConfig:

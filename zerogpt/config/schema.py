@@ -327,14 +327,19 @@ class EngineConfig:
     """Everything `zerogpt.initialize` needs from the config, resolved for one world size."""
 
     zero: ZeroConfig = field(default_factory=ZeroConfig)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute dtype of params/activations: "fp32", "bf16" (fp32 master) or "fp16" (fp32 master + loss scale)."""
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    """Compute dtype of params/activations: "fp32", "bf16" (fp32 master) or "fp16" (fp32 master + loss scale).
+    "fp8": Linear layers compute in float8 via torchao's float8 training (CUDA sm89+, `pip install
+    'zerogpt[fp8]'`; the LM head stays bf16), everything else bf16, fp32 master weights, ZeRO all-gathers bf16."""
     gradient_accumulation: int = 1
     """Micro-batches per optimizer step."""
     clip_grad_norm: float | None = None
     """Global L2 grad-norm clip; None = off."""
     host: HostConfig = field(default_factory=HostConfig)
     """Process-wide host settings (malloc, shared-memory collectives, CPU Adam kernel)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (zerogpt/compile.py; stages 0-2, blocks stay eager at
+    stage 3). Off by default: not yet measured faster on a GPU."""
 
     def __post_init__(self) -> None:
         check_fields(self, "")
