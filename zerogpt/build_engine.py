@@ -36,6 +36,7 @@ from zerogpt.zero.shm import open_transport
 __all__ = ["initialize", "colossalai_initialize", "EnginePlan", "plan_engine"]
 
 HOMES = {"none": "device", "cpu": "host", "disk": "disk"}  # zero.offload_*.device -> where the state lives
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # zero.offload_optimizer.state_dtype
 
 
 @dataclass(frozen=True)
@@ -379,7 +380,8 @@ def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan
                             precision=plan.config.precision, stage=plan.stage, group=ctx.dp_group,
                             loss_scaler=loss_scaler, clip_grad_norm=plan.config.clip_grad_norm,
                             no_decay=set(plan.no_decay), norm_duplicates=set(parallel.norm_duplicates),
-                            model_parallel_group=ctx.model_parallel_group, traffic=traffic)
+                            model_parallel_group=ctx.model_parallel_group, traffic=traffic,
+                            state_dtype=STATE_DTYPES[zero.offload_optimizer.state_dtype])
 
 
 def _fused_on_the_device(optimizer: torch.optim.Optimizer, plan: EnginePlan, ctx: DistContext) -> None:

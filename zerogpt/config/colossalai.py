@@ -10,7 +10,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from zerogpt.config.schema import LossScaleConfig, OffloadConfig, ParamOffloadConfig, ZeroConfig, section_types
+from zerogpt.config.schema import (LossScaleConfig, OptimizerOffloadConfig, ParamOffloadConfig, ZeroConfig,
+                                   section_types)
 from zerogpt.zero.strategy import ShardStrategy
 
 SEED_STAGE = 3
@@ -85,7 +86,7 @@ def zero_config(z: dict) -> ZeroConfig:
                              "(offload_config.device / tensor_placement_policy = 'cpu'); set only one")
         param.device = "cpu"
 
-    optimizer = kwargs.setdefault("offload_optimizer", OffloadConfig())
+    optimizer = kwargs.setdefault("offload_optimizer", OptimizerOffloadConfig())
     if optim_cfg.get("cpu_offload"):
         if "offload_optimizer" in z and optimizer.device == "none":
             raise ValueError("zero.offload_optimizer.device='none' contradicts "

@@ -165,6 +165,20 @@ class OffloadConfig:
 
 
 @dataclass
+class OptimizerOffloadConfig(OffloadConfig):
+    """`zero.offload_optimizer`: OffloadConfig, plus the dtype of Adam's moments at their home."""
+
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Adam's exp_avg and exp_avg_sq: "fp32", or "bf16" (host/disk homes with CPUAdam/HybridAdam: 4 bytes/param
+    instead of 8, stochastically rounded so that small updates of v are not lost; the master stays fp32)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.state_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"zero.offload_optimizer.state_dtype must be 'fp32' or 'bf16', got {self.state_dtype!r}")
+
+
+@dataclass
 class ParamOffloadConfig(OffloadConfig):
     """`zero.offload_param`: OffloadConfig, plus how many parameter shards stay on the device anyway."""
 
@@ -223,8 +237,8 @@ class ZeroConfig:
     """0: replicate everything (DDP); 1: shard optimizer state; 2: + gradients; 3: + parameters."""
     shard_strategy: ShardStrategy = field(default_factory=BucketTensorShardStrategy)
     """How parameters are grouped into chunks (zerogpt.zero.strategy)."""
-    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
-    """Where fp32 master + Adam state rest: "none" | "cpu" | "disk"."""
+    offload_optimizer: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
+    """Where fp32 master + Adam state rest: "none" | "cpu" | "disk", and the moments' dtype."""
     offload_param: ParamOffloadConfig = field(default_factory=ParamOffloadConfig)
     """Where parameter shards rest between uses: "none" | "cpu" (stage 3 only); `device_budget` keeps some on the
     device."""
@@ -238,6 +252,9 @@ class ZeroConfig:
         if self.offload_optimizer.device == "disk" and not self.offload_optimizer.path:
             raise ValueError("zero.offload_optimizer.device='disk' needs a directory for the state files; "
                              "pass --set zero.offload_optimizer.path=/fast/nvme/dir")
+        if self.offload_optimizer.state_dtype == "bf16" and self.offload_optimizer.device == "none":
+            raise ValueError("zero.offload_optimizer.state_dtype='bf16' is for optimizer state on the host or disk "
+                             "(the fused host Adam step keeps it); set zero.offload_optimizer.device='cpu' or 'disk'")
         if self.offload_param.device not in ("none", "cpu"):
             raise ValueError(f"zero.offload_param.device must be 'none' or 'cpu', got {self.offload_param.device!r}")
         if self.offload_param.device != "none" and self.stage != 3:

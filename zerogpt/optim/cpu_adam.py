@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from zerogpt.optim.host_adam import host_adam_step, load_host_adam
+
 __all__ = ["CPUAdam", "HybridAdam", "cpu_adam_backend"]
 
 _log = logging.getLogger("zerogpt.optim")
@@ -27,6 +29,7 @@ BACKEND_TORCH = "torch-fused"
 # The compiled op is a process-wide resource (like any loaded extension), so it is cached here:
 # None = not tried yet; otherwise (module or None, error message or None).
 _ds_op_cache: tuple[Any, str | None] | None = None
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # moments: bf16 only on the host, through the fused op
 _announced: set[str] = set()
 _optimizer_ids = itertools.count()
 
@@ -71,6 +74,19 @@ def _resolve_backend(prefer: str | None) -> str:
                       f"fused Adam on CPU (same math, usually slower). Set {ENV_VAR}=torch to silence this.",
                       RuntimeWarning, stacklevel=3)
     return BACKEND_TORCH
+
+
+def _takes_fused_step(p: torch.Tensor, state: dict, copy_to: dict[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether a host param steps through zerogpt's fused op: its moments are bf16 (only that op takes them), or
+    its new value must also be written into a compute copy of a dtype the op writes (fp32, bf16) and the op
+    builds here (else the update runs as before and a second pass copies)."""
+    if state["exp_avg"].dtype == torch.bfloat16:
+        return True
+    out = (copy_to or {}).get(p)
+    if out is None or out.dtype not in STATE_DTYPES or out.device.type != "cpu" or not out.is_contiguous():
+        return False
+    return p.grad.dtype in STATE_DTYPES and p.is_contiguous() and p.grad.is_contiguous() \
+        and load_host_adam()[0] is not None
 
 
 def _announce(key: str, msg: str) -> None:
@@ -181,14 +197,18 @@ class CPUAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None,
-             params: Iterable[torch.Tensor] | None = None, found_inf: torch.Tensor | None = None) -> Any:
+             params: Iterable[torch.Tensor] | None = None, found_inf: torch.Tensor | None = None,
+             grad_scale: float = 1.0, copy_to: dict[torch.Tensor, torch.Tensor] | None = None) -> Any:
         """One Adam(W) update of every param with a grad (or only of `params`, a subset).
 
         `params` lets the engine step chunk by chunk as each chunk's grads arrive on the host,
         overlapping the CPU step with the copies of the next chunk. `found_inf` (a 0-dim tensor, 1.0 when the
         gradients are not finite) makes the step change nothing: params, moments and step count stay bit for bit
         (torch's fused kernel takes the flag on the device; DeepSpeed's host kernel reads it on the host, where
-        the gradients it steps on already are).
+        the gradients it steps on already are). `grad_scale` multiplies each gradient as it is read (the engine's
+        unscale and clip), and `copy_to[p]` receives p's new value in its own dtype (the engine's compute copy):
+        on the host, zerogpt's fused op does both in the update's one pass (zerogpt/optim/host_adam.py), and it
+        steps bf16 moments, which only it takes.
         """
         loss = None
         if closure is not None:
@@ -208,8 +228,13 @@ class CPUAdam(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise TypeError(f"{type(self).__name__} does not support sparse gradients")
-                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
                 state = self._init_state(p)
+                if p.device.type == "cpu" and _takes_fused_step(p, state, copy_to):
+                    self._step_fused(group, p, state, found_inf, grad_scale, (copy_to or {}).get(p))
+                    continue
+                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+                if grad_scale != 1.0:
+                    grad = grad * grad_scale
                 (host if p.device.type == "cpu" else dev).append((p, grad, state))
             if host:
                 if self.backend == BACKEND_DEEPSPEED:
@@ -219,6 +244,9 @@ class CPUAdam(torch.optim.Optimizer):
                     self._step_torch(group, host, found_inf)
             if dev:
                 self._step_torch(group, dev, found_inf)
+            for p, _, _ in host + dev:
+                if copy_to and p in copy_to:
+                    copy_to[p].copy_(p, non_blocking=True)
         return loss
 
     def _init_state(self, p: torch.Tensor) -> dict:
@@ -235,10 +263,22 @@ class CPUAdam(torch.optim.Optimizer):
             buf = state.get(key)
             if buf is None:
                 state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            elif buf.shape != p.shape or buf.dtype != torch.float32 or buf.device != p.device:
-                raise RuntimeError(f"pre-allocated state[{key!r}] must be fp32 {tuple(p.shape)} on {p.device}; "
-                                   f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
+            elif buf.shape != p.shape or buf.dtype not in STATE_DTYPES or buf.device != p.device \
+                    or (buf.dtype != torch.float32 and p.device.type != "cpu"):
+                raise RuntimeError(f"pre-allocated state[{key!r}] must be fp32 (bf16 on the host) {tuple(p.shape)} "
+                                   f"on {p.device}; got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
         return state
+
+    def _step_fused(self, group: dict, p: torch.Tensor, state: dict, found_inf: torch.Tensor | None,
+                    grad_scale: float, out: torch.Tensor | None) -> None:
+        """One host param through zerogpt's fused op: scaled gradient in, Adam, master and `out` written."""
+        if found_inf is not None and found_inf.item():  # the flag is on the host, beside the gradients
+            return
+        state["step"] += 1
+        host_adam_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()),
+                       lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                       adamw=bool(group["adamw_mode"]), bias_correction=bool(group["bias_correction"]),
+                       grad_scale=grad_scale, out=out, seed=group.get("rounding_seed", 0))
 
     def _ds_id(self, op: Any, group: dict) -> int:
         adamw = bool(group["adamw_mode"])

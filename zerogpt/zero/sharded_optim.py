@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from zerogpt.amp import DynamicLossScaler
 from zerogpt.zero.chunk import Chunk
+from zerogpt.optim.host_adam import seed_of
 from zerogpt.zero.offload import Placement, Traffic
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -59,12 +60,13 @@ def _hyperparameters(group: dict) -> dict:
 
 
 def chunk_optimizer(template: torch.optim.Optimizer, group: dict, master: torch.Tensor,
-                    decay_per_slot: bool = False) -> torch.optim.Optimizer:
+                    decay_per_slot: bool = False, rounding_seed: int = 0) -> torch.optim.Optimizer:
     """An optimizer of `template`'s class over `master` alone, reading its hyperparameters from `group`.
 
     Its one param group is a ChainMap: its own `params` ([master]), weight_decay 0 when the chunk decays slot by
     slot (`ChunkState.step` applies it), then `group` itself, read at each lookup: an LR scheduler's change is
-    seen with no copy. Torch's optimizers only read their groups with `group[key]` while stepping.
+    seen with no copy. Torch's optimizers only read their groups with `group[key]` while stepping. CPUAdam reads
+    `rounding_seed`, the seed of its bf16 moments' stochastic rounding, distinct per chunk shard.
     """
     from zerogpt.optim.cpu_adam import CPUAdam
 
@@ -79,6 +81,7 @@ def chunk_optimizer(template: torch.optim.Optimizer, group: dict, master: torch.
     own = {k: v for k, v in built.items() if k == "params" or k not in group}  # + defaults the user's group lacks
     if decay_per_slot:
         own["weight_decay"] = 0.0
+    own["rounding_seed"] = rounding_seed
     optimizer.param_groups[0] = ChainMap(own, group)
     return optimizer
 
@@ -142,9 +145,14 @@ class ChunkState:
             self.grad.add_(reduced)
         return self.grad
 
-    def step(self, group: dict, factor: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> None:
+    def step(self, group: dict, factor: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> bool:
         """Unscale/clip this chunk's gradient by `factor`, then one optimizer step of this chunk alone, with the
-        hyperparameters of `group` (the user's param group this chunk follows).
+        hyperparameters of `group` (the user's param group this chunk follows). Returns whether the step also
+        wrote the compute copy (then `write_back` has nothing to do).
+
+        A host master stepped by CPUAdam/HybridAdam goes through one pass (zerogpt/optim/host_adam.py): the
+        gradient is unscaled and clipped as it is read and the new master is written into the param shard when
+        that shard is host memory (param offload; every shard of a CPU run), so neither gets a pass of its own.
 
         `found_inf` (bf16/fp32: a 0-dim device tensor, 1.0 when the global gradient norm is not finite) skips the
         step: the master, the optimizer state and its step count stay bit for bit. torch's fused optimizers and
@@ -156,12 +164,16 @@ class ChunkState:
         flag = None
         if found_inf is not None:
             if not _takes_found_inf(self.optimizer):
-                return
+                return False
             # to a host master: a blocking copy, since non_blocking would return pinned memory still being
             # written (the host step waits for the gradients anyway); to the device: no wait
             flag = found_inf.to(self.master.device, non_blocking=self.master.device.type != "cpu")
         grad = self.grad if self.grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
-        if factor is not None:  # to a host gradient: blocking, for the reason the flag's copy above is
+        host_step = _is_cpu_adam(self.optimizer) and self.master.device.type == "cpu"
+        scale = 1.0
+        if factor is not None and host_step:  # read once; the update multiplies each gradient as it reads it
+            scale = float(factor)
+        elif factor is not None:  # to a host gradient: blocking, for the reason the flag's copy above is
             grad.mul_(factor.to(grad.device, non_blocking=grad.device.type != "cpu"))
         # Read `group` in place (chunk_optimizer): rebinding the view is not a copy, and follows a group dict that
         # torch's own optimizer.load_state_dict replaced.
@@ -177,10 +189,12 @@ class ChunkState:
                 else:
                     torch._foreach_add_([grad[a:b] for a, b in self.decay_ranges], self._decay_views, alpha=wd)
         self.master.grad = grad
-        if flag is None:
+        out = self._host_compute_copy() if host_step else None
+        if host_step:
+            self.optimizer.step(found_inf=flag, grad_scale=scale,
+                                copy_to=None if out is None else {self.master: out})
+        elif flag is None:
             self.optimizer.step()
-        elif _is_cpu_adam(self.optimizer):
-            self.optimizer.step(found_inf=flag)
         else:  # torch's fused optimizers read the flag GradScaler sets on them for one step (torch.amp)
             self.optimizer.found_inf = flag
             try:
@@ -188,6 +202,12 @@ class ChunkState:
             finally:
                 del self.optimizer.found_inf
         self.master.grad = None
+        return out is not None
+
+    def _host_compute_copy(self) -> torch.Tensor | None:
+        """The param shard, when the host step may write the new master straight into it (it is host memory)."""
+        shard = self.chunk.shard
+        return None if self.master_is_param_shard or shard.device.type != "cpu" else shard
 
     def write_back(self) -> None:
         """Cast the updated master into its param shard (compute dtype, the shard's home)."""
@@ -202,7 +222,8 @@ class ShardedOptimizer:
                  optim_home: str, precision: str, stage: int, group: dist.ProcessGroup | None,
                  loss_scaler: DynamicLossScaler, clip_grad_norm: float | None,
                  no_decay: set[str] | None = None, norm_duplicates: set[str] | None = None,
-                 model_parallel_group: dist.ProcessGroup | None = None, traffic: Traffic | None = None) -> None:
+                 model_parallel_group: dist.ProcessGroup | None = None, traffic: Traffic | None = None,
+                 state_dtype: torch.dtype = torch.float32) -> None:
         self.optimizer = optimizer  # holds the hyperparameters; LR schedulers bind to it
         self.chunks = chunks
         self.placement = placement
@@ -226,6 +247,14 @@ class ShardedOptimizer:
         # of host RAM saved). Not when they rest apart (a host master would get a device grad, or the reverse).
         self.master_is_param_shard = precision == "fp32" and optim_home != "disk" and all(
             c.shard_home == optim_home for c in chunks if c.plan.trainable)
+        # Adam's moments at their home: fp32, or bf16 (host/disk homes, stepped by CPUAdam's fused op)
+        self.state_dtype = state_dtype
+        if state_dtype != torch.float32 and (optim_home == "device" or not _is_cpu_adam(optimizer)):
+            raise ValueError(f"zero.offload_optimizer.state_dtype='bf16' keeps Adam's moments in bf16 on the host, "
+                             f"stepped by zerogpt.optim.CPUAdam/HybridAdam's fused op; this run has "
+                             f"{type(optimizer).__name__} with the optimizer state on the "
+                             f"{'device' if optim_home == 'device' else optim_home}: use optimizer type HybridAdam "
+                             f"and zero.offload_optimizer.device='cpu' or 'disk', or state_dtype='fp32'")
         if optim_home == "disk" and not _is_adam_family(optimizer):
             raise ValueError(f"disk offload keeps Adam state (exp_avg, exp_avg_sq) in memory-mapped files; "
                              f"{type(optimizer).__name__} is not an Adam-family optimizer. Use "
@@ -247,7 +276,10 @@ class ShardedOptimizer:
             master.copy_(chunk.shard)
         group = self.optimizer.param_groups[plan.group_index]
         decay_ranges = _slot_ranges(chunk, no_decay)
-        state = ChunkState(chunk, master, chunk_optimizer(self.optimizer, group, master, decay_ranges is not None),
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        optimizer = chunk_optimizer(self.optimizer, group, master, decay_ranges is not None,
+                                    rounding_seed=seed_of(plan.index, rank))
+        state = ChunkState(chunk, master, optimizer,
                            plan.group_index, self.optim_home, self.grad_home, self.master_is_param_shard,
                            decay_ranges, _slot_ranges(chunk, self.norm_duplicates))
         if _is_adam_family(self.optimizer) and self.optim_home != "device":
@@ -264,7 +296,7 @@ class ShardedOptimizer:
         slots["step"] = torch.tensor(0.0)
         keys = ADAM_STATE_KEYS + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
         for key in keys:  # torch reads max_exp_avg_sq from pre-filled state, never creates it
-            slots[key] = self.placement.empty(state.master.numel(), torch.float32, self.optim_home,
+            slots[key] = self.placement.empty(state.master.numel(), self.state_dtype, self.optim_home,
                                               f"{key}{state.index}")
 
     # -- gradients ----------------------------------------------------------------------------
@@ -336,10 +368,11 @@ class ShardedOptimizer:
             if i + 1 < len(order):
                 for t in order[i + 1].tensors():
                     self.placement.prefetch(t)
-            state.step(self.optimizer.param_groups[state.group_index], factor, found_inf)
+            wrote = state.step(self.optimizer.param_groups[state.group_index], factor, found_inf)
             # Copy the updated master into its param shard now, while its pages are in RAM (disk)
             # and so the host->device copy overlaps the next chunk's CPU step.
-            state.write_back()
+            if not wrote:
+                state.write_back()
             if not state.master_is_param_shard:
                 self.traffic.copied(state.home, state.chunk.shard_home, state.chunk.shard)
             if state.chunk.persistent_full:
@@ -392,7 +425,7 @@ class ShardedOptimizer:
                         if live[key] is not value:
                             live[key].copy_(value)
                     else:
-                        live[key] = self.placement.empty(value.numel(), torch.float32, self.optim_home,
+                        live[key] = self.placement.empty(value.numel(), self.state_dtype, self.optim_home,
                                                          f"{key}{index}")
                         live[key].copy_(value)
                 chunk_state.write_back()
