@@ -45,6 +45,16 @@ def test_host_too_small_is_refused_with_both_numbers_and_the_fix(monkeypatch):
     assert result["host"][0] <= 60 * GIB                      # the layer count it names does fit
 
 
+def test_bf16_moments_take_4_bytes_per_param_off_the_host(monkeypatch):
+    monkeypatch.setattr(preflight_memory, "available_host_bytes", lambda: (90 * GIB, "MemAvailable"))
+    cfg = largest_model_config(69)
+    with pytest.raises(PreflightError, match="zero.offload_optimizer.state_dtype=bf16"):
+        preflight_memory.check_memory(cfg, 1, on_meta(69), on_gpu=True)
+    cfg.zero["offload_optimizer"] = dict(device="cpu", state_dtype="bf16")
+    need, _ = preflight_memory.check_memory(cfg, 1, on_meta(69), on_gpu=True)["host"]
+    assert 72 * GIB < need < 80 * GIB  # 5.56B x 14 bytes (2 bf16 param + 4 grad + 4 master + 4 moments) + buffers
+
+
 def test_what_fits_passes_and_disk_offload_moves_the_state_off_the_host(monkeypatch, tmp_path):
     monkeypatch.setattr(preflight_memory, "available_host_bytes", lambda: (126 * GIB, "MemAvailable"))
     need, available = preflight_memory.check_memory(largest_model_config(48), 1, on_meta(48), on_gpu=True)["host"]
@@ -75,5 +85,6 @@ def test_train_gpt_ends_in_seconds_with_the_line(tmp_path, monkeypatch, capsys):
     assert time.perf_counter() - start < 20
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: host memory: this run needs at least "), err
-    assert "GiB is available (MemAvailable); put the optimizer state on disk" in err[0], err
+    assert "GiB is available (MemAvailable); keep Adam's moments in bf16" in err[0], err
+    assert "or put the optimizer state on disk" in err[0], err
     assert not (tmp_path / "run").exists()

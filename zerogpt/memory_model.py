@@ -182,10 +182,14 @@ def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str,
 def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str = "bf16",
              offload_optimizer: str = "none", offload_param: str = "none", seq_len: int = 1024,
              batch: int = 1, checkpoint: bool = False, flash: bool = True, dropout: bool = False,
-             prefetch: int = 2, bucket_mb: float = 25.0, gpu_overhead: int = 2**30, accumulation: int = 1) -> dict:
-    """Everything on one rank: model states, activations, buffers, totals per home (bytes)."""
+             prefetch: int = 2, bucket_mb: float = 25.0, gpu_overhead: int = 2**30, accumulation: int = 1,
+             optimizer_bytes_per_param: int = 8) -> dict:
+    """Everything on one rank: model states, activations, buffers, totals per home (bytes).
+
+    `optimizer_bytes_per_param`: 8 for Adam's moments in fp32, 4 in bf16 (zero.offload_optimizer.state_dtype).
+    """
     states = model_state_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, offload_param,
-                               accumulation=accumulation)
+                               optimizer_bytes_per_param, accumulation)
     acts = activation_bytes(shape, seq_len, batch, precision, checkpoint, flash, dropout)
     buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb)
     totals = {h: sum(states[cat][h] for cat in CATEGORIES) + buffers[h] for h in HOMES}

@@ -92,8 +92,10 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
         return {"host": None, "disk": None}
     params = {id(p): p for p in built.parameters() if p.requires_grad}  # tied weights once
     psi = math.ceil(sum(p.numel() for p in params.values()) / (dims.tp * dims.pp))  # this rank's part
+    moment_bytes = 4 if zero.offload_optimizer.state_dtype == "bf16" else 8  # Adam's two moments per param
     states = model_state_bytes(psi, zero.stage, dims.dp, precision, zero.offload_optimizer.device,
-                               zero.offload_param.device, accumulation=ecfg.gradient_accumulation)
+                               zero.offload_param.device, optimizer_bytes_per_param=moment_bytes,
+                               accumulation=ecfg.gradient_accumulation)
     homes = HOMES_ON_HOST if on_gpu else ("device", "host")
     per_rank = {h: sum(states[c][h] for c in CATEGORIES) for h in ("device", "host", "disk")}
     host_rank = sum(per_rank[h] for h in homes)
@@ -112,10 +114,14 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
     ranks = _local_ranks(world_size)
     need, (available, source) = host_rank * ranks, available_host_bytes()
     what = (f"{psi / 1e9:.2f}B params per rank x {ranks} rank{'s' if ranks > 1 else ''}, stage {zero.stage}, "
-            f"{precision}, offload_optimizer={zero.offload_optimizer.device}, "
+            f"{precision}, offload_optimizer={zero.offload_optimizer.device} "
+            f"({zero.offload_optimizer.state_dtype} moments), "
             f"offload_param={zero.offload_param.device}")
     if need > available:
         fixes = []
+        if zero.offload_optimizer.device != "none" and zero.offload_optimizer.state_dtype == "fp32":
+            fixes.append("keep Adam's moments in bf16 (--set zero.offload_optimizer.state_dtype=bf16, 4 bytes/param "
+                         "less)")
         if zero.offload_optimizer.device != "disk":
             fixes.append("put the optimizer state on disk (--set zero.offload_optimizer.device=disk "
                          "--set zero.offload_optimizer.path=/nvme/dir)")

@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1, help="hosts sharing the ranks (host RAM is per node)")
     p.add_argument("--offload", default="none", choices=("none", "cpu", "disk"), help="optimizer offload")
     p.add_argument("--offload-param", default="none", choices=("none", "cpu"), help="param offload (stage 3)")
+    p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="Adam's moments with the optimizer offloaded (zero.offload_optimizer.state_dtype)")
     p.add_argument("--prefetch", type=int, default=2, help="stage-3 chunks gathered ahead")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="chunk size; 0 = one param per chunk")
     # workload
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         est = estimate(shape, args.stage, args.world, args.precision, args.offload, args.offload_param,
                        args.seq_len, args.batch, args.checkpoint, not args.eager_attention, args.dropout,
-                       args.prefetch, args.bucket_mb, args.gpu_overhead, args.grad_accum)
+                       args.prefetch, args.bucket_mb, args.gpu_overhead, args.grad_accum,
+                       optimizer_bytes_per_param=4 if args.state_dtype == "bf16" else 8)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     if args.json:
