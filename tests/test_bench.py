@@ -19,11 +19,14 @@ BENCH = os.path.join(REPO, "bench")
 
 # script -> (arguments, a string its output must contain). "--help" where a real run costs minutes.
 RUNS = {
+    "bf16_state.py": (["--help"], "usage:"),           # four 2-rank training runs
     "build_time.py": (["--layers", "1", "--hidden", "64", "--seq", "32"], "ratio zerogpt / DeepSpeed = "),
     "cpu_adam.py": (["--help"], "usage:"),
     "dedup.py": (["--sources", "60", "--repeats", "1"], "| method |"),
     "gpu_check.py": (["--help"], "usage:"),          # its tiny CPU dry run is tests/test_gpu_check.py
     "gpu_measure.py": (["--help"], "usage:"),
+    "host_step.py": (["--shard-m", "1", "--shards", "1", "--rounds", "1", "--engine-layers", "1"],
+                     "x DeepSpeed op alone |"),
     "model_parallel.py": (["--model", "gpt2_tiny", "--seq", "16", "--steps", "1", "--warmup", "0",
                            "--systems", "tp2-sp", "pp2"],
                           "first-step losses agree within 1e-4 (the same step computed 2 ways): yes"),
