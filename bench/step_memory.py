@@ -2,6 +2,7 @@
 
     python bench/step_memory.py                                # gpt2_small, 2 gloo ranks, CPU
     python bench/step_memory.py --models gpt2_6l384 --systems zerogpt-3 deepspeed-3 fsdp2
+    python bench/step_memory.py --loss --world 1               # the loss paths: whole-batch logits vs chunked
 
 Every system trains the same GPT-2 as bench/step_time.py (dropout 0, fp32, AdamW, random tokens, one
 thread per rank), each on fresh processes. Per step, rank 0 resets the kernel's peak-RSS counter
@@ -16,6 +17,10 @@ mapped fresh and unmapped on free, so resident memory follows what is live. (gli
 threshold as blocks are freed, after which freed blocks stay in the heap; zerogpt's own host-memory
 setting keeps all freed memory for speed. Either would make a peak look like the process's history.)
 The numbers include the Python interpreter and torch (a few hundred MiB), the same for every system.
+
+`--loss` compares the loss paths instead of the systems, on one process: `model(x, labels=y)` with the whole
+batch's logits ("plain-loss") and with GPTConfig.chunked_loss ("chunked-loss", model_zoo/loss.py), each step
+forward + backward + torch AdamW, measured the same way.
 """
 from __future__ import annotations
 
@@ -48,7 +53,30 @@ def _reset_peak() -> None:
 
 
 def measure_system(rank: int, system: str, model_name: str, args) -> dict:
-    step = make_system(system, build_model(model_name, args.seq, "cpu"), args, rank)
+    return _measure_steps(make_system(system, build_model(model_name, args.seq, "cpu"), args, rank), rank, args)
+
+
+LOSSES = ["plain-loss", "chunked-loss"]
+
+
+def measure_loss(rank: int, system: str, model_name: str, args) -> dict:
+    """A plain training step through `model(x, labels=y)`, the loss chunked or not (system: one of LOSSES)."""
+    model = build_model(model_name, args.seq, "cpu")
+    model.config.chunked_loss = system == "chunked-loss"
+    model.lm_head.chunk_size = args.loss_chunk
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return _measure_steps(step, rank, args)
+
+
+def _measure_steps(step, rank: int, args) -> dict:
     at_rest, peaks, shared = [], [], []
     for i in range(args.warmup + args.steps):
         tokens = batch(rank, i, args)
@@ -89,14 +117,17 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--port", type=int, default=29534)
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--loss", action="store_true", help="compare the plain and the chunked loss (no systems)")
+    p.add_argument("--loss-chunk", type=int, default=256, help="tokens per chunk of the chunked loss")
     args = p.parse_args(argv)
     # what step_time's builders and workers read: CPU, fp32, one thread, glibc's default malloc
     args.device, args.dtype, args.threads, args.host_memory = "cpu", torch.float32, 1, "default"
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)  # read by glibc as each spawned rank starts
     rows = []
+    systems, measure = (LOSSES, measure_loss) if args.loss else (args.systems, measure_system)
     for model_name in args.models:
-        for system in args.systems:
-            result = run_job(args, system, model_name, measure=measure_system)
+        for system in systems:
+            result = run_job(args, system, model_name, measure=measure)
             rows.append({"model": model_name, "system": system, **result})
             print(f"{model_name} {system}: {result}", flush=True)
     print(f"\nrank 0, private memory; {args.world} ranks x 1 thread, micro-batch {args.batch} x {args.seq} "

@@ -21,9 +21,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from model_zoo import generation, weight_init
-from model_zoo.loss import GPTLMLoss
+from model_zoo.loss import GPTLMLoss, chunked_cross_entropy
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "CausalAttention", "MLP", "GPTOutput",
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "CausalAttention", "MLP", "LMHead", "GPTOutput",
            "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "SIZES", "as_gpt_config",
            "model_from_config", "hf_config", "to_hf_tensor"]
 
@@ -55,13 +55,20 @@ class GPTConfig:
     """Activation checkpointing per block: recompute block activations in backward to save memory."""
     pad_vocab_multiple: int = 64
     """Pad the embedding rows to a multiple of this for faster matmuls."""
+    chunked_loss: bool = False
+    """`model(x, labels=y)` computes the loss from the hidden states, `loss_chunk_size` tokens at a time under
+    checkpointing (loss.chunked_cross_entropy): no (B, T, vocab) fp32 logits, and the output has no logits."""
+    loss_chunk_size: int = 256
+    """Tokens per chunk of the chunked loss: a chunk's fp32 logits are loss_chunk_size x vocab x 4 bytes (51 MB
+    for GPT-2's vocabulary); memory is saved only when a micro-batch holds several chunks."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.activation not in GELU_APPROXIMATE:
             raise ValueError(f"activation must be one of {sorted(GELU_APPROXIMATE)}, got {self.activation!r}")
-        for name in ("vocab_size", "max_position_embeddings", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
+        for name in ("vocab_size", "max_position_embeddings", "n_layer", "n_head", "n_embd", "pad_vocab_multiple",
+                     "loss_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
@@ -81,8 +88,8 @@ class GPTConfig:
 class GPTOutput:
     """What `GPT.forward` returns when labels or use_cache are given."""
 
-    logits: torch.Tensor
-    """(B, T, vocab_size), compute dtype."""
+    logits: torch.Tensor | None
+    """(B, T, vocab_size), compute dtype; None when GPTConfig.chunked_loss computed the loss without them."""
     loss: torch.Tensor | None = None
     """Scalar mean cross-entropy over labels != -100 (fp32)."""
     past_key_values: KVCache | None = None
@@ -169,6 +176,24 @@ class RealVocab(nn.Module):
         return logits[..., : self.vocab_size]
 
 
+class LMHead(nn.Linear):
+    """The output projection; given labels, it returns the chunked loss instead of the logits.
+
+    The loss is computed inside this module's forward because that is where its (tied) weight may be read:
+    ZeRO-3 gathers a module's parameters only around its forward (and again before its backward).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config.n_embd, config.padded_vocab_size, bias=False)
+        self.vocab_size, self.chunk_size = config.vocab_size, config.loss_chunk_size
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, C) -> logits (B, T, padded vocab); with labels (B, T): the scalar fp32 mean loss."""
+        if labels is None:
+            return super().forward(x)
+        return chunked_cross_entropy(x, self.weight, labels, vocab_size=self.vocab_size, chunk_size=self.chunk_size)
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
@@ -194,7 +219,8 @@ class GPT(nn.Module):
     ALIGNED with input_ids (labels[:, t] is the target for position t, i.e. already shifted, as zerogpt's
     datasets yield them; -100 is ignored). Note Hugging Face shifts internally instead: for HF-style
     `labels=input_ids` use `GPTLMLoss()(logits, input_ids)`. With `use_cache=True` the output also carries
-    `past_key_values` to pass back in for incremental decoding.
+    `past_key_values` to pass back in for incremental decoding. With `chunked_loss=True` in the config,
+    `labels` give GPTOutput(loss) without logits (the loss from the hidden states, a chunk at a time).
 
     Example:
         >>> model = gpt2_tiny()
@@ -221,7 +247,7 @@ class GPT(nn.Module):
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
             ))
-            self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+            self.lm_head = LMHead(config)
         # Tie: the head OWNS the same Parameter object, so module hooks on lm_head see it (named_parameters
         # lists it once, as transformer.wte.weight).
         self.lm_head.weight = self.transformer.wte.weight
@@ -294,6 +320,9 @@ class GPT(nn.Module):
         if self.lm_head is None:
             return x  # hidden states for the next stage
         x = self.transformer.ln_f(x)
+        # chunked: not under tensor parallelism, whose plan replaces real_vocab (vocab-sharded logits)
+        if labels is not None and self.config.chunked_loss and not use_cache and type(self.real_vocab) is RealVocab:
+            return GPTOutput(logits=None, loss=self.lm_head(x, labels))
         logits = self.real_vocab(self.lm_head(x))  # (B, T, vocab_size): padding sliced off
         if labels is None and not use_cache:
             return logits
