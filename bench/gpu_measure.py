@@ -1,6 +1,8 @@
 """One measurement of bench/gpu_check.py, in its own process: build a system (zerogpt, DeepSpeed or plain
-PyTorch) on one device, train a few steps, report tokens/s, TFLOPS, MFU and the training steps' peak GPU
-memory and host RSS, and optionally profile one more step.
+PyTorch) on one device, train a few steps, report tokens/s, TFLOPS, MFU, the training steps' peak GPU
+memory and host RSS, build seconds, the first step's seconds (torch.compile's time when compiling), CPU
+user/sys seconds per step and (time_step) the optimizer-step call's wall time, and optionally profile one
+more step.
 
     python bench/gpu_measure.py SPECS_JSON RESULT_PATH    # run by gpu_check.py; SPECS_JSON: a list of Specs
 
@@ -19,6 +21,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import json  # noqa: E402
+import resource  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -36,16 +39,24 @@ class Spec:
     system: str  # zerogpt | deepspeed | torch
     shape: tuple  # (n_layer, n_head, n_embd)
     stage: int = 3
-    offload: str = "none"  # none | cpu | cpu+param
-    batch: int = 8
+    offload: str = "none"  # none | cpu | cpu+param | disk | disk+param (disk: the optimizer state, zerogpt only)
+    batch: int = 8  # micro-batch (sequences)
     seq: int = 1024
-    steps: int = 4
-    warmup: int = 2
+    steps: int = 4  # timed optimizer steps
+    warmup: int = 2  # untimed optimizer steps first (the first one's time is first_step_s)
     checkpoint: bool = False  # activation checkpointing
     vocab: int = VOCAB
     meta_init: bool = False  # build under ZeroInitContext / deepspeed.zero.Init (models too big to build whole)
     profile_to: str | None = None  # write the profile of one more step here (zerogpt only)
     label: str = ""
+    accum: int = 1  # micro-batches per optimizer step (GRADIENT_ACCUMULATION / gradient_accumulation_steps)
+    precision: str | None = None  # None: bf16 on CUDA, fp32 on CPU; "fp8": zerogpt's precision="fp8"
+    compile: bool = False  # zerogpt: compile=True; torch: torch.compile(model)
+    offload_path: str | None = None  # directory of disk offload
+    state_dtype: str | None = None  # zerogpt zero.offload_optimizer.state_dtype (None: the default, not passed)
+    bucket_mb: float | None = None  # zerogpt BucketTensorShardStrategy(bucket_mb) (None: the engine's default)
+    prefetch: int | None = None  # zerogpt zero.prefetch (None: the default)
+    time_step: bool = False  # time the optimizer-step call of each timed step (one more device sync per step)
 
 
 def _reset_host_peak() -> None:
@@ -70,14 +81,34 @@ def _build_model(spec: Spec, device: torch.device) -> torch.nn.Module:
                       max_position_embeddings=spec.seq, checkpoint=spec.checkpoint)
 
 
+def zerogpt_config(spec: Spec, precision: str) -> dict:
+    """The config dict of a zerogpt Spec; only the keys the Spec sets (a key the engine rejects is an error row)."""
+    optimizer_device = spec.offload.split("+")[0]  # none | cpu | disk
+    offload_optimizer = dict(device=optimizer_device)
+    if optimizer_device == "disk":
+        offload_optimizer["path"] = spec.offload_path or tempfile.gettempdir()
+    if spec.state_dtype is not None:
+        offload_optimizer["state_dtype"] = spec.state_dtype
+    zero = dict(stage=spec.stage, offload_optimizer=offload_optimizer)
+    if spec.offload.endswith("+param"):
+        zero["offload_param"] = dict(device="cpu")
+    if spec.bucket_mb is not None:
+        from zerogpt.zero import BucketTensorShardStrategy
+
+        zero["shard_strategy"] = BucketTensorShardStrategy(bucket_mb=spec.bucket_mb)
+    if spec.prefetch is not None:
+        zero["prefetch"] = spec.prefetch
+    cfg = dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=spec.accum)
+    if spec.compile:
+        cfg["compile"] = True
+    return cfg
+
+
 def _make_zerogpt(spec: Spec, device: torch.device, precision: str):
     import zerogpt
     from zerogpt.optim import HybridAdam
 
-    zero = dict(stage=spec.stage, offload_optimizer=dict(device="cpu" if spec.offload != "none" else "none"))
-    if spec.offload == "cpu+param":
-        zero["offload_param"] = dict(device="cpu")
-    cfg = zerogpt.Config(dict(zero=zero, precision=precision))
+    cfg = zerogpt.Config(zerogpt_config(spec, precision))
     if spec.meta_init:
         with zerogpt.ZeroInitContext(cfg):
             model = _build_model(spec, device)
@@ -100,7 +131,10 @@ def _make_deepspeed(spec: Spec, device: torch.device, precision: str):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if spec.offload == "cpu+param":
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    config = {"train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1,
+    if spec.offload.startswith("disk") or spec.precision == "fp8" or spec.compile:
+        raise ValueError(f"the DeepSpeed path measures cpu offload in bf16, eager only; got offload={spec.offload}, "
+                         f"precision={spec.precision}, compile={spec.compile}")
+    config = {"train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": spec.accum,
               "zero_optimization": zero, "steps_per_print": 1 << 30, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": precision == "bf16"}}
     if spec.offload != "none":  # AdamW from the config: DeepSpeedCPUAdam, the op prepare_cpu_adam built
@@ -122,24 +156,43 @@ def _make_deepspeed(spec: Spec, device: torch.device, precision: str):
 
 
 def _make_torch(spec: Spec, device: torch.device, precision: str):
-    """The floor: fp32 params, bf16 autocast, torch's fused AdamW, no sharding and no communication."""
+    """The floor: fp32 params, bf16 autocast, torch's fused AdamW, no sharding and no communication;
+    compile=True: the whole model through torch.compile."""
+    if spec.offload != "none" or spec.precision == "fp8":
+        raise ValueError(f"plain torch runs without offload in bf16/fp32; got offload={spec.offload}, "
+                         f"precision={spec.precision}")
     with device:
         model = _build_model(spec, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    run = torch.compile(model) if spec.compile else model
+    micro = [0]
 
     def forward(x):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            return model(x)
+            return run(x)
 
-    def step():
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return forward, lambda loss: loss.backward(), step, optimizer, lambda: None
+    def backward(loss):
+        (loss / spec.accum).backward()
+
+    def step():  # called after every micro-batch, as the engines' step is; acts on the last of the step
+        micro[0] += 1
+        if micro[0] % spec.accum == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return forward, backward, step, optimizer, lambda: None
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(user, sys) CPU seconds of this process so far, every thread (CPU Adam's OpenMP threads too)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
 
 
 def measure(spec: Spec) -> dict:
-    """Train `spec` for warmup + steps; tokens/s, TFLOPS, MFU, peak GPU memory and peak host RSS."""
+    """Train `spec` for warmup + steps optimizer steps of `accum` micro-batches each; tokens/s, TFLOPS, MFU, peak
+    GPU memory and host RSS of the steps, build seconds and the build's host peak, the first step's seconds,
+    CPU user/sys seconds per timed step, and with `time_step` the optimizer-step call's mean wall seconds."""
     from torch.profiler import record_function
 
     from model_zoo.gpt import GPTLMLoss
@@ -147,13 +200,18 @@ def measure(spec: Spec) -> dict:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    precision = "bf16" if cuda else "fp32"
+    precision = spec.precision or ("bf16" if cuda else "fp32")
     make = dict(zerogpt=_make_zerogpt, deepspeed=_make_deepspeed, torch=_make_torch)[spec.system]
     with torch.device("meta"):
         meta_model = _build_model(spec, device)
         num_params = sum(p.numel() for p in meta_model.parameters())  # tied head counted once
         flops_per_token = meta_model.flops_per_token(spec.seq)
+    t_build = time.perf_counter()
     forward, backward, step, optimizer, close = make(spec, device, precision)
+    if cuda:
+        torch.cuda.synchronize()
+    build_s = time.perf_counter() - t_build
+    build_peak_host = _host_peak_bytes()  # the build's peak (the process's, since start-up)
     # peaks from here on: the training steps, not the model's construction
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -162,36 +220,59 @@ def measure(spec: Spec) -> dict:
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g).to(device) for _ in range(2)]
 
-    def train_step(i: int) -> torch.Tensor:  # the phases are named for the profiler (no-ops without one)
-        x = batches[i % 2]
-        with record_function("forward"):
-            loss = loss_fn(forward(x[:, :-1]), x[:, 1:])
-        with record_function("backward"):
-            backward(loss)
-        with record_function("step"):
-            step()
-        return loss
-
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
-    losses = [train_step(i).item() for i in range(spec.warmup)]
+    step_call_s = []
+
+    def train_step(i: int, time_step: bool = False) -> torch.Tensor:
+        """One optimizer step: `accum` micro-batches, the step called after each (it acts on the last).
+        The phases are named for the profiler (no-ops without one)."""
+        for micro in range(spec.accum):
+            x = batches[(i * spec.accum + micro) % 2]
+            with record_function("forward"):
+                loss = loss_fn(forward(x[:, :-1]), x[:, 1:])
+            with record_function("backward"):
+                backward(loss)
+            last = micro == spec.accum - 1
+            if last and time_step:
+                sync()
+                t = time.perf_counter()
+            with record_function("step"):
+                step()
+            if last and time_step:
+                sync()
+                step_call_s.append(time.perf_counter() - t)
+        return loss
+
+    t0 = time.perf_counter()
+    losses = [train_step(0).item()] if spec.warmup else []
     sync()
+    first_step_s = time.perf_counter() - t0  # with compile=True: torch.compile's tracing and codegen too
+    losses += [train_step(i).item() for i in range(1, spec.warmup)]
+    sync()
+    cpu0 = _cpu_seconds()
     t0 = time.perf_counter()
     for i in range(spec.steps):
-        loss = train_step(i)
+        loss = train_step(i, time_step=spec.time_step)
     sync()
     seconds = time.perf_counter() - t0
+    cpu1 = _cpu_seconds()
     losses.append(loss.item())
-    tokens_per_s = spec.batch * spec.seq * spec.steps / seconds
+    tokens_per_step = spec.batch * spec.seq * spec.accum
+    tokens_per_s = tokens_per_step * spec.steps / seconds
     tflops = tokens_per_s * flops_per_token / 1e12
     peak = device_peak_tflops(device)
     traffic = getattr(forward, "last_step_traffic", None)  # zerogpt's engine: the last step's host<->device bytes
-    out = dict(spec=asdict(spec), params=num_params, step_s=seconds / spec.steps, tokens_per_s=tokens_per_s,
-               tflops=tflops, mfu=tflops / peak if peak else None, losses=losses,
+    out = dict(spec=asdict(spec), params=num_params, step_s=seconds / spec.steps, tokens_per_step=tokens_per_step,
+               tokens_per_s=tokens_per_s, tflops=tflops, mfu=tflops / peak if peak else None, losses=losses,
                peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-               peak_host_gib=_host_peak_bytes() / 2**30,
+               peak_host_gib=_host_peak_bytes() / 2**30, build_peak_host_gib=build_peak_host / 2**30,
+               build_s=build_s, first_step_s=first_step_s if spec.warmup else None,
+               cpu_user_s_per_step=(cpu1[0] - cpu0[0]) / spec.steps,
+               cpu_sys_s_per_step=(cpu1[1] - cpu0[1]) / spec.steps,
+               host_step_s=sum(step_call_s) / len(step_call_s) if step_call_s else None,
                h2d_bytes=traffic.h2d_bytes if traffic is not None else None,
                d2h_bytes=traffic.d2h_bytes if traffic is not None else None)
     if spec.profile_to:

@@ -1,5 +1,6 @@
 """bench/gpu_check.py without a GPU: the dry run in tiny form writes summary.json with every key the GPU run
-fills, measures the tiny offloaded step and profiles it, and --merge joins phase runs into one summary."""
+fills, measures the tiny offloaded step and profiles it, and --merge joins phase runs into one summary; the
+shipped_config, largest and no_offload (compile / FP8 rows) phases each dry-run at tiny sizes."""
 from __future__ import annotations
 
 import json
@@ -55,6 +56,81 @@ def test_dry_run_without_cuda_writes_the_summary(tmp_path):
     both = json.loads((merged / "summary.json").read_text())
     assert both["largest_params"] == 123 and both["phases_run"] == ["env", "offload", "profile", "largest"]
     assert both["offload_gpt2_xl"] == summary["offload_gpt2_xl"] and both["device"] == summary["device"]
+
+
+def dry_run(tmp_path, *args: str) -> dict:
+    """One tiny phase run on the CPU; its summary.json."""
+    out = tmp_path / "check"
+    res = run_check("--out", str(out), *args, timeout=230)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the no-CUDA path")
+
+
+@no_cuda
+@pytest.mark.timeout(240)  # about 15 s of CPU: two short processes and train_gpt.py, slower on a busy machine
+def test_shipped_config_dry_run(tmp_path):
+    got = dry_run(tmp_path, "--only", "shipped_config")["shipped_config"]
+    assert got["config"] == "configs/gpt2_xl_zero3_offload.py"
+    assert got["tokens_per_step"] == got["batch"] * got["accum"] * got["seq"] and got["accum"] > 1
+    run = got["train_gpt"]  # the user's command: its metrics.jsonl and its process times
+    assert "error" not in run, run
+    assert run["timed_steps"] == run["records"] - 1 >= 1 and run["tokens_per_s"] > 0
+    assert all(b > 0 for b in run["h2d_bytes"] + run["d2h_bytes"])  # param offload: both ways every step
+    assert run["user_s"] > 0 and run["sys_s"] >= 0 and run["wall_s"] > 0
+    z = got["zerogpt"]  # the same batch shape through gpu_measure.py
+    assert "error" not in z, z
+    assert (z["spec"]["batch"], z["spec"]["accum"], z["spec"]["seq"]) == (got["batch"], got["accum"], got["seq"])
+    assert z["tokens_per_step"] == got["tokens_per_step"] and z["tokens_per_s"] > 0
+    assert 0 < z["host_step_s"] < z["step_s"] and z["cpu_user_s_per_step"] > 0
+    assert (z["h2d_bytes"], z["d2h_bytes"]) == (run["h2d_bytes"][-1], run["d2h_bytes"][-1])  # same copies
+    assert z["process"]["user_s"] > 0 and z["process"]["wall_s"] > 0
+    assert "not in --systems" in got["deepspeed"]["error"] and got["zerogpt_over_deepspeed"] is None
+
+
+@no_cuda
+@pytest.mark.timeout(240)  # about 15 s of CPU: three short processes
+def test_largest_dry_run(tmp_path):
+    got = dry_run(tmp_path, "--only", "largest", "--largest-tries", "1",
+                  "--largest-variants", "zerogpt,zerogpt_disk,zerogpt_bf16_state,deepspeed")["largest"]
+    assert "not in --systems" in got["deepspeed"]["error"]
+    for name in ("zerogpt", "zerogpt_disk", "zerogpt_bf16_state"):
+        v = got[name]
+        assert len(v["rows"]) == 1 and v["estimate"]["layers"] >= 1 and v["host_bytes_free_gib"] > 0, v
+        row = v["rows"][0]
+        assert row["spec"]["meta_init"] and row["spec"]["offload"].endswith("+param") and row["est_host_gib"] > 0
+        if name == "zerogpt_bf16_state" and "error" in row:  # the option is not in the engine: recorded
+            assert v["errors"] and v["layers"] is None
+            continue
+        assert "error" not in row, row
+        assert v["layers"] == row["spec"]["shape"][0] and v["params"] == row["params"] > 0
+        assert v["host_bytes_per_param"] == pytest.approx(row["peak_host_gib"] * 2**30 / row["params"])
+        assert v["build_s"] > 0 and v["step_s"] > 0
+    assert got["zerogpt_disk"]["rows"][0]["spec"]["offload"] == "disk+param"
+    assert got["zerogpt_bf16_state"]["rows"][0]["spec"]["state_dtype"] == "bf16"
+    est = {name: got[name]["estimate"]["est_host_bytes_per_param"] for name in got if name != "deepspeed"}
+    assert est["zerogpt_disk"] < est["zerogpt_bf16_state"] < est["zerogpt"]  # Adam's moments leave the host
+
+
+@no_cuda
+@pytest.mark.timeout(240)  # about 15 s of CPU: two short processes (stage 3 keeps its blocks eager)
+def test_no_offload_compile_and_fp8_rows_dry_run(tmp_path):
+    summary = dry_run(tmp_path, "--only", "no_offload", "--no-offload-models", "gpt2_xl", "--systems", "zerogpt",
+                      "--no-offload-stages", "3", "--steps", "1")
+    table = {r["variant"]: r for r in summary["no_offload_gpt2_xl_variants"]}
+    assert set(table) == {"eager", "compile", "fp8", "fp8+compile"}
+    assert all(r["system"] == "zerogpt" and r["stage"] == 3 for r in table.values())
+    for variant in ("eager", "compile"):
+        assert table[variant]["error"] is None and table[variant]["tokens_per_s"] > 0
+        assert table[variant]["first_step_s"] > 0
+    assert table["compile"]["compile_s"] is not None and table["eager"]["compile_s"] is None
+    for variant in ("fp8", "fp8+compile"):  # float8 needs CUDA: an error row on the CPU, and the phase goes on
+        assert table[variant]["error"] and table[variant]["tokens_per_s"] is None
+    rows = summary["no_offload_rows"]
+    assert {(r["variant"], r["spec"]["precision"], r["spec"]["compile"]) for r in rows} == {
+        ("eager", None, False), ("compile", None, True), ("fp8", "fp8", False), ("fp8+compile", "fp8", True)}
 
 
 def test_unknown_phase_is_refused(tmp_path):
