@@ -7,7 +7,8 @@
 #
 # On the device machine, start every command with the line this script prints last (the install, then the
 # PYTHONPATH that puts this checkout and the installed packages first). The image already holds torch, numpy,
-# transformers, safetensors, tensorboard, psutil, ninja, einops, msgpack, py-cpuinfo, tqdm, pytest, pytest-timeout.
+# transformers, safetensors, tensorboard, psutil, ninja, einops, msgpack, py-cpuinfo, tqdm, pytest, pytest-timeout;
+# not torchao, which this script adds.
 # Versions follow this machine's pins, so both sides run the same DeepSpeed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +23,12 @@ pin() { local v; v=$(version "$1"); if [ -n "$v" ]; then echo "$1==$v"; else ech
 python -m pip download -q --no-deps --no-binary :all: -d "$DEST" "$(pin deepspeed)"
 # Its dependencies missing from the image, as wheels for CPython 3.12 on x86-64 Linux.
 WHEEL_OPTS=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
-            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$DEST")
-for pkg in hjson pydantic pydantic_core annotated_types typing_inspection; do
+            --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+            --platform any -d "$DEST")
+# torchao: precision="fp8" (float8 training) in gpu_check's no_offload rows; the image lacks it (~3.4 MB). Its
+# compiled extensions may not load against the device's torch (torchao then warns); float8 training is Python on
+# torch._scaled_mm and should not need them: not yet checked on a GPU (a failure is an error row).
+for pkg in hjson pydantic pydantic_core annotated_types typing_inspection torchao; do
     python -m pip download -q "${WHEEL_OPTS[@]}" "$(pin "$pkg")"
 done
 du -sh "$DEST"
