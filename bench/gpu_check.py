@@ -2,14 +2,14 @@
 
     python bench/gpu_check.py --out DIR                    # every phase: about 37 minutes of budgets on one
                                                            # H100, plus installs and builds
-    # in commands of under 10 minutes each (the device tool's limit per command; 30 minutes of device time per
-    # session, so two sessions: 1-3, then 4-6):
-    python bench/gpu_check.py --out DIR --only env,correctness,profile                          # 1: ~7 min
-    python bench/gpu_check.py --out DIR --only no_offload                                       # 2: ~8 min
-    python bench/gpu_check.py --out DIR --only offload --no-offload-models gpt2_xl              # 3: ~4 min
-    python bench/gpu_check.py --out DIR --only shipped_config                                   # 4: ~8 min
-    python bench/gpu_check.py --out DIR --only largest --largest-variants zerogpt,deepspeed     # 5: ~9 min
-    python bench/gpu_check.py --out DIR --only largest --largest-variants zerogpt_disk,zerogpt_bf16_state  # 6
+    # in commands of under 10 minutes each (the device tool's limit per command; a session's 30 minutes of
+    # device time hold about three of them); the minutes are the phases' budgets:
+    python bench/gpu_check.py --out DIR --only env,correctness,profile                          # ~7 min
+    python bench/gpu_check.py --out DIR --only no_offload                                       # ~8 min
+    python bench/gpu_check.py --out DIR --only offload                                          # ~4 min
+    python bench/gpu_check.py --out DIR --only shipped_config                                   # ~8 min
+    python bench/gpu_check.py --out DIR --only largest --largest-variants zerogpt,deepspeed     # ~9 min
+    python bench/gpu_check.py --out DIR --only largest --largest-variants zerogpt_disk,zerogpt_bf16_state
     python bench/gpu_check.py --merge DIR1 DIR2 ... --out DIR   # one summary.json from them
     python bench/gpu_check.py --out /tmp/gpucheck          # no CUDA: says what it skips, tiny forms, exit 0
 
@@ -369,6 +369,20 @@ def largest_start(n_head: int, n_embd: int, args, optimizer_home: str, state_dty
                 est_disk_gib=est["disk"] / 2**30)
 
 
+def _fs_type(path: str) -> str | None:
+    """The filesystem type /proc/mounts gives for `path` (tmpfs would put the "disk" tier in RAM)."""
+    best, fs = "", None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                mount, kind = line.split()[1:3]
+                if os.path.abspath(path).startswith(mount.rstrip("/") + "/") and len(mount) > len(best):
+                    best, fs = mount, kind
+    except OSError:
+        pass
+    return fs
+
+
 def phase_largest(args, summary: dict) -> None:
     """The largest GPT (hidden 2560, growing depth) each variant trains with every model state off the device.
 
@@ -443,7 +457,7 @@ def phase_largest(args, summary: dict) -> None:
                          build_s=b.get("build_s"), step_s=b.get("step_s"), peak_host_gib=b.get("peak_host_gib"),
                          bounded_by=tried[first_fail].get("error") if first_fail else "not reached (tries or budget)",
                          estimate=start, host_bytes_free_gib=host_bytes / 2**30, host_bytes_source=source,
-                         rows=rows)
+                         disk_path=disk_path, disk_fs=_fs_type(disk_path) if disk_path else None, rows=rows)
         if not rows and not tried:
             out[name]["error"] = "not started: the phase's budget is spent"
         errors = [f"{r['error']}: {r.get('detail', '')}"[:300] for r in rows if "error" in r]
@@ -561,7 +575,11 @@ def phase_shipped_config(args, summary: dict) -> None:
     prepare_cpu_adam(args)  # before train_gpt.py too: without DeepSpeed's op it runs torch's fused Adam
     tokens_per_step = shipped["batch"] * shipped["accum"] * shipped["seq"]
     out = dict(config=SHIPPED_CONFIG, batch=shipped["batch"], accum=shipped["accum"], seq=shipped["seq"],
-               tokens_per_step=tokens_per_step, vocab=args.vocab)
+               tokens_per_step=tokens_per_step, vocab=args.vocab,
+               host_step_note="metrics.jsonl has no host step time (StepMetrics.step_ms is not written there): "
+                              "host_step_s is gpu_measure's, the wall seconds of the optimizer-step call at the "
+                              "accumulation boundary with the device synchronized before and after (the host work "
+                              "the backward did not hide)")
     # 1. train_gpt.py: warmup 1 step (untimed: its record is dropped), then the timed ones; eval 1 batch at the
     #    start and the end, and the end's checkpoint (no key turns it off), all outside the records' times
     out_dir = tempfile.mkdtemp(prefix="gpu_check_shipped_")

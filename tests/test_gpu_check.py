@@ -108,7 +108,7 @@ def test_largest_dry_run(tmp_path):
         assert v["layers"] == row["spec"]["shape"][0] and v["params"] == row["params"] > 0
         assert v["host_bytes_per_param"] == pytest.approx(row["peak_host_gib"] * 2**30 / row["params"])
         assert v["build_s"] > 0 and v["step_s"] > 0
-    assert got["zerogpt_disk"]["rows"][0]["spec"]["offload"] == "disk+param"
+    assert got["zerogpt_disk"]["rows"][0]["spec"]["offload"] == "disk+param" and got["zerogpt_disk"]["disk_fs"]
     assert got["zerogpt_bf16_state"]["rows"][0]["spec"]["state_dtype"] == "bf16"
     est = {name: got[name]["estimate"]["est_host_bytes_per_param"] for name in got if name != "deepspeed"}
     assert est["zerogpt_disk"] < est["zerogpt_bf16_state"] < est["zerogpt"]  # Adam's moments leave the host
