@@ -46,11 +46,12 @@ setup(
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        # the pipeline's tests run a local Ray; the W&B hook's test runs wandb offline
-        "dev": ["pytest", "pytest-timeout", "ray[data]>=2.40", "wandb"],
+        # the pipeline's tests run a local Ray; the W&B hook's test runs wandb offline; tests/test_fp8.py converts
+        "dev": ["pytest", "pytest-timeout", "ray[data]>=2.40", "wandb", "torchao"],
         "ray": ["ray[data]>=2.40"],  # `python -m data_pipeline all --executor ray`
         "deepspeed": ["deepspeed"],
         "wandb": ["wandb"],  # train.wandb = dict(project=...): log to Weights & Biases
+        "fp8": ["torchao"],  # precision = "fp8": torchao's float8 training (zerogpt/fp8.py)
     },
     entry_points={
         "console_scripts": [

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}  # fp8: bf16 parameters and activations, float8 inside Linear (zerogpt/fp8.py)
 
 
 def compute_dtype(precision: str) -> torch.dtype:

@@ -151,6 +151,10 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
         raise ValueError("a parallelized model needs its mesh in the context: initialize(parallel, ..., "
                          "ctx=ctx.with_mesh(mesh)) with the mesh parallelize() was given")
 
+    if ecfg.precision == "fp8":  # before chunking: Float8Linear keeps each weight Parameter (zerogpt/fp8.py)
+        from zerogpt.fp8 import convert_for_device
+
+        convert_for_device(module, ctx.device)
     host = ecfg.host.with_env_overrides()
     optimizer, no_decay = _resolve_optimizer(optimizer, module, host.cpu_adam)
     params = _param_groups(module, optimizer)

@@ -64,11 +64,14 @@ def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor", st
 
 
 def _log_first_step(model: nn.Module, count: int, logger: Any) -> None:
-    """Log the time from the first forward to the second: the first step, compilation of forward and
-    backward included. A root pre-forward hook that removes itself once it has logged."""
+    """Log the time from the first training forward to the second: the first step, compilation of forward
+    and backward included (an evaluation before it compiles its own no-grad graph, not counted). A root
+    pre-forward hook that removes itself once it has logged."""
     started: list[float] = []
 
     def hook(module: nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
         if not started:
             started.append(time.perf_counter())
             return

@@ -86,6 +86,7 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
     dims = ParallelDims.from_config(parallel_config(cfg), world_size)
     ecfg = engine_config(cfg, dims.dp)
     zero, precision = ecfg.zero, ecfg.precision
+    precision = "bf16" if precision == "fp8" else precision  # fp8: bf16 state and activations, float8 in matmuls
     try:
         built = model()
     except Exception:  # a model that does not build on meta (a local HF model): its shape is unknown here
