@@ -380,12 +380,15 @@ def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan
     _fused_on_the_device(optimizer, plan, ctx)
     zero = plan.config.zero
     loss_scaler = DynamicLossScaler(zero.loss_scale, enabled=plan.config.precision == "fp16")
+    # On a GPU the host step runs behind the next forward (stage 3, host masters); on a CPU run the two would
+    # share the same cores, so it runs in place.
     return ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=plan.optim_home,
                             precision=plan.config.precision, stage=plan.stage, group=ctx.dp_group,
                             loss_scaler=loss_scaler, clip_grad_norm=plan.config.clip_grad_norm,
                             no_decay=set(plan.no_decay), norm_duplicates=set(parallel.norm_duplicates),
                             model_parallel_group=ctx.model_parallel_group, traffic=traffic,
-                            state_dtype=STATE_DTYPES[zero.offload_optimizer.state_dtype])
+                            state_dtype=STATE_DTYPES[zero.offload_optimizer.state_dtype],
+                            overlap_next_forward=ctx.device.type == "cuda")
 
 
 def _fused_on_the_device(optimizer: torch.optim.Optimizer, plan: EnginePlan, ctx: DistContext) -> None:

@@ -125,6 +125,7 @@ class Engine:
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; "
                              f"reduce it first (e.g. loss.mean())")
+        self.sharded_optim.finish_step()  # the gradient buffers are an overlapped step's input until it ends
         reduce = self.stage >= 2 or self.is_accumulation_boundary
         self._last_reduce = self.is_accumulation_boundary
         self.grad_hooks.begin_backward(reduce, self._hand_over, at_launch=self.hand_over_at_launch)
@@ -311,10 +312,13 @@ class Engine:
         """Host RAM this rank holds while it trains, in bytes (what the build line states; issue 30 point 1).
 
         The model state in host memory now (`memory_stats()`; on a CPU run every home but disk is host memory),
-        the fp32 gradient shards each step allocates there, and on a CPU run the compute's own largest buffers:
-        the largest chunk twice (a parameter's gradient as autograd makes it beside the chunk buffer it lands in;
-        the tied embedding's two gradients), and at stage 3 once more (its gathered copy). Not counted:
-        activations, and the interpreter and libraries.
+        the fp32 gradient shards each step allocates there, and on a CPU run the compute's own largest buffers.
+        Sharded chunks: the largest chunk twice (its local gradient buffer, and a parameter's gradient as
+        autograd makes it beside that buffer), at stage 3 once more (its gathered copy). One shard per chunk:
+        the gathered chunk is the shard and the local gradient buffer the gradient shard (Chunk.gather,
+        add_param_grad), leaving the largest parameter's gradient beside its chunk's buffer, unless that
+        parameter is its chunk's only one (its gradient becomes the buffer); a tied embedding adds none
+        (grad_hooks.py). Not counted: activations, the interpreter and libraries, freed heap not returned.
         """
         stats = self.memory_stats()
         homes = ("device", "host") if self.ctx.device.type == "cpu" else ("host",)
@@ -322,8 +326,12 @@ class Engine:
         held += sum(s.master.numel() * 4 for s in self.sharded_optim.states.values()
                     if s.grad is None and s.grad_home in homes)
         if self.ctx.device.type == "cpu":
-            largest = max((c.plan.padded_numel * c.dtype.itemsize for c in self.chunks), default=0)
-            held += (3 if self.stage == 3 else 2) * largest
+            if any(c.plan.num_shards > 1 for c in self.chunks):
+                largest = max(c.plan.padded_numel * c.dtype.itemsize for c in self.chunks)
+                held += (3 if self.stage == 3 else 2) * largest
+            else:
+                held += max((s.numel * c.dtype.itemsize for c in self.chunks if len(c.plan.slots) > 1
+                             for s in c.plan.slots), default=0)
         return held
 
     def describe(self) -> str:
@@ -364,6 +372,7 @@ class Engine:
 
         Streams chunk by chunk, so peak extra memory is one chunk, not a second model.
         """
+        self.sharded_optim.finish_step()
         out: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
             full = self.full_chunk_values(chunk, dtype)
@@ -426,7 +435,9 @@ class Engine:
         return load_engine(self, directory)
 
     def close(self) -> None:
-        """Remove hooks and any disk-offload files; close the shared-memory transport (and its thread)."""
+        """Remove hooks and any disk-offload files; close the shared-memory transport (and its thread), and the
+        host step's worker thread."""
+        self.sharded_optim.close()
         self.grad_hooks.remove()
         if self.gather_hooks is not None:
             self.gather_hooks.remove()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -193,7 +193,8 @@ class Chunk:
     `full` (compute dtype, on the device) holds every parameter of the chunk while it is gathered;
     at stages 0-2 it is always gathered, at stage 3 only between `gather()` and `release()`.
     `shard` is this rank's slice of the parameters: a view of `full` at stages 0-2, its own storage
-    (on the device or, with param offload, in host memory) at stage 3.
+    (on the device or, with param offload, in host memory) at stage 3, where one shard on the compute's
+    device is also `full` while gathered.
     `grad_full` accumulates the local gradient; `reduce()` turns it into this rank's shard.
     `transport`, when given, is `group`'s shared-memory transport (zero/shm.py): every collective of the chunk
     goes through it where it would run on gloo. The engine owns it and closes it.
@@ -228,6 +229,9 @@ class Chunk:
         self.persistent_full = persistent_full
         self.shard_home = "device" if persistent_full else shard_home  # for the memory accounting
         self.full: torch.Tensor | None = None
+        # Set while an overlapped optimizer step (ShardedOptimizer) may still be writing this chunk's shard:
+        # calling it waits for that and finishes the write-back. gather() calls it before reading the shard.
+        self.pending_step: Callable[[], None] | None = None
         self.grad_full: torch.Tensor | None = None
         self._written: set[int] = set()  # slots of grad_full holding a gradient (the rest is garbage)
         self.slots_ready: set[int] = set()  # slots whose gradient arrived in this backward
@@ -290,6 +294,8 @@ class Chunk:
 
     def gather(self, async_op: bool = False) -> None:
         """All-gather the shards into `full` (stage 3). No-op when already gathered or in flight."""
+        if self.pending_step is not None:
+            self.pending_step()
         if self.full is not None or self._gather_work is not None:
             if not async_op:
                 self.wait_gather()
@@ -297,13 +303,15 @@ class Chunk:
         shard = self.shard.to(self.device, non_blocking=True) if self.shard.device != self.device else self.shard
         if self.traffic is not None:
             self.traffic.copied(self.shard_home, "device", self.shard)
-        buffer = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
         if self.plan.num_shards == 1:
-            buffer.copy_(shard)
-            self._gather_buffer, self._gather_work = buffer, None
-            self.full = buffer
+            # One shard is the whole chunk: it is `full` itself, its copy on the device when it rests on the host, and
+            # otherwise (CPU compute, a device-resident shard) the shard: gathering copies nothing, so a CPU run at
+            # one rank holds no second copy of a chunk while it computes (the tied embedding's, through the pass)
+            self.full = shard
+            self._gather_buffer, self._gather_work = self.full, None
             self.bind_params()
             return
+        buffer = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
         work = all_gather_flat(buffer, shard, group=self.group, async_op=True, transport=self.transport)
         self._gather_buffer, self._gather_work, self._gather_input = buffer, work, shard
         if not async_op:
@@ -365,6 +373,33 @@ class Chunk:
             target.copy_(grad.reshape(-1))
             self._written.add(slot_index)
         self.slots_ready.add(slot_index)
+
+    def add_param_rows(self, slot_index: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Accumulate an embedding's gradient given as rows: `rows[..., :]` belongs to row `ids[...]` of the slot.
+
+        A tied embedding's gradient (grad_hooks.py) arrives this way instead of as a dense vocab x dim tensor.
+        Repeated ids are summed first, then added once per row, so a row's sum is the one autograd's dense
+        embedding gradient gives (the ids' rows in order, then added to the head's gradient).
+        """
+        slot = self.plan.slots[slot_index]
+        target = self._slot_grad(slot_index).view(slot.shape)
+        unique, inverse = ids.reshape(-1).unique(return_inverse=True)
+        rows = rows.reshape(-1, rows.shape[-1])
+        summed = torch.zeros(unique.numel(), rows.shape[-1], dtype=rows.dtype, device=rows.device)
+        target.index_add_(0, unique, summed.index_add_(0, inverse, rows).to(target.dtype))
+        self.slots_ready.add(slot_index)
+
+    def _slot_grad(self, slot_index: int) -> torch.Tensor:
+        """One slot's flat view of `grad_full` to add into, zero-filled if no gradient has reached it."""
+        if self.grad_full is None:
+            self.grad_full = torch.empty(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+            self._written = set()
+        slot = self.plan.slots[slot_index]
+        target = self.grad_full[slot.offset : slot.end]
+        if slot_index not in self._written:
+            target.zero_()
+            self._written.add(slot_index)
+        return target
 
     def local_grad(self, slot_index: int) -> torch.Tensor:
         """One slot's accumulated local gradient (not yet reduced) as a view, zero-filled if none arrived."""

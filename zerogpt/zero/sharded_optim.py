@@ -15,6 +15,7 @@ each chunk's step). Nothing here reads a tensor back to the host, except fp16's 
 from __future__ import annotations
 
 from collections import ChainMap
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,7 +146,8 @@ class ChunkState:
             self.grad.add_(reduced)
         return self.grad
 
-    def step(self, group: dict, factor: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> bool:
+    def step(self, group: dict, factor: torch.Tensor | None, found_inf: torch.Tensor | None = None,
+             grad: torch.Tensor | None = None) -> bool:
         """Unscale/clip this chunk's gradient by `factor`, then one optimizer step of this chunk alone, with the
         hyperparameters of `group` (the user's param group this chunk follows). Returns whether the step also
         wrote the compute copy (then `write_back` has nothing to do).
@@ -168,7 +170,8 @@ class ChunkState:
             # to a host master: a blocking copy, since non_blocking would return pinned memory still being
             # written (the host step waits for the gradients anyway); to the device: no wait
             flag = found_inf.to(self.master.device, non_blocking=self.master.device.type != "cpu")
-        grad = self.grad if self.grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
+        grad = grad if grad is not None else self.grad  # an overlapped step passes the one it captured
+        grad = grad if grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
         host_step = _is_cpu_adam(self.optimizer) and self.master.device.type == "cpu"
         scale = 1.0
         if factor is not None and host_step:  # read once; the update multiplies each gradient as it reads it
@@ -223,7 +226,7 @@ class ShardedOptimizer:
                  loss_scaler: DynamicLossScaler, clip_grad_norm: float | None,
                  no_decay: set[str] | None = None, norm_duplicates: set[str] | None = None,
                  model_parallel_group: dist.ProcessGroup | None = None, traffic: Traffic | None = None,
-                 state_dtype: torch.dtype = torch.float32) -> None:
+                 state_dtype: torch.dtype = torch.float32, overlap_next_forward: bool = False) -> None:
         self.optimizer = optimizer  # holds the hyperparameters; LR schedulers bind to it
         self.chunks = chunks
         self.placement = placement
@@ -259,6 +262,11 @@ class ShardedOptimizer:
             raise ValueError(f"disk offload keeps Adam state (exp_avg, exp_avg_sq) in memory-mapped files; "
                              f"{type(optimizer).__name__} is not an Adam-family optimizer. Use "
                              f"zero.offload_optimizer=dict(device='cpu') or an Adam/AdamW/CPUAdam optimizer")
+        # Stage 3, host masters: the step may run behind the next forward (`_overlaps`); the engine asks for it
+        # where the compute is a GPU (on a CPU run, forward and host step would share the same cores).
+        self.overlap_next_forward = overlap_next_forward
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: dict[int, Future] = {}
         self.states: dict[int, ChunkState] = {}
         for chunk in chunks:
             if chunk.plan.trainable:
@@ -302,6 +310,7 @@ class ShardedOptimizer:
     # -- gradients ----------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
+        # an overlapped step holds its own reference to each gradient it has yet to read
         for state in self.states.values():
             state.grad = None
 
@@ -329,6 +338,7 @@ class ShardedOptimizer:
         a non-finite step on the device instead (`self.found_inf`, not read here). Clipping multiplies by
         min(1, max_norm / (norm + eps)) computed on the device: no branch on the norm's value.
         """
+        self.finish_step()
         scale = self.loss_scaler.scale
         grad_norm = self._global_sumsq().sqrt_() / scale
         if self.loss_scaler.enabled and not torch.isfinite(grad_norm).item():
@@ -347,7 +357,10 @@ class ShardedOptimizer:
             factor = torch.clamp(self.clip_grad_norm / (grad_norm + CLIP_EPS), max=1.0) / scale
         elif scale != 1.0:
             factor = torch.tensor(1.0 / scale, device=grad_norm.device)
-        self._step_chunks(factor, found_inf)
+        if self._overlaps():
+            self._launch_chunks(factor, found_inf)
+        else:
+            self._step_chunks(factor, found_inf)
         # The user's optimizer holds no tensors: this step moves nothing, but runs its step hooks once and
         # tells LR schedulers bound to it that a step happened.
         self.optimizer.step()
@@ -383,14 +396,67 @@ class ShardedOptimizer:
             if work is not None:
                 work.wait()
 
+    # -- the step behind the next forward ------------------------------------------------------------
+
+    def _overlaps(self) -> bool:
+        """Whether this step runs behind the next forward: stage 3 (each chunk is gathered, so its first use
+        waits for its own step), every master on the host stepped by CPUAdam's host step (the worker only
+        computes on the host; device copies and collectives stay on this thread, in the same order on every
+        rank)."""
+        return self.overlap_next_forward and self.stage == 3 and all(
+            s.home == "host" and s.master.device.type == "cpu" and _is_cpu_adam(s.optimizer)
+            for s in self.states.values())
+
+    def _launch_chunks(self, factor: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """Queue each chunk's step on a worker thread, in chunk (forward) order, and return.
+
+        The norm, the non-finite flag and the clip factor are known already (this thread computed them, and
+        reads the factor and flag to the host here, which the host step needs anyway): the result is the plain
+        step's bit for bit. A chunk's next gather waits for its own step (`Chunk.pending_step`), so the next
+        forward's first blocks start while later chunks still step; `finish_step()` waits for all.
+        """
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogpt-host-step")
+        factor = None if factor is None else factor.to("cpu")
+        found_inf = None if found_inf is None else found_inf.to("cpu")
+        for state in self.states.values():
+            group = self.optimizer.param_groups[state.group_index]
+            self._pending[state.index] = self._worker.submit(state.step, group, factor, found_inf, state.grad)
+            state.chunk.pending_step = lambda index=state.index: self._finish_chunk(index)
+            if not state.master_is_param_shard:
+                self.traffic.copied(state.home, state.chunk.shard_home, state.chunk.shard)
+
+    def _finish_chunk(self, index: int) -> None:
+        """Wait for one chunk's overlapped step (re-raising its error here) and finish its write-back."""
+        state = self.states[index]
+        state.chunk.pending_step = None
+        wrote = self._pending.pop(index).result()
+        if not wrote:
+            state.write_back()
+
+    def finish_step(self) -> None:
+        """Wait for every chunk of an overlapped step; a no-op when none is pending. Anything that reads the
+        masters, the state or every shard (the next step, backward, checkpoints) calls this first."""
+        for index in list(self._pending):
+            self._finish_chunk(index)
+
+    def close(self) -> None:
+        """Finish a pending step and stop the worker thread."""
+        self.finish_step()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
     # -- state (torch's Stateful protocol) -------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Hyperparameters, loss scaler and, per trainable chunk, this rank's shard tensors (live, not copies).
+        Finishes an overlapped step first.
 
         {"param_groups": [hyperparameters], "loss_scaler": {...},
          "chunks": {index: {"master": shard, "exp_avg": shard, ..., "step": 0-dim}}}
         """
+        self.finish_step()
         return {
             "param_groups": [_hyperparameters(g) for g in self.optimizer.param_groups],
             "loss_scaler": self.loss_scaler.state_dict(),
@@ -399,6 +465,7 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a `state_dict()`: shard tensors are copied into place (their home: pinned, memory-mapped)."""
+        self.finish_step()
         groups = self.optimizer.param_groups
         if len(state["param_groups"]) != len(groups):
             raise ValueError(f"the state has {len(state['param_groups'])} optimizer param groups, the optimizer "

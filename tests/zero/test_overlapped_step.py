@@ -1,0 +1,120 @@
+"""The host step behind the next forward (issue 29 point 3): at stage 3 with the masters on the host, each chunk's
+optimizer step runs on a worker thread and the next forward's gather of a chunk waits for that chunk alone.
+
+The engine turns it on where the compute is a GPU; here it is forced on CPU, where the same code runs (the worker
+only computes on the host). It must be the plain step bit for bit: norm, clip factor and non-finite flag are
+computed before the chunks are queued.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from model_zoo.gpt import GPTLMLoss, gpt2_tiny
+from tests.dist_utils import run_distributed
+from zerogpt.context import DistContext
+
+VOCAB, SEQ, MICRO, STEPS, ACCUM = 96, 16, 2, 4, 2
+SETTINGS = [dict(precision="bf16", clip=1.0), dict(precision="bf16", clip=None),
+            dict(precision="fp32", clip=0.05), dict(precision="bf16", clip=1.0, state_dtype="bf16")]
+
+
+def make_engine(precision: str, clip: float | None, state_dtype: str = "fp32", *, overlap: bool):
+    import zerogpt
+    from zerogpt.zero import BucketTensorShardStrategy
+
+    torch.manual_seed(0)
+    model = gpt2_tiny(vocab_size=VOCAB, dropout=0.0, max_position_embeddings=SEQ)
+    zero = dict(stage=3, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02), offload_param=dict(device="cpu"),
+                offload_optimizer=dict(device="cpu", state_dtype=state_dtype))
+    cfg = zerogpt.Config(dict(zero=zero, precision=precision, clip_grad_norm=clip, GRADIENT_ACCUMULATION=ACCUM))
+    engine = zerogpt.initialize(model, dict(type="HybridAdam", lr=3e-3, weight_decay=0.1), config=cfg,
+                                ctx=DistContext.current())
+    engine.sharded_optim.overlap_next_forward = overlap  # what a GPU run gets; forced on CPU
+    return engine
+
+
+def batches(world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, VOCAB, (STEPS, ACCUM, world, MICRO, SEQ + 1), generator=g)
+
+
+def train(engine, rank: int, world: int) -> tuple[list[float], list[bool]]:
+    """Losses, and whether every chunk still had its step pending right after each engine.step()."""
+    losses, deferred = [], []
+    for step in batches(world):
+        for micro in step:
+            tokens = micro[rank]
+            loss = GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:])
+            engine.backward(loss)
+            if engine.step() is not None:
+                deferred.append(all(c.pending_step is not None for c in engine.chunks if c.plan.trainable))
+            engine.zero_grad()
+            total = loss.detach().float().clone()
+            if world > 1:
+                dist.all_reduce(total)
+            losses.append(total.item() / world)
+    return losses, deferred
+
+
+def _compare(rank: int, world: int) -> list[dict]:
+    out = []
+    for setting in SETTINGS:
+        run = {}
+        for overlap in (False, True):
+            engine = make_engine(**setting, overlap=overlap)
+            losses, deferred = train(engine, rank, world)
+            run[overlap] = dict(losses=losses, deferred=deferred, params=engine.state_dict_full())
+            engine.close()
+        out.append(run)
+    return out
+
+
+def _assert_same(results: list[dict]) -> None:
+    for setting, run in zip(SETTINGS, results):
+        plain, overlapped = run[False], run[True]
+        assert overlapped["losses"] == plain["losses"], setting
+        assert plain["params"].keys() == overlapped["params"].keys()
+        for name, value in plain["params"].items():
+            assert torch.equal(value, overlapped["params"][name]), (setting, name)
+        assert overlapped["deferred"] == [True] * STEPS, setting  # the step really ran behind the next forward
+        assert plain["deferred"] == [False] * STEPS, setting
+
+
+def test_overlapped_step_is_the_plain_step_bit_for_bit():
+    _assert_same(_compare(0, 1))
+
+
+@pytest.mark.timeout(300)
+def test_overlapped_step_is_the_plain_step_bit_for_bit_on_two_ranks():
+    _assert_same(run_distributed(_compare, 2, timeout=280)[0])
+
+
+def test_an_error_in_the_worker_surfaces_at_the_next_forward():
+    engine = make_engine("bf16", 1.0, overlap=True)
+    tokens = batches(1)[0, 0, 0]
+    for _ in range(ACCUM):
+        engine.backward(GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:]))
+    state = next(iter(engine.sharded_optim.states.values()))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("host step failed")
+
+    state.optimizer.step = broken
+    engine.step()
+    engine.zero_grad()
+    with pytest.raises(RuntimeError, match="host step failed"):
+        engine(tokens[:, :-1])
+    engine.close()
+
+
+def test_checkpoint_and_consolidation_wait_for_the_step(tmp_path):
+    engine = make_engine("bf16", 1.0, overlap=True)
+    tokens = batches(1)[0, 0, 0]
+    for _ in range(ACCUM):
+        engine.backward(GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:]))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    assert not engine.sharded_optim._pending and all(c.pending_step is None for c in engine.chunks)
+    engine.close()
