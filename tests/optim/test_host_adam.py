@@ -114,3 +114,12 @@ def test_wrong_inputs_are_named():
     with pytest.raises(RuntimeError, match="exp_avg_sq has dtype"):
         host_adam_step(master, torch.zeros(10), torch.zeros(10), torch.zeros(10, dtype=torch.bfloat16), step=1,
                        weight_decay=0.0, adamw=True, **HYPER)
+
+
+
+def test_a_skipped_step_still_fills_copy_to():
+    p = torch.randn(100)
+    p.grad = torch.full_like(p, float("nan"))
+    out = torch.zeros(100, dtype=torch.bfloat16)
+    CPUAdam([p], **HYPER).step(found_inf=torch.tensor(1.0), copy_to={p: out})
+    assert torch.equal(out, p.to(torch.bfloat16))

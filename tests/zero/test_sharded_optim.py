@@ -112,3 +112,14 @@ def test_norm_duplicates_leave_a_parameters_gradient_out_of_the_norm_only():
         lm_loss(model, token_batches(1, 1, 1)[0, 0, 0], 0).backward()
         wpe = model.transformer.wpe.weight.grad.norm()
         torch.testing.assert_close(full ** 2 - skipped ** 2, wpe ** 2, rtol=1e-4, atol=1e-8)
+
+
+def test_host_staging_hands_out_its_two_buffers_in_turn():
+    from zerogpt.zero.sharded_optim import HostStaging
+
+    staging = HostStaging(100, torch.bfloat16)
+    first, second, third = staging.take(10), staging.take(100), staging.take(50)
+    assert first.numel() == 10 and second.numel() == 100 and third.numel() == 50
+    assert first.data_ptr() == third.data_ptr() != second.data_ptr()
+    staging.sent()  # no GPU here: nothing to wait for, the turn goes on
+    assert staging.take(1).data_ptr() == second.data_ptr()

@@ -273,6 +273,8 @@ class CPUAdam(torch.optim.Optimizer):
                     grad_scale: float, out: torch.Tensor | None) -> None:
         """One host param through zerogpt's fused op: scaled gradient in, Adam, master and `out` written."""
         if found_inf is not None and found_inf.item():  # the flag is on the host, beside the gradients
+            if out is not None:  # skipped: `out` still receives p's (unchanged) value, as copy_to promises
+                out.copy_(p)
             return
         state["step"] += 1
         host_adam_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()),

@@ -147,7 +147,7 @@ class ChunkState:
         return self.grad
 
     def step(self, group: dict, factor: torch.Tensor | None, found_inf: torch.Tensor | None = None,
-             grad: torch.Tensor | None = None) -> bool:
+             grad: torch.Tensor | None = None, out: torch.Tensor | None = None) -> bool:
         """Unscale/clip this chunk's gradient by `factor`, then one optimizer step of this chunk alone, with the
         hyperparameters of `group` (the user's param group this chunk follows). Returns whether the step also
         wrote the compute copy (then `write_back` has nothing to do).
@@ -192,7 +192,8 @@ class ChunkState:
                 else:
                     torch._foreach_add_([grad[a:b] for a, b in self.decay_ranges], self._decay_views, alpha=wd)
         self.master.grad = grad
-        out = self._host_compute_copy() if host_step else None
+        if out is None and host_step:  # `out`: a staging buffer of the caller's, for a shard on the device
+            out = self._host_compute_copy()
         if host_step:
             self.optimizer.step(found_inf=flag, grad_scale=scale,
                                 copy_to=None if out is None else {self.master: out})
@@ -266,6 +267,7 @@ class ShardedOptimizer:
         # where the compute is a GPU (on a CPU run, forward and host step would share the same cores).
         self.overlap_next_forward = overlap_next_forward
         self._worker: ThreadPoolExecutor | None = None
+        self._staging: HostStaging | None = None  # made on first use (a GPU run, params on the device)
         self._pending: dict[int, Future] = {}
         self.states: dict[int, ChunkState] = {}
         for chunk in chunks:
@@ -381,10 +383,14 @@ class ShardedOptimizer:
             if i + 1 < len(order):
                 for t in order[i + 1].tensors():
                     self.placement.prefetch(t)
-            wrote = state.step(self.optimizer.param_groups[state.group_index], factor, found_inf)
+            staged = self._staging_for(state)
+            wrote = state.step(self.optimizer.param_groups[state.group_index], factor, found_inf, out=staged)
             # Copy the updated master into its param shard now, while its pages are in RAM (disk)
             # and so the host->device copy overlaps the next chunk's CPU step.
-            if not wrote:
+            if staged is not None and wrote:
+                state.chunk.shard.copy_(staged, non_blocking=True)
+                self._staging.sent()
+            elif not wrote:
                 state.write_back()
             if not state.master_is_param_shard:
                 self.traffic.copied(state.home, state.chunk.shard_home, state.chunk.shard)
@@ -395,6 +401,19 @@ class ShardedOptimizer:
         for work in gathers:
             if work is not None:
                 work.wait()
+
+    def _staging_for(self, state: ChunkState) -> torch.Tensor | None:
+        """A pinned buffer for the compute copy of a host master whose param shard is on the device (CUDA,
+        optimizer offloaded without the params): the host step writes the copy there in the compute dtype, so
+        2 bytes/param cross the bus instead of the fp32 master's 4, and the cast needs no pass of its own."""
+        shard = state.chunk.shard
+        if state.master_is_param_shard or shard.device.type != "cuda" or state.master.device.type != "cpu" \
+                or not _is_cpu_adam(state.optimizer) or shard.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        if self._staging is None:
+            largest = max(s.master.numel() for s in self.states.values())
+            self._staging = HostStaging(largest, shard.dtype)
+        return self._staging.take(shard.numel())
 
     # -- the step behind the next forward ------------------------------------------------------------
 
@@ -497,6 +516,31 @@ class ShardedOptimizer:
                         live[key].copy_(value)
                 chunk_state.write_back()
         self.zero_grad()
+
+
+class HostStaging:
+    """Two pinned host buffers, used in turn: the host step writes one chunk's compute copy into one while the
+    other's copy to the device may still be in flight; taking a buffer waits for its last copy (an event)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        pin = torch.cuda.is_available()
+        self.buffers = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self.events: list[Any] = [None, None]
+        self.turn = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        """The next buffer's first `numel` elements, once the copy that last read it has finished."""
+        self.turn ^= 1
+        if self.events[self.turn] is not None:
+            self.events[self.turn].synchronize()
+            self.events[self.turn] = None
+        return self.buffers[self.turn][:numel]
+
+    def sent(self) -> None:
+        """The copy out of the buffer last taken is queued: record when it will have read it."""
+        if torch.cuda.is_available():
+            self.events[self.turn] = torch.cuda.Event()
+            self.events[self.turn].record()
 
 
 def _slot_ranges(chunk: Chunk, excluded: set[str]) -> list[tuple[int, int]] | None:
