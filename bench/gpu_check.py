@@ -331,21 +331,16 @@ LARGEST_VARIANTS = dict(  # name: (system, zerogpt's optimizer home, zero.offloa
 
 
 def estimate_bytes(layers: int, n_head: int, n_embd: int, args, optimizer_home: str, state_dtype: str | None) -> dict:
-    """zerogpt's memory model (the numbers its preflight refuses a run with) for stage 3 + param offload, bf16
-    (fp32 on CPU), activation checkpointing: bytes on the host, the device and the disk; the state_dtype bf16
-    option halves Adam's moments (4 bytes/param instead of 8)."""
-    from zerogpt.memory_model import (CATEGORIES, HOMES, ModelShape, activation_bytes, buffer_bytes,
-                                      model_state_bytes)
+    """zerogpt's memory model (zerogpt/memory_model.py estimate: what preflight and zerogpt_tools.estimate use) for
+    stage 3 + param offload, bf16 (fp32 on CPU), activation checkpointing: bytes on the host, the device and the
+    disk; state_dtype bf16 holds Adam's moments in 4 bytes/param instead of 8."""
+    from zerogpt.memory_model import ModelShape, estimate
 
-    precision = "fp32" if args.tiny else "bf16"
     shape = ModelShape(layers=layers, hidden=n_embd, heads=n_head, vocab=args.vocab, positions=args.seq)
-    states = model_state_bytes(shape.num_params, 3, 1, precision, optimizer_home, "cpu",
-                               optimizer_bytes_per_param=4 if state_dtype == "bf16" else 8)
-    buffers = buffer_bytes(shape, 3, 1, precision, optimizer_home, prefetch=2)
-    out = {h: sum(states[c][h] for c in CATEGORIES) + buffers[h] for h in HOMES}
-    out["device"] += activation_bytes(shape, args.seq, args.largest_batch, precision, checkpoint=True)["total"] + 2**30
-    out["params"] = shape.num_params
-    return out
+    est = estimate(shape, 3, 1, "fp32" if args.tiny else "bf16", optimizer_home, "cpu", seq_len=args.seq,
+                   batch=args.largest_batch, checkpoint=True,
+                   optimizer_bytes_per_param=4 if state_dtype == "bf16" else 8)
+    return dict(est["totals"], params=est["num_params"])
 
 
 def largest_start(n_head: int, n_embd: int, args, optimizer_home: str, state_dtype: str | None,
