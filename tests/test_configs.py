@@ -20,7 +20,7 @@ SHIPPED = ["demo_cpu.py", "gpt2_medium_ddp.py", "gpt2_medium_pp2.py", "gpt2_medi
 EXPECTED = {"demo_cpu.py": (2, 1, "none", 2), "gpt2_medium_ddp.py": (0, 8, "none", 8),
             "gpt2_medium_pp2.py": (1, 2, "none", 2), "gpt2_medium_tp2.py": (1, 2, "none", 2),
             "gpt2_small_zero2.py": (2, 4, "none", 8), "gpt2_small_zero3_offload.py": (3, 4, "cpu", 4),
-            "gpt2_xl_zero3_offload.py": (3, 16, "cpu", 1), "gpt2_zero3.py": (3, 1, "cpu", 4)}
+            "gpt2_xl_zero3_offload.py": (3, 1, "none", 1), "gpt2_zero3.py": (3, 1, "cpu", 4)}
 
 
 def test_every_shipped_config_is_tested():
