@@ -3,7 +3,8 @@
 World size 1 on the CPU: the stage sweep trains the tiny GPT eagerly and compiled and compares losses and
 parameters in fp32; a counting backend shows the blocks share one graph compiled once (no graph break, no
 recompile over the steps). One test goes through the config with the inductor backend (C++ on the CPU) and
-activation checkpointing; one saves and resumes a compiled engine.
+activation checkpointing; one saves and resumes a compiled engine; a 2-stage pipeline (2 gloo ranks) compiles each
+stage's blocks and trains as eagerly.
 """
 from __future__ import annotations
 
@@ -152,3 +153,33 @@ def test_resume_of_a_compiled_engine(tmp_path):
     resumed.load_checkpoint(str(tmp_path / "step_3"))
     assert head + train(resumed, data[3:]) == expected
     resumed.close()
+
+
+def _pipeline_fit(rank: int, world: int) -> dict:
+    """PP2 on 2 gloo ranks, trained by the Trainer as tests/parallel/test_tp_pp.py trains it: eager, then with
+    each stage's blocks compiled."""
+    from tests.parallel.test_pipeline import STEPS, Record, _trainer_data
+    from tests.parallel.test_tp_pp import build
+    from zerogpt.trainer import Trainer
+
+    out = {}
+    for compiled in (False, True):
+        engine, pipeline = build(1, 2, 1)
+        backend = CountingBackend()
+        blocks = compile_blocks(engine.module, backend=backend) if compiled else 0
+        train_data, _ = _trainer_data(engine.ctx.dp_size)
+        record = Record()
+        Trainer(engine, hooks=[record], pipeline=pipeline).fit([b[engine.ctx.dp_rank] for b in train_data],
+                                                               max_steps=STEPS)
+        engine.close()
+        out[compiled] = {"losses": record.losses, "blocks": blocks, "graphs": backend.graphs}
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_pipeline_stages_compile_their_blocks():
+    from tests.dist_utils import run_distributed
+
+    for rank, run in enumerate(run_distributed(_pipeline_fit, 2, timeout=180)):
+        torch.testing.assert_close(run[True]["losses"], run[False]["losses"], rtol=1e-5, atol=1e-6)
+        assert run[True]["blocks"] == 2 and run[True]["graphs"] == 1, (rank, run[True])  # tiny_gpt4: 2 per stage

@@ -10,7 +10,8 @@ parameters as graph inputs), compiled on the first step.
 Stage 3 is left eager: its gather hooks sit on every parameter-owning submodule inside a block (each Linear and
 LayerNorm, zero/gather_hooks.py), so a compiled block would break its graph at each of them and recompile as
 their parameters change size between gathered and released. Compiling there needs the gather hooks moved to
-block granularity first.
+block granularity first. Tensor parallelism is left eager too: dynamo (torch 2.13) fails on a DTensor
+parameter whose local tensor is a chunk slot (chunk.py bind_param). Pipeline stages compile their own blocks.
 """
 from __future__ import annotations
 
@@ -44,23 +45,36 @@ def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor", st
 
     Args:
         backend: a torch.compile backend ("inductor"; tests use "aot_eager" or a counting backend).
-        stage: the ZeRO stage; at 3 nothing is compiled (see the module docstring) and a warning says so.
+        stage: the ZeRO stage; at 3 nothing is compiled (see the module docstring) and a warning says so, as
+            under tensor parallelism.
         logger: where the compile time goes (the launch log); None = nowhere.
     Example:
         >>> compile_blocks(gpt2_tiny(), backend="aot_eager")
         2
     """
     blocks = find_blocks(model)
-    if stage == 3:
+    reason = _why_eager(blocks, stage)
+    if reason:
         if logger is not None and blocks:
-            logger.warning("compile=True: blocks left eager at zero.stage=3 (its gather hooks sit inside each "
-                           "block, on every Linear and LayerNorm, and would break the compiled graph)")
+            logger.warning(f"compile=True: blocks left eager {reason}")
         return 0
     for block in blocks:
         block.forward = torch.compile(block.forward, backend=backend)
     if logger is not None and blocks:
         _log_first_step(model, len(blocks), logger)
     return len(blocks)
+
+
+def _why_eager(blocks: list[nn.Module], stage: int) -> str:
+    """Why these blocks cannot be compiled here (see the module docstring), or ''."""
+    from torch.distributed.tensor import DTensor
+
+    if stage == 3:
+        return ("at zero.stage=3 (its gather hooks sit inside each block, on every Linear and LayerNorm, and "
+                "would break the compiled graph)")
+    if any(isinstance(p, DTensor) for block in blocks for p in block.parameters()):
+        return "under tensor parallelism (dynamo fails on DTensor parameters bound to chunk slots)"
+    return ""
 
 
 def _log_first_step(model: nn.Module, count: int, logger: Any) -> None:

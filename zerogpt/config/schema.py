@@ -356,7 +356,7 @@ class EngineConfig:
     """Process-wide host settings (malloc, shared-memory collectives, CPU Adam kernel)."""
     compile: bool = False
     """Compile each transformer block with torch.compile (zerogpt/compile.py; stages 0-2, blocks stay eager at
-    stage 3). Off by default: not yet measured faster on a GPU."""
+    stage 3 and under tensor parallelism). Off by default: not yet measured faster on a GPU."""
 
     def __post_init__(self) -> None:
         check_fields(self, "")
