@@ -79,7 +79,7 @@ def test_two_rank_run_writes_the_run_directory(run_dir, data_dir):
     valid = [r for r in recs if r["split"] == "valid"]
     assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in valid] == [0, 3, 6]
     assert list(train[0]) == ["split", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
-                              "loss_scale", "skipped", "skipped_steps", "h2d_bytes", "d2h_bytes", "mem"]
+                              "loss_scale", "skipped", "skipped_steps", "h2d_bytes", "d2h_bytes", "host_step_s", "mem"]
     assert list(valid[0]) == ["split", "step", "loss", "ppl"]
     assert valid[-1]["loss"] < valid[0]["loss"]
     # demo data was built from the bundled corpus on first use

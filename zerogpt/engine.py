@@ -251,6 +251,13 @@ class Engine:
         return grad_norm
 
     @property
+    def last_host_step_s(self) -> float:
+        """Seconds the chunks' optimizer steps took in the last step that has finished: the host step where the
+        optimizer is offloaded. With the step behind the next forward (stage 3 on a GPU), right after `step()`
+        that is the previous step's."""
+        return self.sharded_optim.last_chunk_step_s
+
+    @property
     def lr(self) -> float:
         """The first param group's learning rate (what the LR schedule sets)."""
         groups = self.optimizer.param_groups

@@ -50,6 +50,7 @@ class EngineDouble:
         self.last_step_skipped = False
         self.last_step_found_inf = torch.zeros(())
         self.last_step_traffic = Traffic()     # no offload: nothing crosses between host and device
+        self.last_host_step_s = 0.0            # and no chunk steps
         self.loss_scale = loss_scale
         self.config = SimpleNamespace(clip_grad_norm=None, precision="fp32")   # what the NaN guard's advice reads
         self.saved: list[tuple[str, dict]] = []

@@ -40,9 +40,10 @@ def batches(world: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, ACCUM, world, MICRO, SEQ + 1), generator=g)
 
 
-def train(engine, rank: int, world: int) -> tuple[list[float], list[bool]]:
-    """Losses, and whether every chunk still had its step pending right after each engine.step()."""
-    losses, deferred = [], []
+def train(engine, rank: int, world: int) -> tuple[list[float], list[bool], list[float]]:
+    """Losses, whether every chunk still had its step pending right after each engine.step(), and the host step
+    seconds the engine reported then."""
+    losses, deferred, host_s = [], [], []
     for step in batches(world):
         for micro in step:
             tokens = micro[rank]
@@ -50,12 +51,13 @@ def train(engine, rank: int, world: int) -> tuple[list[float], list[bool]]:
             engine.backward(loss)
             if engine.step() is not None:
                 deferred.append(all(c.pending_step is not None for c in engine.chunks if c.plan.trainable))
+                host_s.append(engine.last_host_step_s)
             engine.zero_grad()
             total = loss.detach().float().clone()
             if world > 1:
                 dist.all_reduce(total)
             losses.append(total.item() / world)
-    return losses, deferred
+    return losses, deferred, host_s
 
 
 def _compare(rank: int, world: int) -> list[dict]:
@@ -64,8 +66,8 @@ def _compare(rank: int, world: int) -> list[dict]:
         run = {}
         for overlap in (False, True):
             engine = make_engine(**setting, overlap=overlap)
-            losses, deferred = train(engine, rank, world)
-            run[overlap] = dict(losses=losses, deferred=deferred, params=engine.state_dict_full())
+            losses, deferred, host_s = train(engine, rank, world)
+            run[overlap] = dict(losses=losses, deferred=deferred, host_s=host_s, params=engine.state_dict_full())
             engine.close()
         out.append(run)
     return out
@@ -80,6 +82,9 @@ def _assert_same(results: list[dict]) -> None:
             assert torch.equal(value, overlapped["params"][name]), (setting, name)
         assert overlapped["deferred"] == [True] * STEPS, setting  # the step really ran behind the next forward
         assert plain["deferred"] == [False] * STEPS, setting
+        # the plain step reports its own host time; the overlapped one, the previous step's (none before step 2)
+        assert all(s > 0 for s in plain["host_s"]), plain["host_s"]
+        assert overlapped["host_s"][0] == 0.0 and all(s > 0 for s in overlapped["host_s"][1:]), overlapped["host_s"]
 
 
 def test_overlapped_step_is_the_plain_step_bit_for_bit():

@@ -36,6 +36,10 @@ class StepMetrics:
     d2h_bytes: int | None = None
     """Bytes this step copied from the compute device to the host on this rank: reduced gradient shards handed to
     an offloaded optimizer, masters written into host param shards."""
+    host_step_s: float | None = None
+    """Seconds of the last finished optimizer step's chunk steps on this rank (engine.last_host_step_s): with the
+    optimizer offloaded, the host step (CPU Adam and the compute copies); behind the next forward (stage 3 on a
+    GPU), the previous step's."""
     logged: bool = False
     """True on a log step: the loop has copied every number to the host (one sync for the whole step)."""
     step_ms: float | None = None

@@ -240,7 +240,8 @@ class Trainer:
             traffic = engine.last_step_traffic                      # host<->device bytes: Python ints
             s.metrics = StepMetrics(step=s.step, loss=step_loss, grad_norm=grad_norm, lr=lr, skipped=skipped,
                                     loss_scale=engine.loss_scale, skipped_steps=self._skipped,
-                                    h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes)
+                                    h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
+                                    host_step_s=engine.last_host_step_s)
             if any(h.logs_at(s.step, s.max_steps) for h in self.hooks):
                 self._read_metrics(s.metrics)                       # the one host sync of a log step
             self.fire("after_step")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import ChainMap
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+import time
 from typing import Any
 
 import torch
@@ -268,6 +269,10 @@ class ShardedOptimizer:
         self.overlap_next_forward = overlap_next_forward
         self._worker: ThreadPoolExecutor | None = None
         self._staging: HostStaging | None = None  # made on first use (a GPU run, params on the device)
+        # Seconds the chunks' steps took in the last step that has finished (an overlapped step finishes behind the
+        # next forward, so right after step() this is the previous one's): the host step, where it is offloaded.
+        self.last_chunk_step_s = 0.0
+        self._chunk_step_s = 0.0  # summed by the worker as an overlapped step's chunks finish
         self._pending: dict[int, Future] = {}
         self.states: dict[int, ChunkState] = {}
         for chunk in chunks:
@@ -379,6 +384,7 @@ class ShardedOptimizer:
         """
         order = list(self.states.values())
         gathers = []
+        start = time.perf_counter()
         for i, state in enumerate(order):
             if i + 1 < len(order):
                 for t in order[i + 1].tensors():
@@ -398,6 +404,7 @@ class ShardedOptimizer:
                 gathers.append(state.chunk.all_gather_full(async_op=True))
             for t in state.tensors():
                 self.placement.evict(t)
+        self.last_chunk_step_s = time.perf_counter() - start
         for work in gathers:
             if work is not None:
                 work.wait()
@@ -440,10 +447,18 @@ class ShardedOptimizer:
         found_inf = None if found_inf is None else found_inf.to("cpu")
         for state in self.states.values():
             group = self.optimizer.param_groups[state.group_index]
-            self._pending[state.index] = self._worker.submit(state.step, group, factor, found_inf, state.grad)
+            self._pending[state.index] = self._worker.submit(self._timed_step, state, group, factor, found_inf,
+                                                             state.grad)
             state.chunk.pending_step = lambda index=state.index: self._finish_chunk(index)
             if not state.master_is_param_shard:
                 self.traffic.copied(state.home, state.chunk.shard_home, state.chunk.shard)
+
+    def _timed_step(self, state: ChunkState, *args: Any) -> bool:
+        """One chunk's step on the worker thread, its seconds added to this step's host time."""
+        start = time.perf_counter()
+        wrote = state.step(*args)
+        self._chunk_step_s += time.perf_counter() - start  # one worker thread: no other writer
+        return wrote
 
     def _finish_chunk(self, index: int) -> None:
         """Wait for one chunk's overlapped step (re-raising its error here) and finish its write-back."""
@@ -452,6 +467,8 @@ class ShardedOptimizer:
         wrote = self._pending.pop(index).result()
         if not wrote:
             state.write_back()
+        if not self._pending:  # the last chunk: the step is complete
+            self.last_chunk_step_s, self._chunk_step_s = self._chunk_step_s, 0.0
 
     def finish_step(self) -> None:
         """Wait for every chunk of an overlapped step; a no-op when none is pending. Anything that reads the

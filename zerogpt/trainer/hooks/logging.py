@@ -3,8 +3,9 @@ LogMetricByEpochHook: one console line per epoch.
 
 metrics.jsonl (DESIGN §5) holds one JSON object per line, written by rank 0 only:
   train: {"split": "train", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
-          "loss_scale", "skipped", "skipped_steps", "h2d_bytes", "d2h_bytes", "mem"}
-  (h2d_bytes / d2h_bytes: the logged step's host<->device copies on rank 0, StepMetrics)
+          "loss_scale", "skipped", "skipped_steps", "h2d_bytes", "d2h_bytes", "host_step_s", "mem"}
+  (h2d_bytes / d2h_bytes: the logged step's host<->device copies on rank 0; host_step_s: the seconds of the
+  last finished optimizer step's chunk steps, the host step when offloaded; StepMetrics)
   valid: {"split": "valid", "step", "loss", "ppl"}
 A number the run does not have (tflops without a FLOP count, loss_scale outside fp16) is null, and so is a
 non-finite one (strict JSON has no NaN); the console line shows it as `nan` / `inf`.
@@ -20,7 +21,7 @@ from dataclasses import asdict
 from zerogpt.trainer.hooks.base import Hook, every
 
 TRAIN_KEYS = ("split", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
-              "loss_scale", "skipped", "skipped_steps", "h2d_bytes", "d2h_bytes", "mem")
+              "loss_scale", "skipped", "skipped_steps", "h2d_bytes", "d2h_bytes", "host_step_s", "mem")
 VALID_KEYS = ("split", "step", "loss", "ppl")
 
 
@@ -103,6 +104,8 @@ def format_train_line(rec: dict, max_steps: int | None, step_ms: float | None) -
         parts.append(f"{rec['skipped_steps']} skipped")
     if rec.get("h2d_bytes") or rec.get("d2h_bytes"):  # offload: what crossed the bus in this step
         parts.append(f"h2d {_size(rec.get('h2d_bytes'))} d2h {_size(rec.get('d2h_bytes'))}")
+        if rec.get("host_step_s") is not None:
+            parts.append(f"host step {rec['host_step_s'] * 1e3:.0f} ms")
     mem = rec.get("mem") or {}
     if mem:
         dev = mem.get("device_peak_mb")
