@@ -533,6 +533,7 @@ def _shipped_shape(args) -> dict:
     strategy = zero.get("shard_strategy")
     out = dict(batch=cfg.BATCH_SIZE, accum=cfg.GRADIENT_ACCUMULATION, seq=cfg.SEQ_LEN, stage=zero["stage"],
                bucket_mb=getattr(strategy, "bucket_mb", None), prefetch=zero.get("prefetch"),
+               offload="cpu+param" if dict(zero.get("offload_param") or {}).get("device") == "cpu" else "cpu",
                shape=SHAPES["gpt2_xl"], precision=None, overrides=[])
     if args.tiny:
         out.update(batch=1, accum=2, seq=args.seq, shape=TINY["gpt2_xl"], precision="fp32")
@@ -556,6 +557,7 @@ def _train_records(path: str, skip: int, tokens_per_step: int) -> dict:
     out.update(step_s=step_s, tokens_per_s=tokens_per_step * len(timed) / sum(step_s),
                tflops=sum(r["tflops"] or 0 for r in timed) / len(timed),
                h2d_bytes=[r.get("h2d_bytes") for r in timed], d2h_bytes=[r.get("d2h_bytes") for r in timed],
+               host_step_s=[r.get("host_step_s") for r in timed],
                host_rss_mib_max=max((r.get("mem") or {}).get("host_rss_mb") or 0 for r in timed),
                device_peak_mib_max=max((r.get("mem") or {}).get("device_peak_mb") or 0 for r in timed),
                losses=[r["loss"] for r in recs])
@@ -571,8 +573,9 @@ def phase_shipped_config(args, summary: dict) -> None:
     tokens_per_step = shipped["batch"] * shipped["accum"] * shipped["seq"]
     out = dict(config=SHIPPED_CONFIG, batch=shipped["batch"], accum=shipped["accum"], seq=shipped["seq"],
                tokens_per_step=tokens_per_step, vocab=args.vocab,
-               host_step_note="metrics.jsonl has no host step time (StepMetrics.step_ms is not written there): "
-                              "host_step_s is gpu_measure's, the wall seconds of the optimizer-step call at the "
+               host_step_note="train_gpt's host_step_s: metrics.jsonl's, the seconds of the chunk steps of the "
+                              "last finished step (behind the next forward on a GPU: the previous step's); "
+                              "gpu_measure's host_step_s: the wall seconds of the optimizer-step call at the "
                               "accumulation boundary with the device synchronized before and after (the host work "
                               "the backward did not hide)")
     # 1. train_gpt.py: warmup 1 step (untimed: its record is dropped), then the timed ones; eval 1 batch at the
@@ -613,8 +616,8 @@ def phase_shipped_config(args, summary: dict) -> None:
             out[system] = dict(error=f"{system} is not in --systems {','.join(args.systems)}")
             continue
         extra = dict(bucket_mb=shipped["bucket_mb"], prefetch=shipped["prefetch"]) if system == "zerogpt" else {}
-        spec = Spec(system, shipped["shape"], stage=shipped["stage"], offload="cpu+param", batch=shipped["batch"],
-                    accum=shipped["accum"], seq=shipped["seq"], steps=args.shipped_steps, warmup=1,
+        spec = Spec(system, shipped["shape"], stage=shipped["stage"], offload=shipped["offload"],
+                    batch=shipped["batch"], accum=shipped["accum"], seq=shipped["seq"], steps=args.shipped_steps, warmup=1,
                     checkpoint=True, vocab=args.vocab, precision=shipped["precision"], time_step=True,
                     label=f"{system} shipped config {shipped['batch']}x{shipped['seq']} x {shipped['accum']} accum",
                     **extra)

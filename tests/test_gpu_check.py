@@ -76,9 +76,10 @@ def test_shipped_config_dry_run(tmp_path):
     assert got["config"] == "configs/gpt2_xl_zero3_offload.py"
     assert got["tokens_per_step"] == got["batch"] * got["accum"] * got["seq"] and got["accum"] > 1
     run = got["train_gpt"]  # the user's command: its metrics.jsonl and its process times
+    assert all(s > 0 for s in run["host_step_s"])  # offloaded: the host step's seconds, from metrics.jsonl
     assert "error" not in run, run
     assert run["timed_steps"] == run["records"] - 1 >= 1 and run["tokens_per_s"] > 0
-    assert all(b > 0 for b in run["h2d_bytes"] + run["d2h_bytes"])  # param offload: both ways every step
+    assert all(b > 0 for b in run["h2d_bytes"] + run["d2h_bytes"])  # gradients down, masters up, every step
     assert run["user_s"] > 0 and run["sys_s"] >= 0 and run["wall_s"] > 0
     z = got["zerogpt"]  # the same batch shape through gpu_measure.py
     assert "error" not in z, z
