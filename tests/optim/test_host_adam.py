@@ -123,3 +123,18 @@ def test_a_skipped_step_still_fills_copy_to():
     out = torch.zeros(100, dtype=torch.bfloat16)
     CPUAdam([p], **HYPER).step(found_inf=torch.tensor(1.0), copy_to={p: out})
     assert torch.equal(out, p.to(torch.bfloat16))
+
+
+def test_a_named_kernel_is_kept_for_fp32_moments():
+    """backend='torch' (or 'deepspeed', or $ZEROGPT_CPU_ADAM) steps with that kernel and copies in a second pass;
+    'auto' fuses the copy. Both give the same numbers to float rounding."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(500, generator=g)
+    q = p.clone()
+    auto, named = CPUAdam([p], **HYPER), CPUAdam([q], backend="torch", **HYPER)
+    assert auto.fuses_copies and not named.fuses_copies
+    out_p, out_q = torch.empty(500, dtype=torch.bfloat16), torch.empty(500, dtype=torch.bfloat16)
+    p.grad = q.grad = torch.randn(500, generator=g)
+    auto.step(copy_to={p: out_p})
+    named.step(copy_to={q: out_q})
+    assert rel(p, q) < 1e-6 and torch.equal(out_q, q.to(torch.bfloat16))

@@ -78,8 +78,8 @@ def _resolve_backend(prefer: str | None) -> str:
 
 def _takes_fused_step(p: torch.Tensor, state: dict, copy_to: dict[torch.Tensor, torch.Tensor] | None) -> bool:
     """Whether a host param steps through zerogpt's fused op: its moments are bf16 (only that op takes them), or
-    its new value must also be written into a compute copy of a dtype the op writes (fp32, bf16) and the op
-    builds here (else the update runs as before and a second pass copies)."""
+    its new value must also be written into a compute copy of a dtype the op writes (fp32, bf16), the op builds
+    here and the kernel was left to "auto" (else the update runs as before and a second pass copies)."""
     if state["exp_avg"].dtype == torch.bfloat16:
         return True
     out = (copy_to or {}).get(p)
@@ -149,6 +149,8 @@ class CPUAdam(torch.optim.Optimizer):
                         bias_correction=bias_correction, adamw_mode=adamw_mode, amsgrad=False)
         super().__init__(params, defaults)
         self.backend = _resolve_backend(backend)
+        # "auto" lets a step that also writes a compute copy use zerogpt's fused op; a named kernel is kept
+        self.fuses_copies = (backend or os.environ.get(ENV_VAR, "auto") or "auto").lower() == "auto"
         self._ds_ids: dict[bool, int] = {}  # adamw_mode -> id of the op-side optimizer object
 
     # -- torch.optim.Optimizer plumbing -------------------------------------------------------------
@@ -171,6 +173,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_ds_ids", {})
         self.__dict__.setdefault("backend", _resolve_backend(None))
+        self.__dict__.setdefault("fuses_copies", True)
 
     def __del__(self) -> None:
         # The op keeps one C++ object per id in a global map; free ours (pytest runs many optimizers).
@@ -229,7 +232,7 @@ class CPUAdam(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise TypeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self._init_state(p)
-                if p.device.type == "cpu" and _takes_fused_step(p, state, copy_to):
+                if p.device.type == "cpu" and _takes_fused_step(p, state, copy_to if self.fuses_copies else None):
                     self._step_fused(group, p, state, found_inf, grad_scale, (copy_to or {}).get(p))
                     continue
                 grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
