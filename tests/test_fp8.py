@@ -93,6 +93,28 @@ def test_state_dict_round_trip_has_the_plain_keys(tmp_path):
     assert torch.equal(hf_state["transformer.h.0.mlp.c_fc.weight"], state["transformer.h.0.mlp.c_fc.weight"].t())
 
 
+def test_compiled_float8_blocks_trace_in_one_graph():
+    """compile = True with fp8: the blocks' Float8Linear trace into the blocks' one graph, no graph break."""
+    float8_linear()
+    from tests.test_compile import CountingBackend
+    from zerogpt.compile import compile_blocks
+
+    torch._dynamo.reset()
+    model = tiny()
+    convert_linears(model)
+    model = model.to(torch.bfloat16)
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    expected = model(x, labels=x).loss
+    backend = CountingBackend()
+    assert compile_blocks(model, backend=backend) == 2
+    for _ in range(2):
+        loss = model(x, labels=x).loss
+        loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-3)  # bf16 loss of the same computation
+    assert backend.graphs == 1
+    torch._dynamo.reset()
+
+
 def _train(engine, batches: torch.Tensor) -> list[float]:
     losses = []
     for batch in batches:
