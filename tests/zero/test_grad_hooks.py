@@ -76,3 +76,68 @@ def test_reduction_schedule_per_stage(counts, stage):
 @pytest.mark.timeout(180)
 def test_close_removes_every_hook(counts):
     assert all(result[stage]["hooks_left"] == 0 for result in counts for stage in range(4))
+
+
+# -- the tied embedding's gradient, taken as rows (issue 30 point 1) ---------------------------------------------
+
+
+def _tied_grads(stage: int, loss_of) -> tuple[torch.Tensor, torch.Tensor, list[tuple]]:
+    """(wte's gradient from the engine, from plain autograd, the aten ops the engine's backward ran with the shape
+    of what each returned)."""
+    import copy
+
+    import zerogpt
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.names.append((str(func), tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+            return out
+
+    model = tiny_gpt()
+    reference = copy.deepcopy(model)
+    tokens = torch.randint(0, 8, (2, 9), generator=torch.Generator().manual_seed(0))  # repeated ids
+    loss_of(reference, tokens).backward()
+    cfg = zerogpt.Config(dict(zero=zero_config(stage)))
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg, ctx=cpu_ctx())
+    loss = loss_of(engine, tokens)
+    with Ops() as ops:
+        engine.backward(loss)
+    index, slot_index = engine.grad_hooks.param_to_chunk[id(model.transformer.wte.weight)]
+    slot = engine.chunks[index].plan.slots[slot_index]
+    grad = engine.sharded_optim.states[index].grad[slot.offset : slot.end].view(slot.shape).clone()
+    engine.close()
+    return grad, reference.transformer.wte.weight.grad, ops.names
+
+
+def lm_loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    from model_zoo.gpt import GPTLMLoss
+
+    return GPTLMLoss(shift=False)(model(tokens[:, :-1]), tokens[:, 1:])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tied_embedding_gradient_comes_as_rows(stage):
+    """GPT-2's wte is also the LM head: its embedding gradient is added row by row into the head's, bit for bit
+    autograd's sum, and the dense vocab x dim embedding gradient is never built."""
+    grad, want, ops = _tied_grads(stage, lm_loss_of)
+    dense = [(op, shape) for op, shape in ops if "embedding_dense_backward" in op]
+    assert dense and all(shape != tuple(want.shape) for _, shape in dense), dense  # wpe's only, not wte's
+    assert torch.equal(grad, want)
+
+
+@pytest.mark.timeout(120)
+def test_tied_embedding_rows_alone_still_land():
+    """A backward that reaches wte only through the embedding (the head's output not in the loss): the rows, with
+    no gradient of the weight's own to join, are added at the end of backward."""
+    def embedding_only(m, t):
+        return (m.module if hasattr(m, "module") else m).transformer.wte(t).pow(2).sum()
+
+    grad, want, _ = _tied_grads(3, embedding_only)
+    assert torch.equal(grad, want)

@@ -185,10 +185,12 @@ def test_stage3_counts_exactly_the_chunks_in_flight(measured, precision):
     b = DTYPE_BYTES[precision]
     k = len(model) - 2
     gathered = [p.numel() for p in list(model[k].parameters()) + list(model[k + 1].parameters())]
-    in_flight = b * sum(math.ceil(n / world) * world for n in gathered)
+    # N=1 on the CPU: a gathered chunk is its shard itself (Chunk.gather copies nothing), so no bytes are added
+    padded = [0 if world == 1 else math.ceil(n / world) * world for n in gathered]
+    in_flight = b * sum(padded)
     at_rest = expected_bytes(_param_sizes(model), 3, world, precision, "after_step")["params"]
     for rank, snaps in enumerate(results):
         seen = [_totals(s)["params"] for s in snaps[("uneven", 3, precision)]["in_forward"]]
-        assert seen[0] == at_rest + b * sum(math.ceil(n / world) * world for n in gathered[:2]), \
+        assert seen[0] == at_rest + b * sum(padded[:2]), \
             "first pass (nothing recorded, no prefetch): only the layer's own chunks"
         assert seen[-1] == at_rest + in_flight, f"rank {rank}: {seen[-1]} != {at_rest} + {in_flight}"
