@@ -173,9 +173,10 @@ class Placement:
             f.truncate(nbytes)  # sparse file: zeros without writing them
         with open(path, "r+b") as f:
             mm = mmap.mmap(f.fileno(), nbytes)
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        array = np.frombuffer(mm, dtype=np_dtype, count=numel)
-        tensor = torch.from_numpy(array)
+        # numpy has no bfloat16: map its bytes as int16 and view them as bfloat16 (same size, same storage)
+        stored = torch.int16 if dtype == torch.bfloat16 else dtype
+        array = np.frombuffer(mm, dtype=torch.empty(0, dtype=stored).numpy().dtype, count=numel)
+        tensor = torch.from_numpy(array).view(dtype)
         self._disk[tensor.untyped_storage().data_ptr()] = _DiskTensor(path, mm, array)
         return tensor
 

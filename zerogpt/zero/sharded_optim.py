@@ -289,6 +289,7 @@ class ShardedOptimizer:
         else:
             master = self.placement.empty(plan.shard_numel, torch.float32, self.optim_home, f"master{plan.index}")
             master.copy_(chunk.shard)
+            self.placement.evict(master)  # a disk master's pages leave RAM until its chunk's step reads them
         group = self.optimizer.param_groups[plan.group_index]
         decay_ranges = _slot_ranges(chunk, no_decay)
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
