@@ -23,6 +23,8 @@ RUNS = {
     "build_time.py": (["--layers", "1", "--hidden", "64", "--seq", "32"], "ratio zerogpt / DeepSpeed = "),
     "cpu_adam.py": (["--help"], "usage:"),
     "dedup.py": (["--sources", "60", "--repeats", "1"], "| method |"),
+    "disk_offload.py": (["--layers", "1", "--hidden", "64", "--vocab", "256", "--steps", "1", "--file-mb", "8",
+                         "--path", "{tmp}"], "step / disk = "),
     "gpu_check.py": (["--help"], "usage:"),          # its tiny CPU dry run is tests/test_gpu_check.py
     "gpu_measure.py": (["--help"], "usage:"),
     "host_step.py": (["--shard-m", "1", "--shards", "1", "--rounds", "1", "--engine-layers", "1"],
