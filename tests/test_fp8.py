@@ -156,25 +156,34 @@ def test_zero3_engine_over_float8_linears_resumes_exactly(tmp_path):
     resumed.close()
 
 
+def half_predictable(step: int, batch: int = 16, seq: int = 64) -> torch.Tensor:
+    """(batch, seq + 1) tokens, fresh each step: even positions random, each odd one a function of the token
+    before it. The loss floor is ln(VOCAB) / 2 = 2.43 (half the targets are noise), and fresh data leaves nothing
+    to memorise, so a trained model's loss sits at the floor whatever its precision, unless the precision hurts."""
+    x = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(step))
+    x[:, 1::2] = (x[:, 0:-1:2] * 7 + 3) % VOCAB
+    return x
+
+
+def demo_losses(precision: str, ctx: DistContext, steps: int = 150) -> list[float]:
+    """A demo-size GPT (4 layers, width 256) trained on half_predictable batches at `precision`, ZeRO-2, lr 5e-4
+    and clipping at 1 (at lr 1e-3 without clipping a bf16 run spiked by 0.14 at step 180 on the CPU)."""
+    torch.manual_seed(0)
+    model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=64, n_layer=4, n_head=4, n_embd=256)
+    config = zerogpt.Config(dict(zero=dict(stage=2), precision=precision, clip_grad_norm=1.0))
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=5e-4), config=config, ctx=ctx)
+    losses = _train(engine, torch.stack([half_predictable(s) for s in range(steps)]).to(ctx.device))
+    engine.close()
+    return losses
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_cuda_fp8_reaches_the_bf16_loss():
-    """A demo-size GPT (4 layers, width 256) trained 60 steps on 8 fixed batches: the mean of fp8's last 10
-    losses is within 0.02 of bf16's."""
+    """fp8's mean loss over the last 20 of 150 steps is within 0.02 of bf16's, both at the floor."""
     float8_linear()
-    check_fp8_device(torch.device("cuda"))
     ctx = DistContext(0, 1, torch.device("cuda", torch.cuda.current_device()), local_rank=0)
-    g = torch.Generator().manual_seed(1)
-    data = torch.randint(0, VOCAB, (8, 8, 65), generator=g).cuda()
-    shape = dict(n_layer=4, n_head=4, n_embd=256)
-    tails = {}
-    for precision in ("bf16", "fp8"):
-        torch.manual_seed(0)
-        model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=64, **shape)
-        engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                    config=zerogpt.Config(dict(zero=dict(stage=2), precision=precision)), ctx=ctx)
-        losses = _train(engine, torch.cat([data] * 8)[:60])
-        engine.close()
-        tails[precision] = sum(losses[-10:]) / 10
-    assert tails["bf16"] < 4.5  # it learned (ln 128 = 4.85 at the start)
+    check_fp8_device(ctx.device)
+    tails = {precision: sum(demo_losses(precision, ctx)[-20:]) / 20 for precision in ("bf16", "fp8")}
+    assert tails["bf16"] < 2.6, tails  # it learned the predictable half (ln 128 = 4.85 at the start)
     assert abs(tails["fp8"] - tails["bf16"]) < 0.02, tails
