@@ -16,10 +16,11 @@ import shutil
 import pytest
 import torch
 
-from model_zoo.gpt import GPTLMLoss, gpt2_tiny
+from model_zoo.gpt import gpt2_tiny
 from tests.dist_utils import run_distributed
 from tests.layouts import (KINDS, TIED_HEAD, engine_mismatches, fill_engine, pipeline_stage, reference_from_checkpoint,
                            reference_from_engine, tp_local_model)
+from tests.zero.reference import train_losses
 
 VOCAB, SEQ, BATCH, LR, STEPS = 128, 16, 4, 3e-3, 2
 
@@ -44,17 +45,6 @@ def make_engine(model, stage: int = 2, ctx=None, **layout):
 
 def batches(n: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
-
-
-def train(engine, data: torch.Tensor) -> list[float]:
-    losses = []
-    for batch in data:
-        loss = GPTLMLoss(shift=False)(engine(batch[:, :-1]), batch[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def mesh_context(tp: int, pp: int, dp: int):
@@ -106,10 +96,10 @@ def run(tmp_path_factory):
     """The reference after STEPS steps, the 3 losses of the run continued, and the (2, 1, 2) checkpoint."""
     root = tmp_path_factory.mktemp("reshard")
     engine = make_engine(tiny_model())
-    train(engine, batches(STEPS + 3)[:STEPS])
+    train_losses(engine, batches(STEPS + 3)[:STEPS])
     reference = reference_from_engine(engine)
     engine.save_checkpoint(root / "w1")
-    tail = train(engine, batches(STEPS + 3)[STEPS:])
+    tail = train_losses(engine, batches(STEPS + 3)[STEPS:])
     engine.close()
     ckpt = str(root / "t2d2")
     mismatches = run_distributed(_tp_rank, 4, 2, 2, 2, reference, ckpt, None, timeout=150)
@@ -121,7 +111,7 @@ def continue_at_world_1(ckpt: str, reference: dict) -> list[float]:
     engine = make_engine(tiny_model(), stage=3)  # another stage: still the same state, bit for bit
     assert engine.load_checkpoint(ckpt) == {}
     assert engine_mismatches(engine, reference) == []
-    tail = train(engine, batches(STEPS + 3)[STEPS:])
+    tail = train_losses(engine, batches(STEPS + 3)[STEPS:])
     engine.close()
     return tail
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import zerogpt
-from model_zoo.gpt import GPTLMLoss, gpt2_tiny
-from tests.zero.reference import cpu_ctx
+from model_zoo.gpt import gpt2_tiny
+from tests.zero.reference import cpu_ctx, train_losses
 from zerogpt.compile import compile_blocks, find_blocks
 from zerogpt.config import engine_config
 
@@ -58,17 +58,6 @@ def batches(steps: int = STEPS) -> torch.Tensor:
     return torch.randint(0, VOCAB, (steps, BATCH, SEQ + 1), generator=g)
 
 
-def train(engine, data: torch.Tensor) -> list[float]:
-    losses = []
-    for batch in data:
-        loss = GPTLMLoss(shift=False)(engine(batch[:, :-1]), batch[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch.set_num_threads(1)
@@ -97,11 +86,11 @@ def test_find_blocks_is_the_gpt_blocks():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_same_losses_as_eager_and_one_graph(stage):
     eager = build_engine(stage)
-    expected = train(eager, batches())
+    expected = train_losses(eager, batches())
     eager.close()
     backend = CountingBackend()
     compiled = build_engine(stage, compile_with=backend)
-    losses = train(compiled, batches())
+    losses = train_losses(compiled, batches())
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
     if stage == 3:  # its gather hooks sit inside each block: left eager (zerogpt/compile.py)
         assert backend.graphs == 0
@@ -114,11 +103,11 @@ def test_same_losses_as_eager_and_one_graph(stage):
 @pytest.mark.timeout(120)
 def test_checkpointing_and_offload_compile_once():
     eager = build_engine(2, checkpoint=True, offload="cpu")
-    expected = train(eager, batches())
+    expected = train_losses(eager, batches())
     eager.close()
     backend = CountingBackend()
     compiled = build_engine(2, compile_with=backend, checkpoint=True, offload="cpu")
-    torch.testing.assert_close(train(compiled, batches()), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(train_losses(compiled, batches()), expected, rtol=1e-5, atol=1e-6)
     assert backend.graphs == 1
     compiled.close()
 
@@ -126,12 +115,12 @@ def test_checkpointing_and_offload_compile_once():
 @pytest.mark.timeout(120)
 def test_inductor_through_the_config_logs_the_first_step(caplog):
     eager = build_engine(1)
-    expected = train(eager, batches())
+    expected = train_losses(eager, batches())
     eager.close()
     logger = logging.getLogger("test_compile")
     with caplog.at_level(logging.INFO, logger="test_compile"):
         compiled = build_engine(1, config_compile=True, logger=logger)
-        losses = train(compiled, batches())
+        losses = train_losses(compiled, batches())
     torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)  # inductor fuses: fp32 rounding differs
     assert "forward" in vars(compiled.module.transformer.h[0])
     lines = [r.getMessage() for r in caplog.records if "compiled 2 blocks" in r.getMessage()]
@@ -143,15 +132,15 @@ def test_inductor_through_the_config_logs_the_first_step(caplog):
 def test_resume_of_a_compiled_engine(tmp_path):
     data = batches(6)
     straight = build_engine(2, compile_with="aot_eager")
-    expected = train(straight, data)
+    expected = train_losses(straight, data)
     straight.close()
     first = build_engine(2, compile_with="aot_eager")
-    head = train(first, data[:3])
+    head = train_losses(first, data[:3])
     first.save_checkpoint(str(tmp_path / "step_3"))
     first.close()
     resumed = build_engine(2, compile_with="aot_eager")
     resumed.load_checkpoint(str(tmp_path / "step_3"))
-    assert head + train(resumed, data[3:]) == expected
+    assert head + train_losses(resumed, data[3:]) == expected
     resumed.close()
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import zerogpt
-from model_zoo.gpt import GPTLMLoss, LMHead, gpt2_tiny
-from tests.zero.reference import cpu_ctx
+from model_zoo.gpt import LMHead, gpt2_tiny
+from tests.zero.reference import cpu_ctx, train_losses
 from zerogpt.amp import compute_dtype
 from zerogpt.config import engine_config
 from zerogpt.context import DistContext
@@ -115,17 +115,6 @@ def test_compiled_float8_blocks_trace_in_one_graph():
     torch._dynamo.reset()
 
 
-def _train(engine, batches: torch.Tensor) -> list[float]:
-    losses = []
-    for batch in batches:
-        loss = GPTLMLoss(shift=False)(engine(batch[:, :-1]), batch[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _fp8_engine(ctx: DistContext):
     """The tiny GPT converted by hand on a ZeRO-3 bf16 engine (the engine's fp8 path refuses the CPU)."""
     from zerogpt.zero import BucketTensorShardStrategy
@@ -143,16 +132,16 @@ def test_zero3_engine_over_float8_linears_resumes_exactly(tmp_path):
     torch.set_num_threads(1)
     data = torch.randint(0, VOCAB, (4, 2, SEQ + 1), generator=torch.Generator().manual_seed(1))
     straight = _fp8_engine(cpu_ctx())
-    expected = _train(straight, data)
+    expected = train_losses(straight, data)
     straight.close()
     assert all(torch.isfinite(torch.tensor(expected)))
     first = _fp8_engine(cpu_ctx())
-    head = _train(first, data[:2])
+    head = train_losses(first, data[:2])
     first.save_checkpoint(str(tmp_path / "step_2"))
     first.close()
     resumed = _fp8_engine(cpu_ctx())
     resumed.load_checkpoint(str(tmp_path / "step_2"))
-    assert head + _train(resumed, data[2:]) == expected
+    assert head + train_losses(resumed, data[2:]) == expected
     resumed.close()
 
 
@@ -172,7 +161,7 @@ def demo_losses(precision: str, ctx: DistContext, steps: int = 150) -> list[floa
     model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=64, n_layer=4, n_head=4, n_embd=256)
     config = zerogpt.Config(dict(zero=dict(stage=2), precision=precision, clip_grad_norm=1.0))
     engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=5e-4), config=config, ctx=ctx)
-    losses = _train(engine, torch.stack([half_predictable(s) for s in range(steps)]).to(ctx.device))
+    losses = train_losses(engine, torch.stack([half_predictable(s) for s in range(steps)]).to(ctx.device))
     engine.close()
     return losses
 

@@ -37,6 +37,20 @@ def cpu_ctx(rank: int = 0, world: int = 1, logger: Any = None) -> DistContext:
     return DistContext(rank, world, torch.device("cpu"), local_rank=rank, logger=logger)
 
 
+def train_losses(engine: Any, batches: torch.Tensor) -> list[float]:
+    """One optimizer step per (B, T+1) batch of token ids through `engine`; this rank's loss of each step."""
+    from model_zoo.gpt import GPTLMLoss
+
+    losses = []
+    for batch in batches:
+        loss = GPTLMLoss(shift=False)(engine(batch[:, :-1]), batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def step_stats(engine: Any, grad_norm: torch.Tensor | None) -> dict | None:
     """engine.step()'s norm with the step's other facts, as plain numbers; None before the boundary."""
     if grad_norm is None:
