@@ -5,7 +5,7 @@ and the gradients plus a staging bound of two chunks' state, not the state itsel
 
 A 23M-parameter GPT-2 (280 MB of master + Adam state) in 2 MB buckets (chunks of at most ~1.3M parameters), stage
 3, params on the host, fp32, on CPU, in a fresh interpreter so the peak (VmHWM) is this run's alone. Measured on
-the 2-core CI VM: about 9.6 bytes/param with the state on disk against 17.9 with it in RAM.
+the 2-core CI VM: 10.3-10.7 bytes/param with the state on disk against 17.8-18.9 with it in RAM.
 """
 from __future__ import annotations
 
@@ -72,9 +72,10 @@ def test_disk_tier_keeps_host_ram_to_compute_copy_gradients_and_staging(tmp_path
     assert disk["disk"] >= 12 * n                                # master + m + v are in the files
     assert disk["losses"] == pytest.approx(ram["losses"], rel=1e-5)  # the same training
     # the fp32 param shards and gradient shards (8 bytes/param), two chunks' master + Adam state staged, and the
-    # compute's own buffers and allocator slack, for which 2 bytes/param is room enough at this size
+    # compute's own buffers and the heap the build frees, 1.4-1.8 bytes/param at this size over four runs (peak
+    # 10.33-10.72): 3 leaves room for that spread and still fails the masters left resident after the build (13.9)
     staging = 2 * disk["largest"] * 12
-    bound = 8 * n + staging + 2 * n
+    bound = 8 * n + staging + 3 * n
     print(f"{n / 1e6:.1f}M params: disk tier peak {disk['peak'] / n:.2f} bytes/param (bound {bound / n:.2f}: "
           f"staging {staging / n:.2f}), state in RAM {ram['peak'] / n:.2f}")
     assert disk["peak"] <= bound, disk
