@@ -18,8 +18,8 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
 
 # The model state is 16 bytes/param (fp32 parameter shard = master, fp32 gradient shard, Adam m and v); the rest
-# is what is in flight and what glibc keeps. Measured over eight runs on the 2-core CI VM: 16.31-17.25
-# bytes/param (six at 16.31-16.35; 26.3 at first, then 19.2-20.4 before the two changes below), stated 16.02,
+# is what is in flight and what glibc keeps. Measured over 13 runs on the 2-core CI VM: 16.27-17.25
+# bytes/param (ten at 16.27-16.35; 26.3 at first, then 19.2-20.4 before the two changes below), stated 16.02,
 # 2-8% under the peak. What removed the rest: at one shard a gathered chunk is the shard itself (Chunk.gather:
 # no copy of each chunk while it computes, and no fragmented heap from those copies, which grew ~0.05 bytes/param
 # per layer in forward), and the tied embedding's gradient comes as rows added into the head's (grad_hooks.py:
