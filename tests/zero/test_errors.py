@@ -46,8 +46,8 @@ def test_invalid_stage(stage, error, message):
 
 
 def test_invalid_precision_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"precision must be one of 'fp32', 'bf16', 'fp16', got 'fp8'"):
-        _init(precision="fp8")
+    with pytest.raises(ValueError, match=r"precision must be one of 'fp32', 'bf16', 'fp16', 'fp8', got 'int8'"):
+        _init(precision="int8")
     with pytest.raises(ValueError, match=r"got 'bf32'.*did you mean 'fp32'|got 'bf32'.*'bf16'"):
         _init(precision="bf32")
 

@@ -19,7 +19,8 @@ def test_the_chunk_group_reads_the_users_group_in_place():
     chunk = chunk_optimizer(user, group, master)
     view = chunk.param_groups[0]
     assert view["params"][0] is master and all(p is not master for p in group["params"])
-    assert set(view.maps[0]) == {"params"}  # no hyperparameter of its own: every one is the user's
+    # its tensor and its bf16 moments' rounding seed; no hyperparameter of its own: every one is the user's
+    assert set(view.maps[0]) == {"params", "rounding_seed"}
     group["lr"] = 0.5  # as an LR scheduler sets it
     assert view["lr"] == 0.5 and dict(view)["lr"] == 0.5
 
