@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from zerogpt.optim.host_adam import host_adam_step, load_host_adam
+from zerogpt.optim.host_adam import HOST_ADAM_DTYPES, host_adam_step, load_host_adam
 
 __all__ = ["CPUAdam", "HybridAdam", "cpu_adam_backend"]
 
@@ -29,7 +29,6 @@ BACKEND_TORCH = "torch-fused"
 # The compiled op is a process-wide resource (like any loaded extension), so it is cached here:
 # None = not tried yet; otherwise (module or None, error message or None).
 _ds_op_cache: tuple[Any, str | None] | None = None
-STATE_DTYPES = (torch.float32, torch.bfloat16)  # moments: bf16 only on the host, through the fused op
 _announced: set[str] = set()
 _optimizer_ids = itertools.count()
 
@@ -83,9 +82,9 @@ def _takes_fused_step(p: torch.Tensor, state: dict, copy_to: dict[torch.Tensor, 
     if state["exp_avg"].dtype == torch.bfloat16:
         return True
     out = (copy_to or {}).get(p)
-    if out is None or out.dtype not in STATE_DTYPES or out.device.type != "cpu" or not out.is_contiguous():
+    if out is None or out.dtype not in HOST_ADAM_DTYPES or out.device.type != "cpu" or not out.is_contiguous():
         return False
-    return p.grad.dtype in STATE_DTYPES and p.is_contiguous() and p.grad.is_contiguous() \
+    return p.grad.dtype in HOST_ADAM_DTYPES and p.is_contiguous() and p.grad.is_contiguous() \
         and load_host_adam()[0] is not None
 
 
@@ -266,7 +265,7 @@ class CPUAdam(torch.optim.Optimizer):
             buf = state.get(key)
             if buf is None:
                 state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            elif buf.shape != p.shape or buf.dtype not in STATE_DTYPES or buf.device != p.device \
+            elif buf.shape != p.shape or buf.dtype not in HOST_ADAM_DTYPES or buf.device != p.device \
                     or (buf.dtype != torch.float32 and p.device.type != "cpu"):
                 raise RuntimeError(f"pre-allocated state[{key!r}] must be fp32 (bf16 on the host) {tuple(p.shape)} "
                                    f"on {p.device}; got {buf.dtype} {tuple(buf.shape)} on {buf.device}")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+HOST_ADAM_DTYPES = (torch.float32, torch.bfloat16)  # what the op reads and writes besides the fp32 master
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "host_adam.cpp")
 _op: tuple[Any, str | None] | None = None  # (module or None, failure reason)
 

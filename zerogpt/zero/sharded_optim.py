@@ -14,18 +14,18 @@ each chunk's step). Nothing here reads a tensor back to the host, except fp16's 
 """
 from __future__ import annotations
 
+import time
 from collections import ChainMap
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zerogpt.amp import DynamicLossScaler
+from zerogpt.optim.host_adam import HOST_ADAM_DTYPES, seed_of
 from zerogpt.zero.chunk import Chunk
-from zerogpt.optim.host_adam import seed_of
 from zerogpt.zero.offload import Placement, Traffic
 
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -125,6 +125,12 @@ class ChunkState:
         """The shard-sized state tensors (scalars such as Adam's step excluded)."""
         return {k: v for k, v in self.state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
 
+    @property
+    def steps_on_host(self) -> bool:
+        """Whether this chunk's step is CPUAdam's host step (a host master): the one pass that takes the clip
+        factor as it reads and writes a compute copy, and the only step the overlap's worker runs."""
+        return _is_cpu_adam(self.optimizer) and self.master.device.type == "cpu"
+
     def tensors(self) -> list[torch.Tensor]:
         """Master and state: what a disk-offloaded step reads ahead and evicts."""
         return [self.master, *self.state_tensors().values()]
@@ -173,7 +179,7 @@ class ChunkState:
             flag = found_inf.to(self.master.device, non_blocking=self.master.device.type != "cpu")
         grad = grad if grad is not None else self.grad  # an overlapped step passes the one it captured
         grad = grad if grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
-        host_step = _is_cpu_adam(self.optimizer) and self.master.device.type == "cpu"
+        host_step = self.steps_on_host
         scale = 1.0
         if factor is not None and host_step:  # read once; the update multiplies each gradient as it reads it
             scale = float(factor)
@@ -399,8 +405,7 @@ class ShardedOptimizer:
                 self._staging.sent()
             elif not wrote:
                 state.write_back()
-            if not state.master_is_param_shard:
-                self.traffic.copied(state.home, state.chunk.shard_home, state.chunk.shard)
+            self._count_compute_copy(state)
             if state.chunk.persistent_full:
                 gathers.append(state.chunk.all_gather_full(async_op=True))
             for t in state.tensors():
@@ -410,13 +415,18 @@ class ShardedOptimizer:
             if work is not None:
                 work.wait()
 
+    def _count_compute_copy(self, state: ChunkState) -> None:
+        """The step's new master written into its param shard: traffic where the two rest on either side."""
+        if not state.master_is_param_shard:
+            self.traffic.copied(state.home, state.chunk.shard_home, state.chunk.shard)
+
     def _staging_for(self, state: ChunkState) -> torch.Tensor | None:
         """A pinned buffer for the compute copy of a host master whose param shard is on the device (CUDA,
         optimizer offloaded without the params): the host step writes the copy there in the compute dtype, so
         2 bytes/param cross the bus instead of the fp32 master's 4, and the cast needs no pass of its own."""
         shard = state.chunk.shard
-        if state.master_is_param_shard or shard.device.type != "cuda" or state.master.device.type != "cpu" \
-                or not _is_cpu_adam(state.optimizer) or shard.dtype not in (torch.bfloat16, torch.float32):
+        if state.master_is_param_shard or shard.device.type != "cuda" or not state.steps_on_host \
+                or shard.dtype not in HOST_ADAM_DTYPES:
             return None
         if self._staging is None:
             largest = max(s.master.numel() for s in self.states.values())
@@ -431,8 +441,7 @@ class ShardedOptimizer:
         computes on the host; device copies and collectives stay on this thread, in the same order on every
         rank)."""
         return self.overlap_next_forward and self.stage == 3 and all(
-            s.home == "host" and s.master.device.type == "cpu" and _is_cpu_adam(s.optimizer)
-            for s in self.states.values())
+            s.home == "host" and s.steps_on_host for s in self.states.values())
 
     def _launch_chunks(self, factor: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         """Queue each chunk's step on a worker thread, in chunk (forward) order, and return.
@@ -451,8 +460,7 @@ class ShardedOptimizer:
             self._pending[state.index] = self._worker.submit(self._timed_step, state, group, factor, found_inf,
                                                              state.grad)
             state.chunk.pending_step = lambda index=state.index: self._finish_chunk(index)
-            if not state.master_is_param_shard:
-                self.traffic.copied(state.home, state.chunk.shard_home, state.chunk.shard)
+            self._count_compute_copy(state)
 
     def _timed_step(self, state: ChunkState, *args: Any) -> bool:
         """One chunk's step on the worker thread, its seconds added to this step's host time."""
