@@ -2,9 +2,11 @@
 
 World size 1 on the CPU: the stage sweep trains the tiny GPT eagerly and compiled and compares losses and
 parameters in fp32; a counting backend shows the blocks share one graph compiled once (no graph break, no
-recompile over the steps). One test goes through the config with the inductor backend (C++ on the CPU) and
-activation checkpointing; one saves and resumes a compiled engine; a 2-stage pipeline (2 gloo ranks) compiles each
-stage's blocks and trains as eagerly.
+recompile over the steps), at stage 3 too, where each block gathers its parameters as a whole. One test goes
+through the config with the inductor backend (C++ on the CPU); one saves and resumes a compiled engine; stage 3 on
+2 gloo ranks trains as single-process PyTorch, with and without activation checkpointing, compiles once, and
+frees released chunks before backward; a 2-stage pipeline (2 gloo ranks) compiles each stage's blocks and trains
+as eagerly.
 """
 from __future__ import annotations
 
@@ -37,19 +39,19 @@ class CountingBackend:
 
 
 def build_engine(stage: int, *, compile_with=None, checkpoint: bool = False, offload: str = "none",
-                 config_compile: bool = False, logger=None):
+                 offload_param: bool = False, config_compile: bool = False, logger=None):
     """The tiny GPT on a world-1 engine; `compile_with` a backend compiles its blocks as initialize does."""
     from zerogpt.zero import BucketTensorShardStrategy
 
     torch.manual_seed(0)
     model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, checkpoint=checkpoint)
     zero = dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02),
-                offload_optimizer=dict(device=offload))
+                offload_optimizer=dict(device=offload), offload_param=dict(device="cpu" if offload_param else "none"))
     cfg = zerogpt.Config(dict(zero=zero, precision="fp32", compile=config_compile))
     engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1),
                                 config=cfg, ctx=cpu_ctx(logger=logger))
     if compile_with is not None:
-        compile_blocks(engine.module, backend=compile_with, stage=stage)
+        compile_blocks(engine.module, backend=compile_with, gather_hooks=engine.gather_hooks)
     return engine
 
 
@@ -92,56 +94,129 @@ def test_same_losses_as_eager_and_one_graph(stage):
     compiled = build_engine(stage, compile_with=backend)
     losses = train_losses(compiled, batches())
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
-    if stage == 3:  # its gather hooks sit inside each block: left eager (zerogpt/compile.py)
-        assert backend.graphs == 0
-    else:  # both blocks, every step: one graph, so no graph break and no recompile
-        assert backend.graphs == 1
-        assert "graph_break" not in torch._dynamo.utils.counters
+    # both blocks, every step: one graph, so no graph break and no recompile (stage 3: chunks gathered and
+    # released around each block, the compiled forward sees full-size parameters every time)
+    assert backend.graphs == 1
+    assert "graph_break" not in torch._dynamo.utils.counters
     compiled.close()
 
 
+def test_stage3_hooks_move_to_the_blocks():
+    """Compiling at stage 3 leaves one gather hook pair per block and none inside; the embeddings, ln_f and the
+    head keep their own."""
+    engine = build_engine(3)
+    hooks, model = engine.gather_hooks, engine.module
+    inside = {id(m) for block in model.transformer.h for m in block.modules()}
+    assert inside & set(hooks.module_chunks)  # eager: each Linear and LayerNorm gathers its own
+    compile_blocks(model, backend="aot_eager", gather_hooks=hooks)
+    hooked = set(hooks.module_chunks)
+    blocks = {id(block) for block in model.transformer.h}
+    assert hooked & inside == blocks
+    assert {id(model.transformer.wte), id(model.transformer.ln_f), id(model.lm_head)} <= hooked
+    for block in model.transformer.h:
+        assert not any(m._forward_pre_hooks or m._forward_hooks for m in block.modules() if m is not block)
+    engine.close()
+
+
 @pytest.mark.timeout(120)
-def test_checkpointing_and_offload_compile_once():
-    eager = build_engine(2, checkpoint=True, offload="cpu")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpointing_and_offload_compile_once(stage):
+    """Recomputation in backward runs the compiled forward again (stage 3: gathered again by the block's hook);
+    stage 3 offloads the parameters too."""
+    setting = dict(checkpoint=True, offload="cpu", offload_param=stage == 3)
+    eager = build_engine(stage, **setting)
     expected = train_losses(eager, batches())
     eager.close()
     backend = CountingBackend()
-    compiled = build_engine(2, compile_with=backend, checkpoint=True, offload="cpu")
+    compiled = build_engine(stage, compile_with=backend, **setting)
     torch.testing.assert_close(train_losses(compiled, batches()), expected, rtol=1e-5, atol=1e-6)
     assert backend.graphs == 1
     compiled.close()
 
 
 @pytest.mark.timeout(120)
-def test_inductor_through_the_config_logs_the_first_step(caplog):
-    eager = build_engine(1)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_inductor_through_the_config_logs_the_first_step(caplog, stage):
+    eager = build_engine(stage)
     expected = train_losses(eager, batches())
     eager.close()
     logger = logging.getLogger("test_compile")
     with caplog.at_level(logging.INFO, logger="test_compile"):
-        compiled = build_engine(1, config_compile=True, logger=logger)
+        compiled = build_engine(stage, config_compile=True, logger=logger)
         losses = train_losses(compiled, batches())
     torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)  # inductor fuses: fp32 rounding differs
     assert "forward" in vars(compiled.module.transformer.h[0])
+    if stage == 3:  # initialize moved the gather hooks to the blocks
+        assert id(compiled.module.transformer.h[0]) in compiled.gather_hooks.module_chunks
     lines = [r.getMessage() for r in caplog.records if "compiled 2 blocks" in r.getMessage()]
     assert len(lines) == 1 and "first compiled step took" in lines[0], lines
     compiled.close()
 
 
 @pytest.mark.timeout(120)
-def test_resume_of_a_compiled_engine(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_of_a_compiled_engine(tmp_path, stage):
     data = batches(6)
-    straight = build_engine(2, compile_with="aot_eager")
+    straight = build_engine(stage, compile_with="aot_eager")
     expected = train_losses(straight, data)
     straight.close()
-    first = build_engine(2, compile_with="aot_eager")
+    first = build_engine(stage, compile_with="aot_eager")
     head = train_losses(first, data[:3])
     first.save_checkpoint(str(tmp_path / "step_3"))
     first.close()
-    resumed = build_engine(2, compile_with="aot_eager")
+    resumed = build_engine(stage, compile_with="aot_eager")
     resumed.load_checkpoint(str(tmp_path / "step_3"))
     assert head + train_losses(resumed, data[3:]) == expected
     resumed.close()
+
+
+def _stage3_compiled(rank: int, world: int) -> dict:
+    """Stage 3 on 2 gloo ranks, blocks compiled by a counting backend: tests/zero/test_stage3.py's recipes (plain
+    GPT, GPT with activation checkpointing) and its gather probe, the graphs counted after every step."""
+    from tests.zero.reference import engine_run
+    from tests.zero.stage3_recipes import RECIPES
+    from tests.zero.test_stage3 import PREFETCH, attach_probe, inspect_step
+    from zerogpt.zero import BucketTensorShardStrategy
+
+    out = {}
+    for name in ("gpt", "gpt_activation_checkpointing"):
+        torch._dynamo.reset()
+        backend = CountingBackend()
+
+        def setup(engine) -> None:
+            compile_blocks(engine.module, backend=backend, gather_hooks=engine.gather_hooks)
+            attach_probe(engine)
+
+        def inspect(engine, step: int) -> dict:
+            return {**inspect_step(engine, step), "graphs": backend.graphs}
+
+        # chunks of ~4K elements: some hold parameters of two blocks, or of a block and ln_f
+        zero = dict(stage=3, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.016), prefetch=PREFETCH)
+        out[name] = engine_run(rank, world, RECIPES[name], zero, setup=setup, inspect=inspect)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_stage3_on_two_ranks_trains_as_pytorch_and_compiles_once():
+    from tests.dist_utils import run_distributed
+    from tests.zero.reference import assert_run_matches, reference_run
+    from tests.zero.stage3_recipes import RECIPES
+    from tests.zero.test_stage3 import PREFETCH
+
+    runs = run_distributed(_stage3_compiled, 2, timeout=180)
+    for name, run in runs[0].items():
+        assert_run_matches(run, reference_run(RECIPES[name], 2, 1), precision="fp32", what=f"compiled {name}")
+        assert run["losses"] == runs[1][name]["losses"]
+        for rank, seen in enumerate(r[name]["inspect"] for r in runs):
+            assert [s["graphs"] for s in seen] == [1] * len(seen), (rank, name)  # no recompile after the first step
+            for step, s in enumerate(seen):
+                assert s["held_between_steps"] == 0 and s["nonempty_params"] == [], (rank, name, step)
+                assert s["released_but_alive_at_backward"] == [[]], (rank, name, step)  # saved views kept no buffer
+                # a block's chunks + prefetch + the tied embedding's, held from the embedding to the head
+                bound = s["max_chunks_per_module"] + PREFETCH + 1
+                assert 0 < s["max_held"]["forward"] <= bound < s["num_chunks"], (rank, name, step, s["max_held"])
+                prefetched = [c for phase, c, async_op, cold in s["events"] if phase == "forward" and async_op and cold]
+                assert step == 0 or prefetched, (rank, name, step)  # the recorded order, replayed ahead
 
 
 def _pipeline_fit(rank: int, world: int) -> dict:

@@ -177,10 +177,10 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
     chunks = _build_chunks(params, plan, ctx, placement, transport, init_values, traffic)
     _place_buffers(module, ctx.device, init_values.buffer_values() if init_values is not None else {})
     grad_hooks, gather_hooks = _register_hooks(module, chunks, plan)
-    if ecfg.compile:  # after the hooks: they stay outside the compiled blocks (zerogpt/compile.py)
+    if ecfg.compile:  # after the hooks: they stay outside the compiled blocks (stage 3: one pair per block)
         from zerogpt.compile import compile_blocks
 
-        compile_blocks(module, stage=plan.stage, logger=ctx.logger)
+        compile_blocks(module, gather_hooks=gather_hooks, logger=ctx.logger)
     sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, transport, traffic)
     engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx,
                     criterion=parallel.criterion(criterion), parallel=parallel, transport=transport,

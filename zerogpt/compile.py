@@ -7,19 +7,23 @@ zero/grad_hooks.py) fire on AccumulateGrad nodes, which AOT autograd leaves outs
 the same code on parameters of the same shapes, so the blocks share one compiled graph (dynamo passes module
 parameters as graph inputs), compiled on the first step.
 
-Stage 3 is left eager: its gather hooks sit on every parameter-owning submodule inside a block (each Linear and
-LayerNorm, zero/gather_hooks.py), so a compiled block would break its graph at each of them and recompile as
-their parameters change size between gathered and released. Compiling there needs the gather hooks moved to
-block granularity first. Tensor parallelism is left eager too: dynamo (torch 2.13) fails on a DTensor
-parameter whose local tensor is a chunk slot (chunk.py bind_param). Pipeline stages compile their own blocks.
+At stage 3 the gather hooks (zero/gather_hooks.py) sit on every parameter-owning submodule, inside the blocks:
+a compiled block would break its graph at each and recompile as parameters change size between gathered and
+released. So the blocks' parameters are first moved to block granularity (`Stage3GatherHooks.gather_per_block`:
+one hook pair on the block gathers and releases all of them), and the compiled forward sees plain full-size
+parameters. Tensor parallelism is left eager: dynamo (torch 2.13) fails on a DTensor parameter whose local
+tensor is a chunk slot (chunk.py bind_param). Pipeline stages compile their own blocks.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from zerogpt.zero.gather_hooks import Stage3GatherHooks
 
 __all__ = ["compile_blocks", "find_blocks"]
 
@@ -36,8 +40,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor", stage: int = 0,
-                   logger: Any = None) -> int:
+def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor",
+                   gather_hooks: Stage3GatherHooks | None = None, logger: Any = None) -> int:
     """Compile the forward of each block of `model` (find_blocks); returns how many were compiled.
 
     Call after the engine's hooks are registered (build_engine.initialize does). With a logger, the first
@@ -45,19 +49,21 @@ def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor", st
 
     Args:
         backend: a torch.compile backend ("inductor"; tests use "aot_eager" or a counting backend).
-        stage: the ZeRO stage; at 3 nothing is compiled (see the module docstring) and a warning says so, as
-            under tensor parallelism.
+        gather_hooks: stage 3's Stage3GatherHooks (engine.gather_hooks), moved to one hook pair per block before
+            the blocks are compiled; None at stages 0-2.
         logger: where the compile time goes (the launch log); None = nowhere.
     Example:
         >>> compile_blocks(gpt2_tiny(), backend="aot_eager")
         2
     """
     blocks = find_blocks(model)
-    reason = _why_eager(blocks, stage)
+    reason = _why_eager(blocks)
     if reason:
         if logger is not None and blocks:
             logger.warning(f"compile=True: blocks left eager {reason}")
         return 0
+    if gather_hooks is not None:
+        gather_hooks.gather_per_block(blocks)
     for block in blocks:
         block.forward = torch.compile(block.forward, backend=backend)
     if logger is not None and blocks:
@@ -65,13 +71,10 @@ def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor", st
     return len(blocks)
 
 
-def _why_eager(blocks: list[nn.Module], stage: int) -> str:
-    """Why these blocks cannot be compiled here (see the module docstring), or ''."""
+def _why_eager(blocks: list[nn.Module]) -> str:
+    """Why these blocks cannot be compiled (see the module docstring), or ''."""
     from torch.distributed.tensor import DTensor
 
-    if stage == 3:
-        return ("at zero.stage=3 (its gather hooks sit inside each block, on every Linear and LayerNorm, and "
-                "would break the compiled graph)")
     if any(isinstance(p, DTensor) for block in blocks for p in block.parameters()):
         return "under tensor parallelism (dynamo fails on DTensor parameters bound to chunk slots)"
     return ""

@@ -6,7 +6,9 @@ module outputs re-gathers before that module's backward. The order of gathers is
 first pass (forward and backward each) and the next `prefetch` chunks are gathered ahead,
 asynchronously; a pass whose order differs replaces the recording. The first `prefetch` chunks of
 the recorded backward are kept (or prefetched) at the end of forward rather than released: backward
-starts where forward ended, and re-gathering them there would be pure waste.
+starts where forward ended, and re-gathering them there would be pure waste. Under `compile = True`
+the transformer blocks are hooked as wholes instead (`gather_per_block`), so no hook runs inside a
+compiled block.
 
 Releasing a chunk must free its memory, but autograd saves weights for backward (a Linear saves
 `weight.t()`, a view of the gathered buffer), and such a view would pin the whole buffer until backward:
@@ -53,10 +55,34 @@ class Stage3GatherHooks:
         self.prefetch = prefetch
         self.in_backward = False
         self.handles: list[Any] = []
+        self._saved_params_ctx: Any = None
+        self._register(blocks=[])
+
+    def gather_per_block(self, blocks: list[nn.Module]) -> None:
+        """Gather and release each of `blocks` as a whole: one hook pair on the block for all of its parameters,
+        none inside it (zerogpt/compile.py calls this before compiling the blocks' forwards).
+
+        A compiled block then sees its parameters full-size and runs no hook inside (per-module hooks there
+        would break its graph at every Linear and LayerNorm). Modules outside the blocks keep their own hooks;
+        `prefetch` still counts chunks of the recorded order. Eager runs keep per-module hooks: a chunk is then
+        gathered only while a module that owns it runs, where a block holds all of its chunks through its
+        forward and its backward (tests/zero/test_stage3.py's GPT, one chunk per parameter, prefetch 2: 15
+        chunks gathered at once against 5). Call before the first forward: the recorded orders start again.
+        """
+        self.remove()
+        self._register(blocks)
+
+    def _register(self, blocks: list[nn.Module]) -> None:
+        """The hooks: gather/release on each of `blocks` for all of its parameters and on every other module
+        outside them that owns parameters directly, for those; then the root module's."""
+        whole = {id(b) for b in blocks}
+        inside = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
         self.module_chunks: dict[int, list[int]] = {}
         uses: dict[int, int] = defaultdict(int)
-        for sub in module.modules():
-            own = [p for p in sub.parameters(recurse=False) if id(p) in self.param_to_chunk]
+        for sub in self.module.modules():
+            if id(sub) in inside:
+                continue
+            own = [p for p in sub.parameters(recurse=id(sub) in whole) if id(p) in self.param_to_chunk]
             if not own:
                 continue
             chunk_ids = sorted({self.param_to_chunk[id(p)][0] for p in own})
@@ -75,7 +101,6 @@ class Stage3GatherHooks:
         self.handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self.handles.append(root.register_forward_hook(self._root_post_forward))
         self.handles.append(root.register_forward_hook(self._exit_saved_params, always_call=True))
-        self._saved_params_ctx: Any = None
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if self.in_backward:
