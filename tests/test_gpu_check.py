@@ -116,7 +116,7 @@ def test_largest_dry_run(tmp_path):
 
 
 @no_cuda
-@pytest.mark.timeout(240)  # about 15 s of CPU: two short processes (stage 3 keeps its blocks eager)
+@pytest.mark.timeout(240)  # two short processes: 30 s, 100 s on a cold inductor cache (the compile row, stage 3)
 def test_no_offload_compile_and_fp8_rows_dry_run(tmp_path):
     summary = dry_run(tmp_path, "--only", "no_offload", "--no-offload-models", "gpt2_xl", "--systems", "zerogpt",
                       "--no-offload-stages", "3", "--steps", "1")

@@ -355,8 +355,9 @@ class EngineConfig:
     host: HostConfig = field(default_factory=HostConfig)
     """Process-wide host settings (malloc, shared-memory collectives, CPU Adam kernel)."""
     compile: bool = False
-    """Compile each transformer block with torch.compile (zerogpt/compile.py; stages 0-2, blocks stay eager at
-    stage 3 and under tensor parallelism). Off by default: not yet measured faster on a GPU."""
+    """Compile each transformer block with torch.compile (zerogpt/compile.py; every stage, stage 3 gathering each
+    block's parameters as a whole; blocks stay eager under tensor parallelism). Off by default: not yet measured
+    faster on a GPU."""
 
     def __post_init__(self) -> None:
         check_fields(self, "")
