@@ -26,6 +26,7 @@ from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk, ChunkPlan, plan_chunks, to_local
 from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
+from zerogpt.zero.step_wait_hooks import StepWaitHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
 from zerogpt.zero.meta_init import range_init
@@ -182,6 +183,8 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
 
         compile_blocks(module, gather_hooks=gather_hooks, logger=ctx.logger)
     sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, transport, traffic)
+    if plan.stage in (1, 2) and plan.optim_home == "host":  # the host step may run behind the next forward
+        sharded_optim.step_waits = StepWaitHooks(module, chunks, grad_hooks.param_to_chunk)
     engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx,
                     criterion=parallel.criterion(criterion), parallel=parallel, transport=transport,
                     run_config=run_config, keeps_freed_memory=keeps_freed_memory, traffic=traffic,
@@ -380,8 +383,8 @@ def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan
     _fused_on_the_device(optimizer, plan, ctx)
     zero = plan.config.zero
     loss_scaler = DynamicLossScaler(zero.loss_scale, enabled=plan.config.precision == "fp16")
-    # On a GPU the host step runs behind the next forward (stage 3, host masters); on a CPU run the two would
-    # share the same cores, so it runs in place.
+    # On a GPU the host step runs behind the next forward (host masters); on a CPU run the two would share the
+    # same cores, so it runs in place.
     return ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=plan.optim_home,
                             precision=plan.config.precision, stage=plan.stage, group=ctx.dp_group,
                             loss_scaler=loss_scaler, clip_grad_norm=plan.config.clip_grad_norm,

@@ -204,7 +204,8 @@ class Engine:
                 if not self._last_reduce:
                     return
                 reduced = self._device_grads.pop(index)  # the step's sum crosses once
-            grad = state.add_grad(reduced, self.placement)  # adds when on the same device (CPU; grads on device)
+            # adds when on the same device (CPU; grads on device); a host gradient's norm is taken here first
+            grad = state.add_grad(reduced, self.placement, whole=self._last_reduce and state.grad_home == "host")
             self.traffic.copied("device", state.grad_home, reduced)
             if reduced.device != grad.device:
                 # Start this chunk's device->host copy, then add the copies that have landed into their
@@ -240,6 +241,8 @@ class Engine:
         if self.micro_step % self.gradient_accumulation != 0:
             return None
         self._finish_d2h()
+        if self._copy_stream is not None:  # the norms taken on the copy stream (ChunkState.add_grad)
+            torch.cuda.current_stream(self.placement.device).wait_stream(self._copy_stream)
         grad_norm, self.last_step_skipped = self.sharded_optim.step()
         self.last_step_traffic = self.traffic.take()
         self.global_step += 1

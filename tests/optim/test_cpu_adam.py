@@ -253,3 +253,38 @@ def test_hybrid_adam_mixed_devices(default_backend):
         assert rel(p.cpu(), q) < 1e-6
     with pytest.raises(ValueError, match="HybridAdam"):
         CPUAdam([torch.zeros(3, device="cuda", requires_grad=True)])
+
+
+@pytest.mark.parametrize("backend, fused", [("auto", True), ("auto", False), ("torch", False), ("deepspeed", False)])
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_decay_ranges_decay_only_those_slots_after_the_grad_scale(default_backend, backend, fused, adamw_mode):
+    """`decay_ranges`: one flat param whose ranges [3, 40) and [60, 100) decay, against torch with the same
+    slots as separate params in a decayed and an undecayed group. The gradient is scaled (as the engine's clip
+    factor does) before the L2 term is added. `fused`: the step also writes a compute copy, which the fused op
+    does in its pass (one call per run of slots); otherwise the kernel runs after a decay pass."""
+    if backend == "deepspeed" and default_backend != "deepspeed":
+        pytest.skip("the DeepSpeed op did not build here")
+    ranges, n, scale = [(3, 40), (60, 100)], 131, 0.5
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(n, generator=g)
+    cuts = [0, 3, 40, 60, 100, n]
+    pieces = [flat[a:b].clone().requires_grad_() for a, b in zip(cuts, cuts[1:])]
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    ref = ref_cls([{"params": pieces[1::2], "weight_decay": 0.2}, {"params": pieces[0::2], "weight_decay": 0.0}],
+                  **kwargs)
+    ours = flat.clone().requires_grad_()
+    opt = CPUAdam([{"params": [ours], "decay_ranges": ranges}], weight_decay=0.2, adamw_mode=adamw_mode,
+                  backend=backend, **kwargs)
+    copy_out = torch.empty(n)
+    for _ in range(4):
+        grad = torch.randn(n, generator=g)
+        ours.grad = grad.clone()
+        for piece, a, b in zip(pieces, cuts, cuts[1:]):
+            piece.grad = grad[a:b] * scale
+        opt.step(grad_scale=scale, copy_to={ours: copy_out} if fused else None)
+        ref.step()
+    expect = torch.cat([p.detach() for p in pieces])
+    assert rel(ours.detach(), expect) < 1e-6
+    if fused:
+        assert torch.equal(copy_out, ours.detach())

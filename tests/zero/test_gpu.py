@@ -48,12 +48,12 @@ def attach_handover_probe(engine) -> None:
     engine._probe = {"ended": False, "calls": []}
 
     def probe(state):
-        def add_grad(reduced, placement, original=state.add_grad):
+        def add_grad(reduced, placement, whole=False, original=state.add_grad):
             copy_stream = engine._copy_stream
             on_copy = (reduced.is_cuda and copy_stream is not None
                        and torch.cuda.current_stream(reduced.device) == copy_stream)
             during_backward = not engine._probe["ended"]
-            shard = original(reduced, placement)  # where the fp32 grad shard lives (freed after the step)
+            shard = original(reduced, placement, whole)  # where the fp32 grad shard lives (freed after the step)
             engine._probe["calls"].append((on_copy, during_backward, shard.device.type,
                                            shard.device.type != "cpu" or shard.is_pinned()))
             return shard

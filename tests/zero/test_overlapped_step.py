@@ -1,5 +1,6 @@
-"""The host step behind the next forward (issue 29 point 3): at stage 3 with the masters on the host, each chunk's
-optimizer step runs on a worker thread and the next forward's gather of a chunk waits for that chunk alone.
+"""The host step behind the next forward (issue 29 point 3): with the masters on the host, each chunk's optimizer
+step runs on a worker thread and the next forward's first use of a chunk waits for that chunk alone (stage 3: its
+gather; stages 1-2: the pre-forward hook of a block or module that owns it, which also all-gathers it).
 
 The engine turns it on where the compute is a GPU; here it is forced on CPU, where the same code runs (the worker
 only computes on the host). It must be the plain step bit for bit: norm, clip factor and non-finite flag are
@@ -17,17 +18,22 @@ from zerogpt.context import DistContext
 
 VOCAB, SEQ, MICRO, STEPS, ACCUM = 96, 16, 2, 4, 2
 SETTINGS = [dict(precision="bf16", clip=1.0), dict(precision="bf16", clip=None),
-            dict(precision="fp32", clip=0.05), dict(precision="bf16", clip=1.0, state_dtype="bf16")]
+            dict(precision="fp32", clip=0.05), dict(precision="bf16", clip=1.0, state_dtype="bf16"),
+            dict(precision="bf16", clip=1.0, stage=2), dict(precision="fp32", clip=None, stage=2),
+            dict(precision="bf16", clip=0.05, stage=1)]
 
 
-def make_engine(precision: str, clip: float | None, state_dtype: str = "fp32", *, overlap: bool):
+def make_engine(precision: str, clip: float | None, state_dtype: str = "fp32", stage: int = 3, *, overlap: bool):
+    """Stage 3 offloads parameters and optimizer; stages 1-2 the optimizer alone."""
     import zerogpt
     from zerogpt.zero import BucketTensorShardStrategy
 
     torch.manual_seed(0)
     model = gpt2_tiny(vocab_size=VOCAB, dropout=0.0, max_position_embeddings=SEQ)
-    zero = dict(stage=3, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02), offload_param=dict(device="cpu"),
+    zero = dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02),
                 offload_optimizer=dict(device="cpu", state_dtype=state_dtype))
+    if stage == 3:
+        zero["offload_param"] = dict(device="cpu")
     cfg = zerogpt.Config(dict(zero=zero, precision=precision, clip_grad_norm=clip, GRADIENT_ACCUMULATION=ACCUM))
     engine = zerogpt.initialize(model, dict(type="HybridAdam", lr=3e-3, weight_decay=0.1), config=cfg,
                                 ctx=DistContext.current())

@@ -1,10 +1,11 @@
 """zero/sharded_optim.py's chunk optimizers read their hyperparameters from the user's param group in place:
 nothing is copied, an LR scheduler's change is seen at once, and a chunk that decays slot by slot steps with
-weight_decay 0 without touching the user's group. No process group, no engine."""
+weight_decay 0 without touching the user's group (CPUAdam: with the ranges that decay, for its own pass). No process group, no engine."""
 from __future__ import annotations
 
 import torch
 
+from zerogpt.optim import CPUAdam
 from zerogpt.zero.sharded_optim import chunk_optimizer
 
 
@@ -29,8 +30,16 @@ def test_a_chunk_that_decays_per_slot_steps_with_zero_decay_and_leaves_the_users
     user = _users_optimizer()
     group = user.param_groups[0]
     master = torch.randn(5)
-    chunk = chunk_optimizer(user, group, master, decay_per_slot=True)
+    chunk = chunk_optimizer(user, group, master, decay_ranges=[(1, 3)])
     assert chunk.param_groups[0]["weight_decay"] == 0.0 and group["weight_decay"] == 0.1
+
+
+def test_a_cpu_adam_chunk_that_decays_per_slot_is_given_the_ranges_and_the_users_decay():
+    user = _users_optimizer(CPUAdam)
+    group = user.param_groups[0]
+    chunk = chunk_optimizer(user, group, torch.randn(5), decay_ranges=[(1, 3)])
+    assert chunk.param_groups[0]["weight_decay"] == 0.1 and chunk.param_groups[0]["decay_ranges"] == [(1, 3)]
+    assert "decay_ranges" not in group
 
 
 def test_a_step_through_the_view_equals_a_step_of_the_users_class():

@@ -88,6 +88,44 @@ def _takes_fused_step(p: torch.Tensor, state: dict, copy_to: dict[torch.Tensor, 
         and load_host_adam()[0] is not None
 
 
+def decay_segments(numel: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+    """A flat param cut into (start, end, decays) runs that cover it, from the sorted ranges that decay."""
+    segments, at = [], 0
+    for a, b in ranges:
+        if at < a:
+            segments.append((at, a, False))
+        segments.append((a, b, True))
+        at = b
+    if at < numel:
+        segments.append((at, numel, False))
+    return segments
+
+
+def decay_slices(param: torch.Tensor, grad: torch.Tensor, ranges: list[tuple[int, int]], *, lr: float,
+                 weight_decay: float, decoupled: bool, found_inf: torch.Tensor | None = None) -> None:
+    """Weight decay of the given ranges of a flat param, as a pass before an update that runs without decay.
+
+    Decoupled (AdamW): param *= 1 - lr * wd, left alone when `found_inf` is set (a tensor op, no branch on it:
+    the update skips on the flag, so must this). L2 (Adam): grad += wd * param.
+    """
+    if not weight_decay or not ranges:
+        return
+    param, grad = param.view(-1), grad.view(-1)
+    if decoupled:
+        keep = 1.0 - lr * weight_decay
+        if found_inf is not None:
+            keep = torch.where(found_inf.to(param.device) > 0, 1.0, keep)
+        torch._foreach_mul_([param[a:b] for a, b in ranges], keep)
+    else:
+        torch._foreach_add_([grad[a:b] for a, b in ranges], [param[a:b] for a, b in ranges], alpha=weight_decay)
+
+
+def _segment_seed(seed: int, start: int) -> int:
+    """The rounding seed of a run of slots that starts at `start`: the op hashes indices from each call's own 0,
+    so each run gets its own stream of random bits."""
+    return (seed ^ (start * 0x9E3779B1)) & 0x7FFFFFFF
+
+
 def _announce(key: str, msg: str) -> None:
     if key not in _announced:
         _announced.add(key)
@@ -112,6 +150,10 @@ class CPUAdam(torch.optim.Optimizer):
     `p.grad_dtype = None` to attach a low-precision grad to an fp32 master); they are read as fp32.
     State tensors already present in `self.state[p]` (e.g. memory-mapped by the engine for disk offload)
     are updated in place and never reallocated, by `step` and by `load_state_dict` alike.
+
+    A param group may name `decay_ranges`: the sorted (start, end) ranges of each flattened param that take
+    weight_decay, the rest none (the engine's chunk shards mix weights with biases and norms). The fused op
+    takes the decay into its one pass, a call per run of slots; the other kernels get a decay pass first.
 
     Args:
         params: iterable of tensors or param-group dicts (fp32, on CPU; HybridAdam also takes CUDA).
@@ -238,6 +280,11 @@ class CPUAdam(torch.optim.Optimizer):
                 if grad_scale != 1.0:
                     grad = grad * grad_scale
                 (host if p.device.type == "cpu" else dev).append((p, grad, state))
+            if group.get("decay_ranges") is not None and (host or dev):  # the kernels decay all or nothing
+                for p, grad, _ in host + dev:
+                    decay_slices(p, grad, group["decay_ranges"], lr=group["lr"], weight_decay=group["weight_decay"],
+                                 decoupled=bool(group["adamw_mode"]), found_inf=found_inf)
+                group = {**group, "weight_decay": 0.0}
             if host:
                 if self.backend == BACKEND_DEEPSPEED:
                     if found_inf is None or not found_inf.item():
@@ -279,10 +326,15 @@ class CPUAdam(torch.optim.Optimizer):
                 out.copy_(p)
             return
         state["step"] += 1
-        host_adam_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()),
-                       lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                       adamw=bool(group["adamw_mode"]), bias_correction=bool(group["bias_correction"]),
-                       grad_scale=grad_scale, out=out, seed=group.get("rounding_seed", 0))
+        wd, ranges, seed = group["weight_decay"], group.get("decay_ranges"), group.get("rounding_seed", 0)
+        segments = [(0, p.numel(), True)] if ranges is None or not wd else decay_segments(p.numel(), ranges)
+        flat = [t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+        for a, b, decays in segments:  # the decay folded into the update: one op call per run of slots
+            host_adam_step(*(t[a:b] for t in flat), step=int(state["step"].item()), lr=group["lr"],
+                           betas=group["betas"], eps=group["eps"], weight_decay=wd if decays else 0.0,
+                           adamw=bool(group["adamw_mode"]), bias_correction=bool(group["bias_correction"]),
+                           grad_scale=grad_scale, out=None if out is None else out.view(-1)[a:b],
+                           seed=seed if a == 0 else _segment_seed(seed, a))
 
     def _ds_id(self, op: Any, group: dict) -> int:
         adamw = bool(group["adamw_mode"])

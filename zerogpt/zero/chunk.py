@@ -230,7 +230,8 @@ class Chunk:
         self.shard_home = "device" if persistent_full else shard_home  # for the memory accounting
         self.full: torch.Tensor | None = None
         # Set while an overlapped optimizer step (ShardedOptimizer) may still be writing this chunk's shard:
-        # calling it waits for that and finishes the write-back. gather() calls it before reading the shard.
+        # calling it waits for that and finishes the write-back (stages 1-2: and the all-gather into `full`).
+        # gather() (stage 3) and the modules' pre-forward hooks (stages 1-2, StepWaitHooks) call it first.
         self.pending_step: Callable[[], None] | None = None
         self.grad_full: torch.Tensor | None = None
         self._written: set[int] = set()  # slots of grad_full holding a gradient (the rest is garbage)
@@ -292,10 +293,14 @@ class Chunk:
             else:
                 bind_param(param, self.full[slot.offset : slot.end].view(slot.shape))
 
-    def gather(self, async_op: bool = False) -> None:
-        """All-gather the shards into `full` (stage 3). No-op when already gathered or in flight."""
+    def wait_step(self) -> None:
+        """Finish this chunk's optimizer step if it runs behind the forward (`pending_step`); else nothing."""
         if self.pending_step is not None:
             self.pending_step()
+
+    def gather(self, async_op: bool = False) -> None:
+        """All-gather the shards into `full` (stage 3). No-op when already gathered or in flight."""
+        self.wait_step()
         if self.full is not None or self._gather_work is not None:
             if not async_op:
                 self.wait_gather()

@@ -17,13 +17,14 @@ from __future__ import annotations
 import time
 from collections import ChainMap
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zerogpt.amp import DynamicLossScaler
+from zerogpt.optim.cpu_adam import CPUAdam, decay_slices
 from zerogpt.optim.host_adam import HOST_ADAM_DTYPES, seed_of
 from zerogpt.zero.chunk import Chunk
 from zerogpt.zero.offload import Placement, Traffic
@@ -33,8 +34,6 @@ CLIP_EPS = 1e-6
 
 
 def _is_cpu_adam(optimizer: torch.optim.Optimizer) -> bool:
-    from zerogpt.optim.cpu_adam import CPUAdam
-
     return isinstance(optimizer, CPUAdam)
 
 
@@ -62,16 +61,17 @@ def _hyperparameters(group: dict) -> dict:
 
 
 def chunk_optimizer(template: torch.optim.Optimizer, group: dict, master: torch.Tensor,
-                    decay_per_slot: bool = False, rounding_seed: int = 0) -> torch.optim.Optimizer:
+                    decay_ranges: list[tuple[int, int]] | None = None,
+                    rounding_seed: int = 0) -> torch.optim.Optimizer:
     """An optimizer of `template`'s class over `master` alone, reading its hyperparameters from `group`.
 
-    Its one param group is a ChainMap: its own `params` ([master]), weight_decay 0 when the chunk decays slot by
-    slot (`ChunkState.step` applies it), then `group` itself, read at each lookup: an LR scheduler's change is
-    seen with no copy. Torch's optimizers only read their groups with `group[key]` while stepping. CPUAdam reads
-    `rounding_seed`, the seed of its bf16 moments' stochastic rounding, distinct per chunk shard.
+    Its one param group is a ChainMap: its own `params` ([master]), then `group` itself, read at each lookup: an
+    LR scheduler's change is seen with no copy. Torch's optimizers only read their groups with `group[key]` while
+    stepping. When only `decay_ranges` of the shard take weight decay, CPUAdam is given them (`decay_ranges`: its
+    fused op decays in the update's own pass); any other optimizer gets weight_decay 0 and `ChunkState.step`
+    decays the ranges. CPUAdam reads `rounding_seed`, the seed of its bf16 moments' stochastic rounding,
+    distinct per chunk shard.
     """
-    from zerogpt.optim.cpu_adam import CPUAdam
-
     kwargs = {"backend": template.backend} if isinstance(template, CPUAdam) else {}  # the kernel chosen once
     try:
         optimizer = type(template)([{"params": [master], **_hyperparameters(group)}], **kwargs)
@@ -81,7 +81,9 @@ def chunk_optimizer(template: torch.optim.Optimizer, group: dict, master: torch.
                         f"give the optimizer's constructor defaults for every argument") from None
     built = optimizer.param_groups[0]
     own = {k: v for k, v in built.items() if k == "params" or k not in group}  # + defaults the user's group lacks
-    if decay_per_slot:
+    if decay_ranges is not None and isinstance(template, CPUAdam):
+        own["decay_ranges"] = decay_ranges
+    elif decay_ranges is not None:
         own["weight_decay"] = 0.0
     own["rounding_seed"] = rounding_seed
     optimizer.param_groups[0] = ChainMap(own, group)
@@ -107,10 +109,9 @@ class ChunkState:
     # pipeline stage), so the norm counts every distinct gradient once.
     norm_ranges: list[tuple[int, int]] | None = None
     grad: torch.Tensor | None = None  # reduced fp32 grad shard, summed over micro-steps; None between steps
-    _decay_views: list[torch.Tensor] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._decay_views = [self.master[a:b] for a, b in self.decay_ranges or ()]
+    # The squared norm of `grad` (its norm ranges), taken from the gradient on the device before it crossed
+    # to the host, when that one hand-over was the step's whole gradient; None: the step reads `grad`.
+    grad_sumsq: torch.Tensor | None = None
 
     @property
     def index(self) -> int:
@@ -135,13 +136,17 @@ class ChunkState:
         """Master and state: what a disk-offloaded step reads ahead and evicts."""
         return [self.master, *self.state_tensors().values()]
 
-    def add_grad(self, reduced: torch.Tensor, placement: Placement) -> torch.Tensor:
+    def add_grad(self, reduced: torch.Tensor, placement: Placement, whole: bool = False) -> torch.Tensor:
         """Sum a reduced gradient shard into this chunk's fp32 grad shard (allocated on first use).
 
         The first shard of a step becomes the grad shard itself when it already is one (fp32, this chunk's size,
         at the grad home, nothing to pin): no second buffer beside it and no copy (at one rank, the chunk's whole
-        local gradient buffer).
+        local gradient buffer). `whole`: no other shard will be added this step (the step's last reduction, or
+        the sum accumulated on the device). The first such shard has its squared norm taken where it is, so an
+        offloaded step does not read the host gradient once more for the clip norm (on a GPU: at device
+        bandwidth, on the copy stream, before the device->host copy).
         """
+        self.grad_sumsq = self.sumsq(reduced) if whole and self.grad is None else None
         if self.grad is None and reduced.dtype == torch.float32 and reduced.numel() == self.master.numel() \
                 and reduced.device == placement.torch_device(self.grad_home) \
                 and not (self.grad_home == "host" and placement.device.type == "cuda"):
@@ -152,6 +157,15 @@ class ChunkState:
         if reduced.device == self.grad.device:
             self.grad.add_(reduced)
         return self.grad
+
+    def sumsq(self, grad: torch.Tensor) -> torch.Tensor:
+        """The squared L2 norm of this chunk's slots in the global grad norm (`norm_ranges`), as a 0-dim fp32
+        tensor on `grad`'s device: one pass, no squared temporary."""
+        total = torch.zeros((), dtype=torch.float32, device=grad.device)
+        for a, b in self.norm_ranges if self.norm_ranges is not None else [(0, grad.numel())]:
+            g = grad[a:b] if grad.dtype == torch.float32 else grad[a:b].float()
+            total += torch.dot(g, g)
+        return total
 
     def step(self, group: dict, factor: torch.Tensor | None, found_inf: torch.Tensor | None = None,
              grad: torch.Tensor | None = None, out: torch.Tensor | None = None) -> bool:
@@ -188,16 +202,10 @@ class ChunkState:
         # Read `group` in place (chunk_optimizer): rebinding the view is not a copy, and follows a group dict that
         # torch's own optimizer.load_state_dict replaced.
         self.optimizer.param_groups[0].maps[-1] = group
-        wd = group.get("weight_decay", 0.0)
-        if self.decay_ranges is not None:  # the view's weight_decay is 0: decay here, slot by slot
-            if wd and self._decay_views:
-                if _decay_is_decoupled(self.optimizer, group):
-                    keep = 1.0 - group["lr"] * wd
-                    if flag is not None:  # the kernel skips on the flag: so must this decay (no branch on it)
-                        keep = torch.where(flag > 0, 1.0, keep)
-                    torch._foreach_mul_(self._decay_views, keep)
-                else:
-                    torch._foreach_add_([grad[a:b] for a, b in self.decay_ranges], self._decay_views, alpha=wd)
+        if self.decay_ranges is not None and not _is_cpu_adam(self.optimizer):  # its weight_decay is 0: here
+            decay_slices(self.master, grad, self.decay_ranges, lr=group["lr"],
+                         weight_decay=group.get("weight_decay", 0.0),
+                         decoupled=_decay_is_decoupled(self.optimizer, group), found_inf=flag)
         self.master.grad = grad
         if out is None and host_step:  # `out`: a staging buffer of the caller's, for a shard on the device
             out = self._host_compute_copy()
@@ -270,9 +278,10 @@ class ShardedOptimizer:
             raise ValueError(f"disk offload keeps Adam state (exp_avg, exp_avg_sq) in memory-mapped files; "
                              f"{type(optimizer).__name__} is not an Adam-family optimizer. Use "
                              f"zero.offload_optimizer=dict(device='cpu') or an Adam/AdamW/CPUAdam optimizer")
-        # Stage 3, host masters: the step may run behind the next forward (`_overlaps`); the engine asks for it
-        # where the compute is a GPU (on a CPU run, forward and host step would share the same cores).
+        # Host masters: the step may run behind the next forward (`_overlaps`); the engine asks for it where the
+        # compute is a GPU (on a CPU run, forward and host step would share the same cores).
         self.overlap_next_forward = overlap_next_forward
+        self.step_waits: Any = None  # stages 1-2: the modules' hooks that wait for their chunks (StepWaitHooks)
         self._worker: ThreadPoolExecutor | None = None
         self._staging: HostStaging | None = None  # made on first use (a GPU run, params on the device)
         # Seconds the chunks' steps took in the last step that has finished (an overlapped step finishes behind the
@@ -299,7 +308,7 @@ class ShardedOptimizer:
         group = self.optimizer.param_groups[plan.group_index]
         decay_ranges = _slot_ranges(chunk, no_decay)
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        optimizer = chunk_optimizer(self.optimizer, group, master, decay_ranges is not None,
+        optimizer = chunk_optimizer(self.optimizer, group, master, decay_ranges,
                                     rounding_seed=seed_of(plan.index, rank))
         state = ChunkState(chunk, master, optimizer,
                            plan.group_index, self.optim_home, self.grad_home, self.master_is_param_shard,
@@ -326,18 +335,16 @@ class ShardedOptimizer:
     def zero_grad(self) -> None:
         # an overlapped step holds its own reference to each gradient it has yet to read
         for state in self.states.values():
-            state.grad = None
+            state.grad = state.grad_sumsq = None
 
     # -- step ---------------------------------------------------------------------------------
 
     def _global_sumsq(self) -> torch.Tensor:
         local = torch.zeros((), dtype=torch.float32, device=self.placement.device)
         for state in self.states.values():
-            if state.grad is None:
-                continue
-            for a, b in state.norm_ranges if state.norm_ranges is not None else [(0, state.grad.numel())]:
-                g = state.grad[a:b]
-                local += torch.dot(g, g).to(local.device)  # fp32 shard: one pass, no squared temporary
+            if state.grad is not None:
+                sumsq = state.grad_sumsq if state.grad_sumsq is not None else state.sumsq(state.grad)
+                local += sumsq.to(local.device)
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world > 1 and self.stage > 0:  # stage 0: every rank already holds the full, reduced grads
             dist.all_reduce(local, group=self.group)
@@ -436,11 +443,11 @@ class ShardedOptimizer:
     # -- the step behind the next forward ------------------------------------------------------------
 
     def _overlaps(self) -> bool:
-        """Whether this step runs behind the next forward: stage 3 (each chunk is gathered, so its first use
-        waits for its own step), every master on the host stepped by CPUAdam's host step (the worker only
-        computes on the host; device copies and collectives stay on this thread, in the same order on every
-        rank)."""
-        return self.overlap_next_forward and self.stage == 3 and all(
+        """Whether this step runs behind the next forward: every master on the host stepped by CPUAdam's host
+        step (the worker only computes on the host; device copies and collectives stay on this thread, in the
+        same order on every rank), and a chunk's first use in forward waits for its own step: stage 3 gathers
+        each chunk, stages 1-2 have `step_waits` hooks."""
+        return self.overlap_next_forward and (self.stage == 3 or self.step_waits is not None) and all(
             s.home == "host" and s.steps_on_host for s in self.states.values())
 
     def _launch_chunks(self, factor: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
@@ -448,8 +455,9 @@ class ShardedOptimizer:
 
         The norm, the non-finite flag and the clip factor are known already (this thread computed them, and
         reads the factor and flag to the host here, which the host step needs anyway): the result is the plain
-        step's bit for bit. A chunk's next gather waits for its own step (`Chunk.pending_step`), so the next
-        forward's first blocks start while later chunks still step; `finish_step()` waits for all.
+        step's bit for bit. A chunk's first use in the next forward waits for its own step
+        (`Chunk.pending_step`: stage 3's gather, stages 1-2's StepWaitHooks), so the next forward's first blocks
+        start while later chunks still step; `finish_step()` waits for all.
         """
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogpt-host-step")
@@ -476,6 +484,8 @@ class ShardedOptimizer:
         wrote = self._pending.pop(index).result()
         if not wrote:
             state.write_back()
+        if state.chunk.persistent_full:  # stages 1-2: every rank's new shard into `full`
+            state.chunk.all_gather_full()
         if not self._pending:  # the last chunk: the step is complete
             self.last_chunk_step_s, self._chunk_step_s = self._chunk_step_s, 0.0
 
@@ -486,8 +496,11 @@ class ShardedOptimizer:
             self._finish_chunk(index)
 
     def close(self) -> None:
-        """Finish a pending step and stop the worker thread."""
+        """Finish a pending step, stop the worker thread and take the stages 1-2 wait hooks off."""
         self.finish_step()
+        if self.step_waits is not None:
+            self.step_waits.remove()
+            self.step_waits = None
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
