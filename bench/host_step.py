@@ -33,6 +33,9 @@ from zerogpt.optim.cpu_adam import _load_deepspeed_op  # noqa: E402
 from zerogpt.optim.host_adam import host_adam_step  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# The bench's own optimizer id in DeepSpeed's op: far from CPUAdam's ids (0, 1, ...), which an engine's
+# optimizers destroy when they are collected
+BENCH_OPT_ID = 1_000_000
 FLOOR = "deepspeed op alone"
 
 
@@ -54,7 +57,7 @@ def deepspeed_step(s: Shards, op, passes: bool) -> None:
     for master, grad, m, v, out in zip(s.master, s.grads, s.m, s.v, s.out):
         if passes:
             grad.mul_(1.0)  # the clip factor's pass (a multiply by 1.0 keeps the shared gradients unchanged)
-        op.adam_update(0, s.step_count, HYPER["lr"], b1, b2, HYPER["eps"], HYPER["weight_decay"], True,
+        op.adam_update(BENCH_OPT_ID, s.step_count, HYPER["lr"], b1, b2, HYPER["eps"], HYPER["weight_decay"], True,
                        master, grad, m, v)
         if passes:
             out.copy_(master)
@@ -72,7 +75,7 @@ def kernel_rows(shard_numel: int, shards: int, rounds: int) -> dict[str, list[fl
     op = _load_deepspeed_op()[0]
     if op is None:
         raise SystemExit("DeepSpeed's cpu_adam op did not build here: install deepspeed and ninja (it is the floor)")
-    op.create_adam(0, HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"], True, False)
+    op.create_adam(BENCH_OPT_ID, HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"], True, False)
     grads = [torch.randn(shard_numel) for _ in range(shards)]
     contenders = {
         FLOOR: (Shards(grads, torch.float32), lambda s: deepspeed_step(s, op, passes=False)),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerogpt.amp import DynamicLossScaler, compute_dtype
+from zerogpt.compile import find_blocks
 from zerogpt.config import Config, EngineConfig, HostConfig, engine_config, optimizer_class
 from zerogpt.context import DistContext
 from zerogpt.engine import Engine
@@ -26,13 +27,13 @@ from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk, ChunkPlan, plan_chunks, to_local
 from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
-from zerogpt.zero.step_wait_hooks import StepWaitHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
 from zerogpt.zero.meta_init import range_init
 from zerogpt.zero.offload import Placement, Traffic, check_disk_path
 from zerogpt.zero.sharded_optim import ShardedOptimizer
 from zerogpt.zero.shm import open_transport
+from zerogpt.zero.step_wait_hooks import StepWaitHooks
 
 __all__ = ["initialize", "colossalai_initialize", "EnginePlan", "plan_engine"]
 
@@ -184,7 +185,7 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
         compile_blocks(module, gather_hooks=gather_hooks, logger=ctx.logger)
     sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, transport, traffic)
     if plan.stage in (1, 2) and plan.optim_home == "host":  # the host step may run behind the next forward
-        sharded_optim.step_waits = StepWaitHooks(module, chunks, grad_hooks.param_to_chunk)
+        sharded_optim.step_waits = StepWaitHooks(module, chunks, grad_hooks.param_to_chunk, find_blocks(module))
     engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx,
                     criterion=parallel.criterion(criterion), parallel=parallel, transport=transport,
                     run_config=run_config, keeps_freed_memory=keeps_freed_memory, traffic=traffic,

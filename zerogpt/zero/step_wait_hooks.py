@@ -6,8 +6,8 @@ a forward pre-hook finishes a part's chunks first: their step, the write-back of
 that refreshes `full`, on this thread and in forward order, which is the same on every rank. The first blocks
 then run while later chunks still step; `finish_step()` (backward, checkpoints) finishes the rest in chunk order.
 
-The parts are the transformer blocks as wholes (zerogpt/compile.py find_blocks: no hook inside a block, which
-may be compiled) and every module outside them that owns parameters directly. With no step pending a hook
+The parts are the transformer blocks as wholes (the caller passes zerogpt/compile.py's find_blocks: no hook
+inside a block, which may be compiled) and every module outside them that owns parameters directly. With no step pending a hook
 costs a few attribute reads.
 """
 from __future__ import annotations
@@ -16,16 +16,15 @@ from typing import Any
 
 from torch import nn
 
-from zerogpt.compile import find_blocks
 from zerogpt.zero.chunk import Chunk
 
 
 class StepWaitHooks:
     """One forward pre-hook per block and per other module that owns parameters; `remove()` takes them off."""
 
-    def __init__(self, module: nn.Module, chunks: list[Chunk], param_to_chunk: dict[int, tuple[int, int]]) -> None:
+    def __init__(self, module: nn.Module, chunks: list[Chunk], param_to_chunk: dict[int, tuple[int, int]],
+                 blocks: list[nn.Module]) -> None:
         by_index = {c.plan.index: c for c in chunks}
-        blocks = find_blocks(module)
         whole = {id(b) for b in blocks}
         inside = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
         self.handles: list[Any] = []
