@@ -329,8 +329,9 @@ class CPUAdam(torch.optim.Optimizer):
         wd, ranges, seed = group["weight_decay"], group.get("decay_ranges"), group.get("rounding_seed", 0)
         segments = [(0, p.numel(), True)] if ranges is None or not wd else decay_segments(p.numel(), ranges)
         flat = [t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+        step = int(state["step"].item())
         for a, b, decays in segments:  # the decay folded into the update: one op call per run of slots
-            host_adam_step(*(t[a:b] for t in flat), step=int(state["step"].item()), lr=group["lr"],
+            host_adam_step(*(t[a:b] for t in flat), step=step, lr=group["lr"],
                            betas=group["betas"], eps=group["eps"], weight_decay=wd if decays else 0.0,
                            adamw=bool(group["adamw_mode"]), bias_correction=bool(group["bias_correction"]),
                            grad_scale=grad_scale, out=None if out is None else out.view(-1)[a:b],
