@@ -57,3 +57,13 @@ def test_a_step_through_the_view_equals_a_step_of_the_users_class():
         chunk.step()
         plain.step()
     assert torch.equal(master, reference.detach())
+
+
+def test_a_cpu_adam_chunk_keeps_the_users_kernel_choice():
+    """A kernel left to "auto" lets each chunk's step fuse the compute copy into the update (fp32 moments too);
+    a named one is kept named. The chunk gets the resolved kernel, so it must not read that as a choice."""
+    auto, named = _users_optimizer(CPUAdam), _users_optimizer(CPUAdam, backend="torch")
+    for user in (auto, named):
+        chunk = chunk_optimizer(user, user.param_groups[0], torch.randn(5))
+        assert chunk.backend == user.backend and chunk.fuses_copies == user.fuses_copies
+    assert auto.fuses_copies and not named.fuses_copies

@@ -79,6 +79,8 @@ def chunk_optimizer(template: torch.optim.Optimizer, group: dict, master: torch.
         raise TypeError(f"the engine steps each chunk with its own {type(template).__name__} built as "
                         f"{type(template).__name__}([{{'params': [...], **param_group}}]), which failed ({e}); "
                         f"give the optimizer's constructor defaults for every argument") from None
+    if isinstance(template, CPUAdam):  # the kernel is named now; whether the fused op may take the step is not
+        optimizer.fuses_copies = template.fuses_copies
     built = optimizer.param_groups[0]
     own = {k: v for k, v in built.items() if k == "params" or k not in group}  # + defaults the user's group lacks
     if decay_ranges is not None and isinstance(template, CPUAdam):
