@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zerogpt.zero.strategy import BucketTensorShardStrategy, TensorShardStrategy
+
 __all__ = ["HOMES", "CATEGORIES", "PRECISIONS", "ModelShape", "model_state_bytes", "zero_paper_bytes",
-           "activation_bytes", "buffer_bytes", "estimate"]
+           "activation_bytes", "chunk_of_params", "block_gather_peak", "buffer_bytes", "estimate"]
 
 HOMES = ("device", "host", "disk")
 CATEGORIES = ("params", "grads", "master", "optimizer")
@@ -43,6 +45,17 @@ class ModelShape:
     @property
     def largest_param(self) -> int:
         return max(self.padded_vocab * self.hidden, 4 * self.hidden * self.hidden)
+
+    def param_numels(self) -> list[tuple[str, int]]:
+        """(owning module, numel) of each parameter in model_zoo's (and HF GPT-2's) registration order, the
+        order chunks are packed in: wte, wpe, the 12 of each block `h.i`, ln_f's 2 (the head is wte's weight)."""
+        h, inner = self.hidden, 4 * self.hidden
+        #        ln_1    c_attn w, b       attn c_proj  ln_2    mlp c_fc w, b     mlp c_proj
+        block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, inner * h, inner, inner * h, h]
+        out = [("wte", self.padded_vocab * h), ("wpe", self.positions * h)]
+        for i in range(self.layers):
+            out += [(f"h.{i}", n) for n in block]
+        return out + [("ln_f", h), ("ln_f", h)]
 
 
 def _check_choice(name: str, value: str, valid) -> None:
@@ -158,19 +171,86 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
                 total=layers + embeddings + logits)
 
 
+def chunk_of_params(numels: list[int], element_size: int, bucket_mb: float) -> list[int]:
+    """The chunk index of each parameter, packed in order as the engine packs one param group
+    (zero/strategy.py: BucketTensorShardStrategy(bucket_mb); bucket_mb 0: TensorShardStrategy, one per chunk).
+
+    Example:
+        >>> chunk_of_params([3, 3, 3, 9], element_size=1, bucket_mb=8 / 2**20)  # 8-byte buckets
+        [0, 0, 1, 2]
+    """
+    strategy = BucketTensorShardStrategy(bucket_mb) if bucket_mb > 0 else TensorShardStrategy()
+    out = [0] * len(numels)
+    for index, group in enumerate(strategy.group(numels, element_size)):
+        for i in group:
+            out[i] = index
+    return out
+
+
+def block_gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: float,
+                      world_size: int = 1) -> tuple[int, int]:
+    """Stage 3 with the blocks gathered whole (`compile = True`, Stage3GatherHooks.gather_per_block): the most
+    chunks, and the most elements, that one rank holds gathered at once.
+
+    Packs the shape's parameters into chunks as the engine does (`chunk_of_params`: one param group, so a chunk
+    may hold the end of one block and the start of the next), then walks the gather units, forward (wte, wpe,
+    each block whole, ln_f, the tied head) and backward (the reverse). At each unit the chunks held are that
+    unit's, those of the next `prefetch` units (prefetch counts hooked modules here), and those used before and
+    again after it: the tied embedding/head chunk, from the embedding to the head; in forward also the chunks
+    kept for the first `prefetch` units of backward. Chunks are counted padded to a multiple of `world_size`.
+    Assumes every prefetch hits (the recorded order repeats) and each chunk is released at its last use.
+
+    Returns: (chunks, elements), each the maximum over forward and backward.
+    Example:
+        >>> block_gather_peak(ModelShape(layers=2, hidden=64, heads=2, vocab=128, positions=16), "fp32", 2, 0)
+        (27, 109184)
+    """
+    c = PRECISIONS[precision]
+    params = shape.param_numels()
+    chunk_of = chunk_of_params([n for _, n in params], c, bucket_mb)
+    sizes: dict[int, int] = {}
+    for (_, n), chunk in zip(params, chunk_of):
+        sizes[chunk] = sizes.get(chunk, 0) + n
+    padded = {chunk: math.ceil(n / world_size) * world_size for chunk, n in sizes.items()}
+    units: dict[str, set[int]] = {}  # the hooked modules in forward order, each with its chunks
+    for (module, _), chunk in zip(params, chunk_of):
+        units.setdefault(module, set()).add(chunk)
+    forward = list(units.values()) + [units["wte"]]  # the head: wte's weight, tied
+    most_chunks = most_elements = 0
+    for order, kept in ((forward, set().union(*forward[len(forward) - prefetch:]) if prefetch else set()),
+                        (forward[::-1], set())):
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for i, unit in enumerate(order):
+            for chunk in unit:
+                first.setdefault(chunk, i)
+                last[chunk] = i
+        for i in range(len(order)):
+            held = set().union(*order[i : i + 1 + prefetch])
+            held |= {ch for ch in first if first[ch] < i and (last[ch] > i or ch in kept)}
+            most_chunks = max(most_chunks, len(held))
+            most_elements = max(most_elements, sum(padded[ch] for ch in held))
+    return most_chunks, most_elements
+
+
 def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
-                 prefetch: int = 2, bucket_mb: float = 25.0) -> dict[str, int]:
+                 prefetch: int = 2, bucket_mb: float = 25.0, gather_per_block: bool = False) -> dict[str, int]:
     """Chunk buffers in flight on one rank, by home.
 
     A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding).
-    Stage 3 gathers the current chunk plus `prefetch` ahead (full chunk, compute dtype); stages 2/3
-    keep about two full-size grad chunks in flight (one filling, one reducing). Disk offload streams
-    master + Adam state of the current and the read-ahead chunk shard (12 B/param) through host RAM.
+    Stage 3 gathers the current chunk plus `prefetch` ahead (full chunk, compute dtype). With
+    `gather_per_block` (`compile = True`: each block gathered whole, prefetch counting hooked modules) it
+    holds instead a block's chunks, those of the next `prefetch` modules and the tied embedding's, counted
+    chunk by chunk at their real sizes (`block_gather_peak`). Stages 2/3 keep about two full-size grad chunks
+    in flight (one filling, one reducing). Disk offload streams master + Adam state of the current and the
+    read-ahead chunk shard (12 B/param) through host RAM.
     """
     c = PRECISIONS[precision]
     chunk_numel = max(int(bucket_mb * 2**20) // c if bucket_mb > 0 else 0, shape.largest_param)
     out = dict.fromkeys(HOMES, 0)
-    if stage == 3:
+    if stage == 3 and gather_per_block:
+        out["device"] += block_gather_peak(shape, precision, prefetch, bucket_mb, world_size)[1] * c
+    elif stage == 3:
         out["device"] += (1 + prefetch) * chunk_numel * c
     if stage >= 2:
         out["device"] += 2 * chunk_numel * c
@@ -183,15 +263,17 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
              offload_optimizer: str = "none", offload_param: str = "none", seq_len: int = 1024,
              batch: int = 1, checkpoint: bool = False, flash: bool = True, dropout: bool = False,
              prefetch: int = 2, bucket_mb: float = 25.0, gpu_overhead: int = 2**30, accumulation: int = 1,
-             optimizer_bytes_per_param: int = 8) -> dict:
+             optimizer_bytes_per_param: int = 8, gather_per_block: bool = False) -> dict:
     """Everything on one rank: model states, activations, buffers, totals per home (bytes).
 
     `optimizer_bytes_per_param`: 8 for Adam's moments in fp32, 4 in bf16 (zero.offload_optimizer.state_dtype).
+    `gather_per_block`: stage 3 gathers each block whole (`compile = True`; see `buffer_bytes`).
     """
     states = model_state_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, offload_param,
                                optimizer_bytes_per_param, accumulation)
     acts = activation_bytes(shape, seq_len, batch, precision, checkpoint, flash, dropout)
-    buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb)
+    buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb,
+                           gather_per_block)
     totals = {h: sum(states[cat][h] for cat in CATEGORIES) + buffers[h] for h in HOMES}
     totals["device"] += acts["total"] + gpu_overhead
     return dict(num_params=shape.num_params, model_states=states, activations=acts, buffers=buffers,

@@ -67,11 +67,20 @@ def _local_ranks(world_size: int) -> int:
         return world_size
 
 
+def _bucket_mb(strategy: Any) -> float:
+    """The chunk size memory_model assumes for a shard strategy: its bucket_mb, 0 (one parameter per chunk) for
+    TensorShardStrategy, 25 for a strategy of unknown sizes."""
+    from zerogpt.zero.strategy import TensorShardStrategy
+
+    return 0.0 if isinstance(strategy, TensorShardStrategy) else getattr(strategy, "bucket_mb", 25.0)
+
+
 def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bool | None = None) -> dict:
     """Refuse (PreflightError, one line) a run whose model state needs more host RAM or disk than is available.
 
     Args:
-        cfg: the run's Config (zero, precision, BATCH_SIZE, SEQ_LEN); world_size: the ranks torchrun starts.
+        cfg: the run's Config (zero, precision, compile, BATCH_SIZE, SEQ_LEN); world_size: the ranks torchrun
+            starts.
         model: builds the model on the meta device (its shape: parameters, layers).
         on_gpu: whether the ranks compute on GPUs (None: torch.cuda.is_available(), as launch decides).
     Returns: what was compared, {"host": (need, available), "disk": (need, free) or None, ...} in bytes.
@@ -106,8 +115,11 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
         shape = ModelShape(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head,
                            vocab=config.padded_vocab_size, positions=config.max_position_embeddings,
                            pad_vocab_multiple=1)
+        # compile = True gathers each block whole at stage 3 (zerogpt/compile.py), except under tensor
+        # parallelism, where the blocks stay eager
         buffers = buffer_bytes(shape, zero.stage, dims.dp, precision, zero.offload_optimizer.device,
-                               zero.prefetch)
+                               zero.prefetch, _bucket_mb(zero.shard_strategy),
+                               gather_per_block=ecfg.compile and dims.tp == 1)
         host_rank += sum(buffers[h] for h in homes)
         if not on_gpu:  # the activations live on the host too
             host_rank += activation_bytes(shape, cfg.SEQ_LEN, cfg.BATCH_SIZE, precision,

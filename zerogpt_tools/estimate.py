@@ -2,6 +2,9 @@
 
     python -m zerogpt_tools.estimate --model gpt2_xl --stage 3 --offload cpu --world 1 --gpu-mem 80GiB
 
+With --compile (the config's `compile = True`) stage 3 gathers each transformer block whole and --prefetch counts
+whole modules ahead, so the chunk buffers are those of a block and the next --prefetch modules.
+
 The arithmetic is zerogpt/memory_model.py's (model states as the engine holds them, activations, chunk buffers in
 flight; preflight refuses a run with the same numbers). Unlike DeepSpeed's estimators it also counts
 activations, disk offload, precision and buffers, and compares the totals with the capacities given.
@@ -45,7 +48,8 @@ def format_report(est: dict, shape: ModelShape, args: argparse.Namespace) -> str
     psi = est["num_params"]
     lines = [f"zerogpt estimate: {args.model_name} = {psi / 1e9:.3f}B params ({shape.layers} layers, hidden "
              f"{shape.hidden}, {shape.heads} heads, vocab {shape.vocab}); stage {args.stage}, world {args.world}, "
-             f"{args.precision}, offload optimizer={args.offload} param={args.offload_param}",
+             f"{args.precision}, offload optimizer={args.offload} param={args.offload_param}"
+             f"{'; compiled: blocks gathered whole' if args.compile and args.stage == 3 else ''}",
              f"per rank; seq {args.seq_len} x micro-batch {args.batch} x accumulation {args.grad_accum} = "
              f"{args.seq_len * args.batch * args.grad_accum:,} tokens/rank/step; activation checkpointing "
              f"{'on' if args.checkpoint else 'off'}; attention {'SDPA/flash' if not args.eager_attention else 'eager'}",
@@ -100,8 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-param", default="none", choices=("none", "cpu"), help="param offload (stage 3)")
     p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16"),
                    help="Adam's moments with the optimizer offloaded (zero.offload_optimizer.state_dtype)")
-    p.add_argument("--prefetch", type=int, default=2, help="stage-3 chunks gathered ahead")
+    p.add_argument("--prefetch", type=int, default=2,
+                   help="stage 3: chunks gathered ahead (with --compile: whole modules, blocks or embeddings/head)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="chunk size; 0 = one param per chunk")
+    p.add_argument("--compile", action="store_true",
+                   help="compile = True: stage 3 gathers each block whole (a block's chunks at once, not one chunk)")
     # workload
     p.add_argument("--precision", default="bf16", choices=tuple(PRECISIONS), help="training precision")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
@@ -134,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         est = estimate(shape, args.stage, args.world, args.precision, args.offload, args.offload_param,
                        args.seq_len, args.batch, args.checkpoint, not args.eager_attention, args.dropout,
                        args.prefetch, args.bucket_mb, args.gpu_overhead, args.grad_accum,
-                       optimizer_bytes_per_param=4 if args.state_dtype == "bf16" else 8)
+                       optimizer_bytes_per_param=4 if args.state_dtype == "bf16" else 8,
+                       gather_per_block=args.compile)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     if args.json:

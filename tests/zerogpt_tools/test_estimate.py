@@ -180,3 +180,20 @@ def test_estimate_matches_engine_memory_stats(world, tmp_path):
                     got = m["peak"][category][home]
                     assert (got == 0) == (expected == 0) and abs(got - expected) <= tolerance, (
                         f"{what}: {category} on {home}: engine {got} B, estimate {expected} B")
+
+
+def test_cli_compile_counts_blocks_gathered_whole(capsys):
+    """--compile (the config's compile = True): stage 3's chunk buffers are a block's chunks and the next
+    --prefetch modules', not one chunk plus --prefetch chunks."""
+    from zerogpt.memory_model import buffer_bytes
+
+    args = ["--layers", "4", "--hidden", "64", "--heads", "2", "--vocab", "128", "--bucket-mb", "0", "--json"]
+    plans = {}
+    for extra in ([], ["--compile"]):
+        assert main(args + extra) == 0
+        plans[bool(extra)] = json.loads(capsys.readouterr().out)
+    shape = ModelShape(**plans[True]["shape"])
+    assert plans[True]["buffers"] == buffer_bytes(shape, 3, 1, "bf16", "none", 2, 0, gather_per_block=True)
+    assert plans[True]["buffers"]["device"] > plans[False]["buffers"]["device"]
+    assert main(args[:-1] + ["--compile"]) == 0
+    assert "blocks gathered whole" in capsys.readouterr().out

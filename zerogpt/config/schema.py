@@ -245,7 +245,9 @@ class ZeroConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """fp16 dynamic loss scaling."""
     prefetch: int = 2
-    """Stage 3: how many chunks ahead to gather (0 = no prefetch)."""
+    """Stage 3: how far ahead of the running module to gather, in the recorded order (0 = no prefetch): chunks
+    in eager runs; whole hooked modules (blocks, embeddings, ln_f, head) with `compile = True`, which gathers each
+    block whole."""
 
     def __post_init__(self) -> None:
         check_fields(self, "zero")

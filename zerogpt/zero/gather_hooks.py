@@ -3,12 +3,13 @@
 Module pre-forward hooks gather the chunks a module owns, post-
 forward hooks release a chunk once every module owning it has run, and a tiny autograd function on
 module outputs re-gathers before that module's backward. The order of gathers is recorded on the
-first pass (forward and backward each) and the next `prefetch` chunks are gathered ahead,
-asynchronously; a pass whose order differs replaces the recording. The first `prefetch` chunks of
-the recorded backward are kept (or prefetched) at the end of forward rather than released: backward
-starts where forward ended, and re-gathering them there would be pure waste. Under `compile = True`
-the transformer blocks are hooked as wholes instead (`gather_per_block`), so no hook runs inside a
-compiled block.
+first pass (forward and backward each) and the next `prefetch` gather units are gathered ahead,
+asynchronously; a pass whose order differs replaces the recording. A unit is one chunk when every module
+is hooked (eager), one hooked module's chunks when the blocks are hooked whole. The first `prefetch`
+units of the recorded backward are kept (or prefetched) at the end of forward rather than released:
+backward starts where forward ended, and re-gathering them there would be pure waste. Under
+`compile = True` the transformer blocks are hooked as wholes instead (`gather_per_block`), so no hook runs
+inside a compiled block.
 
 Releasing a chunk must free its memory, but autograd saves weights for backward (a Linear saves
 `weight.t()`, a view of the gathered buffer), and such a view would pin the whole buffer until backward:
@@ -52,22 +53,37 @@ class Stage3GatherHooks:
         self.module = module
         self.chunks = chunks
         self.param_to_chunk = param_to_chunk  # id(param) -> (chunk index, slot index)
-        self.prefetch = prefetch
+        self.prefetch = prefetch  # gather units ahead: chunks, or hooked modules once blocks are hooked whole
         self.in_backward = False
         self.handles: list[Any] = []
         self._saved_params_ctx: Any = None
         self._register(blocks=[])
+
+    @property
+    def recorded_order(self) -> list[int]:
+        """The chunks of the recorded forward, in gather order (a chunk once per module that gathers it)."""
+        return [c for unit in self.recorded_units for c in unit]
+
+    @property
+    def backward_order(self) -> list[int]:
+        """The chunks of the recorded backward, in gather order."""
+        return [c for unit in self.backward_units for c in unit]
 
     def gather_per_block(self, blocks: list[nn.Module]) -> None:
         """Gather and release each of `blocks` as a whole: one hook pair on the block for all of its parameters,
         none inside it (zerogpt/compile.py calls this before compiling the blocks' forwards).
 
         A compiled block then sees its parameters full-size and runs no hook inside (per-module hooks there
-        would break its graph at every Linear and LayerNorm). Modules outside the blocks keep their own hooks;
-        `prefetch` still counts chunks of the recorded order. Eager runs keep per-module hooks: a chunk is then
-        gathered only while a module that owns it runs, where a block holds all of its chunks through its
-        forward and its backward (tests/zero/test_stage3.py's GPT, one chunk per parameter, prefetch 2: 15
-        chunks gathered at once against 5). Call before the first forward: the recorded orders start again.
+        would break its graph at every Linear and LayerNorm). Modules outside the blocks keep their own hooks.
+        `prefetch` then counts hooked modules, not chunks: `prefetch = N` gathers, with each hooked module, the
+        chunks of the next N hooked modules of the recorded order (blocks, or the embeddings, ln_f and the
+        head), so the next block is whole before it runs; N chunks would cover a part of it. Eager runs keep
+        per-module hooks and count chunks (their modules are single Linears and LayerNorms, many to a chunk:
+        counting those would prefetch little new). A chunk is then gathered only while a module that owns it
+        runs, where here a block holds all of its chunks through its forward and its backward, beside the next
+        N modules' (tests/zero/test_stage3.py's GPT, one chunk per parameter, prefetch 2 counted in chunks: 15
+        chunks gathered at once against 5). memory_model.buffer_bytes(gather_per_block=True) counts that.
+        Call before the first forward: the recorded orders start again.
         """
         self.remove()
         self._register(blocks)
@@ -75,6 +91,7 @@ class Stage3GatherHooks:
     def _register(self, blocks: list[nn.Module]) -> None:
         """The hooks: gather/release on each of `blocks` for all of its parameters and on every other module
         outside them that owns parameters directly, for those; then the root module's."""
+        self.whole_blocks = bool(blocks)  # prefetch counts hooked modules, not chunks
         whole = {id(b) for b in blocks}
         inside = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
         self.module_chunks: dict[int, list[int]] = {}
@@ -93,10 +110,11 @@ class Stage3GatherHooks:
             self.handles.append(sub.register_forward_hook(self._post_forward))
         self.uses_per_pass = dict(uses)
         self.remaining_uses = dict(uses)
-        self.recorded_order: list[int] = []
-        self.current_order: list[int] = []
-        self.backward_order: list[int] = []
-        self.current_backward_order: list[int] = []
+        # the gather orders, as units (tuples of chunk ids): recorded on the last pass, and this pass's so far
+        self.recorded_units: list[tuple[int, ...]] = []
+        self.current_units: list[tuple[int, ...]] = []
+        self.backward_units: list[tuple[int, ...]] = []
+        self.current_backward_units: list[tuple[int, ...]] = []
         root = self.module
         self.handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self.handles.append(root.register_forward_hook(self._root_post_forward))
@@ -106,7 +124,7 @@ class Stage3GatherHooks:
         if self.in_backward:
             return
         self.remaining_uses = dict(self.uses_per_pass)
-        self.current_order = []
+        self.current_units = []
         if torch.is_grad_enabled() and self._saved_params_ctx is None:
             self._saved_params_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_saved,
                                                                               self._unpack_saved)
@@ -142,11 +160,11 @@ class Stage3GatherHooks:
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.in_backward:
             return
-        if self.current_order != self.recorded_order:
-            self.recorded_order = self.current_order
+        if self.current_units != self.recorded_units:
+            self.recorded_units = self.current_units
         # Backward starts with the chunks forward used last (GPT-2's tied LM head is the embedding's
         # chunk): keep those the recorded backward starts with and prefetch the rest of its first
-        # `prefetch`, behind the loss computation, instead of releasing and re-gathering them.
+        # `prefetch` units, behind the loss computation, instead of releasing and re-gathering them.
         ahead = self._backward_ahead()
         for index, chunk in enumerate(self.chunks):
             if index not in ahead:
@@ -155,18 +173,22 @@ class Stage3GatherHooks:
             self.chunks[index].gather(async_op=True)
 
     def _backward_ahead(self) -> list[int]:
-        """The chunks the recorded backward starts with (none when no backward can follow)."""
-        return self.backward_order[: self.prefetch] if torch.is_grad_enabled() else []
+        """The chunks of the units the recorded backward starts with (none when no backward can follow)."""
+        if not torch.is_grad_enabled():
+            return []
+        return [c for unit in self.backward_units[: self.prefetch] for c in unit]
 
-    def _gather(self, chunk_ids: list[int], order: list[int], current: list[int]) -> None:
+    def _gather(self, chunk_ids: list[int], order: list[tuple[int, ...]], current: list[tuple[int, ...]]) -> None:
         for c in chunk_ids:
-            current.append(c)
             self.chunks[c].gather()
-        # prefetch: the chunks that followed this position when the order was recorded
+        # one unit per module when blocks are hooked whole, one per chunk otherwise (prefetch counts chunks)
+        current.extend([tuple(chunk_ids)] if self.whole_blocks else [(c,) for c in chunk_ids])
+        # prefetch: the units that followed this position when the order was recorded
         pos = len(current)
         if order[: pos] == current and self.prefetch > 0:
-            for c in order[pos : pos + self.prefetch]:
-                self.chunks[c].gather(async_op=True)
+            for unit in order[pos : pos + self.prefetch]:
+                for c in unit:
+                    self.chunks[c].gather(async_op=True)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         chunk_ids = self.module_chunks[id(module)]
@@ -174,7 +196,7 @@ class Stage3GatherHooks:
             for c in chunk_ids:
                 self.chunks[c].gather()
             return
-        self._gather(chunk_ids, self.recorded_order, self.current_order)
+        self._gather(chunk_ids, self.recorded_units, self.current_units)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         module_id = id(module)
@@ -198,16 +220,17 @@ class Stage3GatherHooks:
         # Record a chunk on its first use in this backward even when forward left it gathered, so the
         # recorded order does not depend on what was kept; re-record only chunks released since.
         chunk_ids = self.module_chunks[module_id]
-        new = [c for c in chunk_ids if c not in self.current_backward_order or not self.chunks[c].is_gathered]
+        recorded = {c for unit in self.current_backward_units for c in unit}
+        new = [c for c in chunk_ids if c not in recorded or not self.chunks[c].is_gathered]
         if new:
-            self._gather(new, self.backward_order, self.current_backward_order)
+            self._gather(new, self.backward_units, self.current_backward_units)
 
     def end_backward(self) -> None:
         """Keep this backward's gather order for the next one's prefetch."""
         self.in_backward = False
-        if self.current_backward_order != self.backward_order:
-            self.backward_order = self.current_backward_order
-        self.current_backward_order = []
+        if self.current_backward_units != self.backward_units:
+            self.backward_units = self.current_backward_units
+        self.current_backward_units = []
 
     def remove(self) -> None:
         for h in self.handles:
