@@ -26,8 +26,10 @@ Phases:
                  deepest model zerogpt's memory model (what preflight checks) admits, then follows the measured
                  host bytes/param; reports bytes/param, build and step seconds, and what stopped each.
   no_offload     GPT-2 small / medium / XL at stages 0-3, zerogpt and DeepSpeed, beside plain PyTorch; for XL
-                 also zerogpt with compile=True, precision="fp8" and both, at stages 0 and 3, and plain
-                 PyTorch under torch.compile: MFU, peak GPU memory and the compile time.
+                 also zerogpt with compile=True, precision="fp8", both, the chunked loss (GPTConfig.chunked_loss,
+                 the loss from model(x, labels=y)) and compile + chunked loss, at stages 0 and 3, and plain
+                 PyTorch under torch.compile, with the chunked loss, and both: MFU, peak GPU memory, the
+                 compile time and the first step's loss.
   profile        one offloaded zerogpt step of GPT-2 XL: forward, backward, device->host, CPU Adam,
                  host->device, waits (torch.profiler), as a table in DIR/profile.txt.
   shipped_config `train_gpt.py --config configs/gpt2_xl_zero3_offload.py` on mock data for a few steps, then
@@ -467,23 +469,32 @@ def phase_largest(args, summary: dict) -> None:
     summary["largest_params"] = out.get("zerogpt", {}).get("params")
 
 
-XL_VARIANTS = (  # the rows beside the eager bf16 ones for GPT-2 XL: (system, label, precision, compile)
-    ("zerogpt", "compile", None, True), ("zerogpt", "fp8", "fp8", False), ("zerogpt", "fp8+compile", "fp8", True),
-    ("torch", "compile", None, True))
+# The rows beside the eager bf16 ones for GPT-2 XL: (system, label, precision, compile, chunked_loss), each at
+# stages 0 and 3 (torch: once), in this order, in one process per system (a timeout there ends the rows after it,
+# so torch's costliest compile, the whole model with the chunked head, goes last).
+XL_VARIANTS = (
+    ("zerogpt", "compile", None, True, False), ("zerogpt", "fp8", "fp8", False, False),
+    ("zerogpt", "fp8+compile", "fp8", True, False), ("zerogpt", "chunked loss", None, False, True),
+    ("zerogpt", "compile+chunked loss", None, True, True),
+    ("torch", "compile", None, True, False), ("torch", "chunked loss", None, False, True),
+    ("torch", "compile+chunked loss", None, True, True))
+TINY_LOSS_CHUNK = 32  # tokens per chunk of the tiny chunked rows: 4 chunks of a 2 x 64 micro-batch
 
 
 def phase_no_offload(args, summary: dict) -> None:
-    """XL first (the figure the goals name), with its compile and FP8 rows at stages 0 and 3, then medium and
-    small; one process per system and model, and one for a system's compile/FP8 rows (a key the engine rejects
-    or a failed compile is an error row, and the rows after it still run). torch.compile's on-disk caches
+    """XL first (the figure the goals name), with its compile, FP8 and chunked-loss rows at stages 0 and 3, then
+    medium and small; one process per system and model, and one for a system's XL variants (a key the engine
+    rejects or a failed compile is an error row, and the rows after it still run). torch.compile's on-disk caches
     outlive a process: the compile time is that of a cold cache only on a fresh machine."""
     phase, rows = Phase("no_offload", args, summary), []
     batches = dict(gpt2_small=16, gpt2_medium=16, gpt2_xl=8) if not args.tiny else dict.fromkeys(SHAPES, 2)
 
-    def spec(system, name, stage, precision=None, compile=False, variant="eager"):
+    def spec(system, name, stage, precision=None, compile=False, chunked_loss=False, variant="eager"):
         shape, batch = (TINY if args.tiny else SHAPES)[name], batches[name]
+        chunk = TINY_LOSS_CHUNK if args.tiny and chunked_loss else None  # None: GPTConfig's 256 tokens
         return Spec(system, shape, stage=stage, batch=batch, seq=args.seq, steps=args.steps + 2, warmup=args.warmup,
-                    vocab=args.vocab, precision=precision, compile=compile,
+                    vocab=args.vocab, precision=precision, compile=compile, chunked_loss=chunked_loss,
+                    loss_chunk_size=chunk,
                     label=f"{system} {name}" + ("" if system == "torch" else f" stage {stage}")
                     + ("" if variant == "eager" else f" {variant}") + f" b{batch}x{args.seq}")
 
@@ -495,8 +506,8 @@ def phase_no_offload(args, summary: dict) -> None:
         if name != "gpt2_xl" or not args.xl_variants:
             continue
         for system in [s for s in ("zerogpt", "torch") if s in args.systems]:
-            todo = [(variant, spec(system, name, stage, precision, compile, variant))
-                    for sys_, variant, precision, compile in XL_VARIANTS if sys_ == system
+            todo = [(variant, spec(system, name, stage, precision, compile, chunked, variant))
+                    for sys_, variant, precision, compile, chunked in XL_VARIANTS if sys_ == system
                     for stage in ([0] if system == "torch" else [t for t in (0, 3) if t in args.no_offload_stages])]
             results = phase.run_many([s for _, s in todo]) if todo else []
             rows += [dict(r, model=name, variant=variant) for (variant, _), r in zip(todo, results) if r]
@@ -506,8 +517,9 @@ def phase_no_offload(args, summary: dict) -> None:
     best = max(xl, key=lambda r: r["mfu"], default=None)
     summary["mfu_gpt2_xl_no_offload"] = best["mfu"] if best else None
     summary["mfu_gpt2_xl_no_offload_stage"] = best["spec"]["stage"] if best else None
-    # compile and FP8 beside eager: MFU, peak GPU memory, and the compile time (first step's seconds over the
-    # eager row's: tracing, codegen and autotuning)
+    # compile, FP8 and the chunked loss beside eager: MFU, peak GPU memory (what the chunked loss saves), the
+    # compile time (first step's seconds over the eager row's: tracing, codegen and autotuning) and the first
+    # step's loss (a chunked row's should be its plain twin's, up to summation order)
     eager_first = {(r["spec"]["system"], r["spec"]["stage"]): r.get("first_step_s") for r in rows
                    if r["model"] == "gpt2_xl" and r["variant"] == "eager" and "error" not in r}
     table = []
@@ -519,6 +531,8 @@ def phase_no_offload(args, summary: dict) -> None:
         table.append(dict(system=key[0], stage=key[1], variant=r["variant"], mfu=r.get("mfu"),
                           tflops=r.get("tflops"), tokens_per_s=r.get("tokens_per_s"),
                           peak_gpu_gib=r.get("peak_gpu_gib"), first_step_s=first,
+                          first_loss=r["losses"][0] if r.get("losses") else None,
+                          chunked_loss_ran=r.get("chunked_loss_ran"),
                           compile_s=first - base if r["spec"]["compile"] and first is not None and base is not None
                           else None, error=(f"{r['error']}: {r.get('detail', '')}"[:300] if "error" in r else None)))
     summary["no_offload_gpt2_xl_variants"] = table
@@ -648,6 +662,7 @@ def rows_table(rows: list[dict]) -> str:
         return "" if r.get(key) is None else fmt.format(r[key])
     def variant(spec):
         return " ".join(filter(None, [spec.get("precision"), "compile" if spec.get("compile") else None,
+                                      "chunked loss" if spec.get("chunked_loss") else None,
                                       spec.get("state_dtype") and f"state {spec['state_dtype']}"]))
     return format_table(
         ["system", "model", "stage", "offload", "variant", "batch x seq x accum", "tok/s", "TFLOPS", "MFU",
@@ -730,9 +745,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-offload-models", default="gpt2_xl,gpt2_medium,gpt2_small",
                    help="models of the no_offload phase, of gpt2_xl, gpt2_medium, gpt2_small")
     p.add_argument("--no-offload-stages", default="0,1,2,3",
-                   help="ZeRO stages of the no_offload phase (its XL compile/FP8 rows: those of 0 and 3)")
+                   help="ZeRO stages of the no_offload phase (its XL compile/FP8/chunked-loss rows: those of 0 "
+                        "and 3)")
     p.add_argument("--no-xl-variants", dest="xl_variants", action="store_false",
-                   help="leave out the no_offload phase's compile and FP8 rows")
+                   help="leave out the no_offload phase's compile, FP8 and chunked-loss rows")
     p.add_argument("--shipped-steps", type=int, default=None,
                    help="timed optimizer steps of the shipped_config phase, after one untimed (2; tiny: 1)")
     p.add_argument("--shipped-train-s", type=float, default=240,

@@ -57,6 +57,8 @@ class Spec:
     bucket_mb: float | None = None  # zerogpt BucketTensorShardStrategy(bucket_mb) (None: the engine's default)
     prefetch: int | None = None  # zerogpt zero.prefetch (None: the default)
     time_step: bool = False  # time the optimizer-step call of each timed step (one more device sync per step)
+    chunked_loss: bool = False  # GPTConfig.chunked_loss: the loss from model(x, labels=y), no whole-batch logits
+    loss_chunk_size: int | None = None  # GPTConfig.loss_chunk_size, tokens (None: its default, 256)
 
 
 def _reset_host_peak() -> None:
@@ -76,9 +78,11 @@ def _build_model(spec: Spec, device: torch.device) -> torch.nn.Module:
     from model_zoo.gpt import gpt2_small
 
     n_layer, n_head, n_embd = spec.shape
+    chunk = {} if spec.loss_chunk_size is None else dict(loss_chunk_size=spec.loss_chunk_size)
     torch.manual_seed(0)
     return gpt2_small(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=spec.vocab, dropout=0.0,
-                      max_position_embeddings=spec.seq, checkpoint=spec.checkpoint)
+                      max_position_embeddings=spec.seq, checkpoint=spec.checkpoint, chunked_loss=spec.chunked_loss,
+                      **chunk)
 
 
 def zerogpt_config(spec: Spec, precision: str) -> dict:
@@ -122,6 +126,11 @@ def _make_zerogpt(spec: Spec, device: torch.device, precision: str):
 
 
 def _make_deepspeed(spec: Spec, device: torch.device, precision: str):
+    # refused before the import, so the error row names the option even where DeepSpeed is missing
+    if spec.offload.startswith("disk") or spec.precision == "fp8" or spec.compile or spec.chunked_loss:
+        raise ValueError(f"the DeepSpeed path measures cpu offload in bf16, eager, with the plain loss only; got "
+                         f"offload={spec.offload}, precision={spec.precision}, compile={spec.compile}, "
+                         f"chunked_loss={spec.chunked_loss}")
     import deepspeed
 
     zero = {"stage": spec.stage, "overlap_comm": True, "contiguous_gradients": True,
@@ -131,9 +140,6 @@ def _make_deepspeed(spec: Spec, device: torch.device, precision: str):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if spec.offload == "cpu+param":
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    if spec.offload.startswith("disk") or spec.precision == "fp8" or spec.compile:
-        raise ValueError(f"the DeepSpeed path measures cpu offload in bf16, eager only; got offload={spec.offload}, "
-                         f"precision={spec.precision}, compile={spec.compile}")
     config = {"train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": spec.accum,
               "zero_optimization": zero, "steps_per_print": 1 << 30, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": precision == "bf16"}}
@@ -157,7 +163,7 @@ def _make_deepspeed(spec: Spec, device: torch.device, precision: str):
 
 def _make_torch(spec: Spec, device: torch.device, precision: str):
     """The floor: fp32 params, bf16 autocast, torch's fused AdamW, no sharding and no communication;
-    compile=True: the whole model through torch.compile."""
+    compile=True: the whole model through torch.compile (the chunked loss's head too, with chunked_loss)."""
     if spec.offload != "none" or spec.precision == "fp8":
         raise ValueError(f"plain torch runs without offload in bf16/fp32; got offload={spec.offload}, "
                          f"precision={spec.precision}")
@@ -168,9 +174,9 @@ def _make_torch(spec: Spec, device: torch.device, precision: str):
     run = torch.compile(model) if spec.compile else model
     micro = [0]
 
-    def forward(x):
+    def forward(x, **kwargs):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            return run(x)
+            return run(x, **kwargs)
 
     def backward(loss):
         (loss / spec.accum).backward()
@@ -192,7 +198,9 @@ def _cpu_seconds() -> tuple[float, float]:
 def measure(spec: Spec) -> dict:
     """Train `spec` for warmup + steps optimizer steps of `accum` micro-batches each; tokens/s, TFLOPS, MFU, peak
     GPU memory and host RSS of the steps, build seconds and the build's host peak, the first step's seconds,
-    CPU user/sys seconds per timed step, and with `time_step` the optimizer-step call's mean wall seconds."""
+    CPU user/sys seconds per timed step, and with `time_step` the optimizer-step call's mean wall seconds.
+    With `chunked_loss` the loss is the model's own (`model(x, labels=y).loss`, GPTConfig.chunked_loss);
+    `chunked_loss_ran` says every micro-batch's output came without logits (the chunked path ran)."""
     from torch.profiler import record_function
 
     from model_zoo.gpt import GPTLMLoss
@@ -225,6 +233,15 @@ def measure(spec: Spec) -> dict:
             torch.cuda.synchronize()
 
     step_call_s = []
+    without_logits = []  # chunked_loss: per micro-batch, whether the model's output had no logits
+
+    def micro_loss(x: torch.Tensor) -> torch.Tensor:
+        """The loss of one (B, T+1) token window: from the logits, or the model's chunked loss."""
+        if not spec.chunked_loss:
+            return loss_fn(forward(x[:, :-1]), x[:, 1:])
+        out = forward(x[:, :-1], labels=x[:, 1:])  # GPTOutput(loss, logits=None): no (B, T, vocab) logits
+        without_logits.append(out.logits is None)
+        return out.loss
 
     def train_step(i: int, time_step: bool = False) -> torch.Tensor:
         """One optimizer step: `accum` micro-batches, the step called after each (it acts on the last).
@@ -232,7 +249,7 @@ def measure(spec: Spec) -> dict:
         for micro in range(spec.accum):
             x = batches[(i * spec.accum + micro) % 2]
             with record_function("forward"):
-                loss = loss_fn(forward(x[:, :-1]), x[:, 1:])
+                loss = micro_loss(x)
             with record_function("backward"):
                 backward(loss)
             last = micro == spec.accum - 1
@@ -274,7 +291,8 @@ def measure(spec: Spec) -> dict:
                cpu_sys_s_per_step=(cpu1[1] - cpu0[1]) / spec.steps,
                host_step_s=sum(step_call_s) / len(step_call_s) if step_call_s else None,
                h2d_bytes=traffic.h2d_bytes if traffic is not None else None,
-               d2h_bytes=traffic.d2h_bytes if traffic is not None else None)
+               d2h_bytes=traffic.d2h_bytes if traffic is not None else None,
+               chunked_loss_ran=bool(without_logits) and all(without_logits))
     if spec.profile_to:
         out["profile"] = profile_step(train_step, optimizer, spec, sync, cuda)
     close()

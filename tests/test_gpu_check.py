@@ -1,6 +1,7 @@
 """bench/gpu_check.py without a GPU: the dry run in tiny form writes summary.json with every key the GPU run
 fills, measures the tiny offloaded step and profiles it, and --merge joins phase runs into one summary; the
-shipped_config, largest and no_offload (compile / FP8 rows) phases each dry-run at tiny sizes."""
+shipped_config, largest and no_offload (compile / FP8 / chunked-loss rows) phases each dry-run at tiny sizes, and
+the measurement worker runs plain torch with the chunked loss."""
 from __future__ import annotations
 
 import json
@@ -116,22 +117,52 @@ def test_largest_dry_run(tmp_path):
 
 
 @no_cuda
-@pytest.mark.timeout(240)  # two short processes: 30 s, 100 s on a cold inductor cache (the compile row, stage 3)
-def test_no_offload_compile_and_fp8_rows_dry_run(tmp_path):
+@pytest.mark.timeout(240)  # two processes: 20 s, 40 s on a cold inductor cache (the compile rows), more when busy
+def test_no_offload_compile_fp8_and_chunked_loss_rows_dry_run(tmp_path):
     summary = dry_run(tmp_path, "--only", "no_offload", "--no-offload-models", "gpt2_xl", "--systems", "zerogpt",
                       "--no-offload-stages", "3", "--steps", "1")
     table = {r["variant"]: r for r in summary["no_offload_gpt2_xl_variants"]}
-    assert set(table) == {"eager", "compile", "fp8", "fp8+compile"}
+    assert set(table) == {"eager", "compile", "fp8", "fp8+compile", "chunked loss", "compile+chunked loss"}
     assert all(r["system"] == "zerogpt" and r["stage"] == 3 for r in table.values())
-    for variant in ("eager", "compile"):
+    for variant in ("eager", "compile", "chunked loss", "compile+chunked loss"):
         assert table[variant]["error"] is None and table[variant]["tokens_per_s"] > 0
         assert table[variant]["first_step_s"] > 0
     assert table["compile"]["compile_s"] is not None and table["eager"]["compile_s"] is None
+    assert table["compile+chunked loss"]["compile_s"] is not None and table["chunked loss"]["compile_s"] is None
     for variant in ("fp8", "fp8+compile"):  # float8 needs CUDA: an error row on the CPU, and the phase goes on
         assert table[variant]["error"] and table[variant]["tokens_per_s"] is None
     rows = summary["no_offload_rows"]
-    assert {(r["variant"], r["spec"]["precision"], r["spec"]["compile"]) for r in rows} == {
-        ("eager", None, False), ("compile", None, True), ("fp8", "fp8", False), ("fp8+compile", "fp8", True)}
+    assert {(r["variant"], r["spec"]["precision"], r["spec"]["compile"], r["spec"]["chunked_loss"]) for r in rows} == {
+        ("eager", None, False, False), ("compile", None, True, False), ("fp8", "fp8", False, False),
+        ("fp8+compile", "fp8", True, False), ("chunked loss", None, False, True),
+        ("compile+chunked loss", None, True, True)}
+    # the chunked rows took the model's own loss, without logits, in several chunks, and it is the plain loss
+    # (fp32 on the CPU, same seed and batches) up to summation order, step after step
+    by_variant = {r["variant"]: r for r in rows}
+    for chunked, plain in (("chunked loss", "eager"), ("compile+chunked loss", "compile")):
+        assert table[chunked]["chunked_loss_ran"] and not table[plain]["chunked_loss_ran"]
+        spec = by_variant[chunked]["spec"]
+        assert spec["loss_chunk_size"] < spec["batch"] * spec["seq"]  # several chunks per micro-batch
+        assert by_variant[chunked]["losses"] == pytest.approx(by_variant[plain]["losses"], rel=1e-5)
+
+
+@no_cuda
+@pytest.mark.timeout(120)  # one short process, no compile: about 10 s
+def test_measure_worker_runs_torch_with_the_chunked_loss(tmp_path):
+    """Plain torch takes the chunked loss as zerogpt does (a fair side-by-side); DeepSpeed refuses it in a row."""
+    base = dict(shape=[2, 2, 64], batch=2, seq=64, steps=1, warmup=1, vocab=512)
+    specs = [dict(base, system="torch"), dict(base, system="torch", chunked_loss=True, loss_chunk_size=32),
+             dict(base, system="deepspeed", chunked_loss=True)]
+    result = tmp_path / "results.json"
+    res = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_measure.py"), json.dumps(specs),
+                          str(result)], capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                         timeout=100)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    plain, chunked, deepspeed = json.loads(result.read_text())
+    assert "error" not in plain and "error" not in chunked, (plain, chunked)
+    assert chunked["chunked_loss_ran"] and not plain["chunked_loss_ran"]
+    assert chunked["losses"] == pytest.approx(plain["losses"], rel=1e-5) and len(plain["losses"]) == 2
+    assert deepspeed["error"] == "ValueError" and "chunked_loss=True" in deepspeed["detail"]
 
 
 def test_unknown_phase_is_refused(tmp_path):
