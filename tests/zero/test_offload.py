@@ -19,7 +19,7 @@ import sys
 import tempfile
 import textwrap
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
