@@ -20,11 +20,18 @@ VOCAB, SEQ, MICRO, STEPS, ACCUM = 96, 16, 2, 4, 2
 SETTINGS = [dict(precision="bf16", clip=1.0), dict(precision="bf16", clip=None),
             dict(precision="fp32", clip=0.05), dict(precision="bf16", clip=1.0, state_dtype="bf16"),
             dict(precision="bf16", clip=1.0, stage=2), dict(precision="fp32", clip=None, stage=2),
-            dict(precision="bf16", clip=0.05, stage=1)]
+            dict(precision="bf16", clip=0.05, stage=1),
+            # the shipped single-GPU config's layout: stage 3 with the params on the device, the optimizer offloaded
+            dict(precision="bf16", clip=1.0, offload_param=False),
+            # a GPU run's pinned staging of the compute copy, sent from the worker (forced here on the overlapped
+            # run alone: the plain run, unstaged, is what it must equal)
+            dict(precision="bf16", clip=1.0, offload_param=False, staged=True),
+            dict(precision="bf16", clip=0.05, stage=2, staged=True)]
 
 
-def make_engine(precision: str, clip: float | None, state_dtype: str = "fp32", stage: int = 3, *, overlap: bool):
-    """Stage 3 offloads parameters and optimizer; stages 1-2 the optimizer alone."""
+def make_engine(precision: str, clip: float | None, state_dtype: str = "fp32", stage: int = 3,
+                offload_param: bool = True, staged: bool = False, *, overlap: bool):
+    """Stage 3 offloads parameters (unless not `offload_param`) and optimizer; stages 1-2 the optimizer alone."""
     import zerogpt
     from zerogpt.zero import BucketTensorShardStrategy
 
@@ -32,12 +39,13 @@ def make_engine(precision: str, clip: float | None, state_dtype: str = "fp32", s
     model = gpt2_tiny(vocab_size=VOCAB, dropout=0.0, max_position_embeddings=SEQ)
     zero = dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02),
                 offload_optimizer=dict(device="cpu", state_dtype=state_dtype))
-    if stage == 3:
+    if stage == 3 and offload_param:
         zero["offload_param"] = dict(device="cpu")
     cfg = zerogpt.Config(dict(zero=zero, precision=precision, clip_grad_norm=clip, GRADIENT_ACCUMULATION=ACCUM))
     engine = zerogpt.initialize(model, dict(type="HybridAdam", lr=3e-3, weight_decay=0.1), config=cfg,
                                 ctx=DistContext.current())
     engine.sharded_optim.overlap_next_forward = overlap  # what a GPU run gets; forced on CPU
+    engine.sharded_optim.force_staging = staged and overlap
     return engine
 
 
@@ -73,7 +81,8 @@ def _compare(rank: int, world: int) -> list[dict]:
         for overlap in (False, True):
             engine = make_engine(**setting, overlap=overlap)
             losses, deferred, host_s = train(engine, rank, world)
-            run[overlap] = dict(losses=losses, deferred=deferred, host_s=host_s, params=engine.state_dict_full())
+            run[overlap] = dict(losses=losses, deferred=deferred, host_s=host_s, params=engine.state_dict_full(),
+                                staged=engine.sharded_optim._staging is not None)
             engine.close()
         out.append(run)
     return out
@@ -87,6 +96,7 @@ def _assert_same(results: list[dict]) -> None:
         for name, value in plain["params"].items():
             assert torch.equal(value, overlapped["params"][name]), (setting, name)
         assert overlapped["deferred"] == [True] * STEPS, setting  # the step really ran behind the next forward
+        assert overlapped["staged"] == setting.get("staged", False) and not plain["staged"], setting
         assert plain["deferred"] == [False] * STEPS, setting
         # the plain step reports its own host time; the overlapped one, the previous step's (none before step 2)
         assert all(s > 0 for s in plain["host_s"]), plain["host_s"]

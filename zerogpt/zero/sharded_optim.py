@@ -286,6 +286,8 @@ class ShardedOptimizer:
         self.step_waits: Any = None  # stages 1-2: the modules' hooks that wait for their chunks (StepWaitHooks)
         self._worker: ThreadPoolExecutor | None = None
         self._staging: HostStaging | None = None  # made on first use (a GPU run, params on the device)
+        self.force_staging = False  # stage compute copies as a GPU run does, where the shards are host memory (tests)
+        self._h2d_stream: Any = None  # an overlapped step's compute copies to the device (the worker's stream)
         # Seconds the chunks' steps took in the last step that has finished (an overlapped step finishes behind the
         # next forward, so right after step() this is the previous one's): the host step, where it is offloaded.
         self.last_chunk_step_s = 0.0
@@ -434,8 +436,8 @@ class ShardedOptimizer:
         optimizer offloaded without the params): the host step writes the copy there in the compute dtype, so
         2 bytes/param cross the bus instead of the fp32 master's 4, and the cast needs no pass of its own."""
         shard = state.chunk.shard
-        if state.master_is_param_shard or shard.device.type != "cuda" or not state.steps_on_host \
-                or shard.dtype not in HOST_ADAM_DTYPES:
+        if state.master_is_param_shard or not (shard.device.type == "cuda" or self.force_staging) \
+                or not state.steps_on_host or shard.dtype not in HOST_ADAM_DTYPES:
             return None
         if self._staging is None:
             largest = max(s.master.numel() for s in self.states.values())
@@ -465,26 +467,56 @@ class ShardedOptimizer:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogpt-host-step")
         factor = None if factor is None else factor.to("cpu")
         found_inf = None if found_inf is None else found_inf.to("cpu")
+        # the device work queued so far (backward's last reads of the param shards) comes before their overwrite
+        ready = None
+        if self.placement.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.placement.device))
         for state in self.states.values():
             group = self.optimizer.param_groups[state.group_index]
             self._pending[state.index] = self._worker.submit(self._timed_step, state, group, factor, found_inf,
-                                                             state.grad)
+                                                             state.grad, ready)
             state.chunk.pending_step = lambda index=state.index: self._finish_chunk(index)
             self._count_compute_copy(state)
 
-    def _timed_step(self, state: ChunkState, *args: Any) -> bool:
-        """One chunk's step on the worker thread, its seconds added to this step's host time."""
+    def _timed_step(self, state: ChunkState, group: dict, factor: torch.Tensor | None,
+                    found_inf: torch.Tensor | None, grad: torch.Tensor | None, ready: Any) -> tuple[bool, Any]:
+        """One chunk's step on the worker thread, its seconds added to this step's host time. Returns whether the
+        step wrote the compute copy, and the event of its copy to the device when it went through the staging
+        buffers (issued here, on the worker's own stream, so it overlaps the next chunk's step as in the plain
+        step; the main stream waits for it in `_finish_chunk`)."""
         start = time.perf_counter()
-        wrote = state.step(*args)
+        staged = self._staging_for(state)
+        wrote = state.step(group, factor, found_inf, grad, out=staged)
+        copied = self._send_staged(state.chunk.shard, staged, ready) if staged is not None and wrote else None
         self._chunk_step_s += time.perf_counter() - start  # one worker thread: no other writer
-        return wrote
+        return wrote, copied
+
+    def _send_staged(self, shard: torch.Tensor, staged: torch.Tensor, ready: Any) -> Any:
+        """Copy a staged compute copy into its param shard from the worker thread: on a GPU on the worker's
+        stream, after `ready`, returning the copy's event; on the CPU (forced staging) at once, returning None."""
+        if shard.device.type != "cuda":
+            shard.copy_(staged)
+            self._staging.sent()
+            return None
+        if self._h2d_stream is None:
+            self._h2d_stream = torch.cuda.Stream(shard.device)
+        with torch.cuda.device(shard.device), torch.cuda.stream(self._h2d_stream):  # both are per thread
+            self._h2d_stream.wait_event(ready)
+            shard.copy_(staged, non_blocking=True)
+            self._staging.sent()  # recorded on this stream: the buffer is free once the copy has read it
+            copied = torch.cuda.Event()
+            copied.record(self._h2d_stream)
+        return copied
 
     def _finish_chunk(self, index: int) -> None:
         """Wait for one chunk's overlapped step (re-raising its error here) and finish its write-back."""
         state = self.states[index]
         state.chunk.pending_step = None
-        wrote = self._pending.pop(index).result()
-        if not wrote:
+        wrote, copied = self._pending.pop(index).result()
+        if copied is not None:  # the new shard, copied on the worker's stream: the compute waits for it alone
+            torch.cuda.current_stream(state.chunk.shard.device).wait_event(copied)
+        elif not wrote:
             state.write_back()
         if state.chunk.persistent_full:  # stages 1-2: every rank's new shard into `full`
             state.chunk.all_gather_full()
