@@ -77,7 +77,7 @@ _spec.loader.exec_module(gpu_measure)
 Spec, VOCAB, format_table = gpu_measure.Spec, gpu_measure.VOCAB, gpu_measure.format_table
 
 PHASES = ("env", "correctness", "offload", "largest", "no_offload", "profile", "shipped_config")
-BUDGET_S = dict(env=100, correctness=240, offload=210, largest=540, no_offload=480, profile=75,
+BUDGET_S = dict(env=100, correctness=360, offload=210, largest=540, no_offload=480, profile=75,
                 shipped_config=480)  # 37 min
 TINY_VOCAB = 512
 # GPT-2 shapes; "largest" grows n_layer at n_embd 2560 (head dim 128)
