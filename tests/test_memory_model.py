@@ -1,7 +1,7 @@
-"""zerogpt/memory_model.py's stage-3 chunk buffers with the blocks gathered whole (`compile = True`): the chunks
-the model packs and the most it says are gathered at once, against the engine's own chunks and what it really
-holds gathered at once with per-block hooks (tiny GPT, world 1 on the CPU; the hooks are moved as compile_blocks
-moves them, nothing is compiled).
+"""zerogpt/memory_model.py's stage-3 chunk buffers: the chunks the model packs and the most it says are gathered
+at once (`gather_peak`), against the engine's own chunks and what it really holds gathered at once, with eager
+per-module hooks and with the blocks gathered whole (`compile = True`; tiny GPT, world 1 on the CPU; the hooks are
+moved as compile_blocks moves them, nothing is compiled).
 
 (The ZeRO formulas, activations and the CLI are tested in tests/zerogpt_tools/test_estimate.py.)
 """
@@ -14,22 +14,31 @@ import zerogpt
 from model_zoo.gpt import gpt2_tiny
 from tests.zero.reference import cpu_ctx, train_losses
 from zerogpt.compile import find_blocks
-from zerogpt.memory_model import ModelShape, block_gather_peak, buffer_bytes, chunk_of_params, estimate
+from zerogpt.memory_model import ModelShape, block_gather_peak, buffer_bytes, chunk_of_params, estimate, gather_peak
 from zerogpt.zero import BucketTensorShardStrategy, TensorShardStrategy
 
 VOCAB, SEQ, LAYERS, HIDDEN = 128, 16, 4, 64
 SHAPE = ModelShape(layers=LAYERS, hidden=HIDDEN, heads=2, vocab=VOCAB, positions=SEQ)
-BUCKETS = [0, 0.02]  # TensorShardStrategy; ~5K fp32 elements, so chunks straddle parameters and blocks
+# (blocks, bucket_mb): 4 blocks with TensorShardStrategy, and with ~5K-element fp32 chunks that straddle parameters
+# and blocks; 8 blocks with ~73K-element chunks, larger than a block (50K), so a block may lie wholly in chunks that
+# backward gathered for the block after it: it gathers nothing new and adds nothing to the recorded order
+CASES = [(4, 0), (4, 0.02), (8, 0.28)]
 
 
-def build(bucket_mb: float, prefetch: int):
-    """The tiny GPT (4 blocks) on a world-1 stage-3 engine in fp32, its blocks hooked whole."""
+def shape_of(layers: int) -> ModelShape:
+    return ModelShape(layers=layers, hidden=HIDDEN, heads=2, vocab=VOCAB, positions=SEQ)
+
+
+def build(bucket_mb: float, prefetch: int, per_block: bool = True, layers: int = LAYERS):
+    """The tiny GPT on a world-1 stage-3 engine in fp32, its blocks hooked whole (or, without `per_block`, every
+    parameter-owning module hooked: the eager default)."""
     torch.manual_seed(0)
-    model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, n_layer=LAYERS)
+    model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, n_layer=layers)
     strategy = BucketTensorShardStrategy(bucket_mb=bucket_mb) if bucket_mb else TensorShardStrategy()
     cfg = zerogpt.Config(dict(zero=dict(stage=3, shard_strategy=strategy, prefetch=prefetch), precision="fp32"))
     engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg, ctx=cpu_ctx())
-    engine.gather_hooks.gather_per_block(find_blocks(engine.module))
+    if per_block:
+        engine.gather_hooks.gather_per_block(find_blocks(engine.module))
     return engine
 
 
@@ -55,48 +64,86 @@ def one_thread():
     torch.set_num_threads(1)
 
 
-def most_chunks_per_block(bucket_mb: float) -> int:
-    owners = [module for module, _ in SHAPE.param_numels()]
-    chunk_of = chunk_of_params([n for _, n in SHAPE.param_numels()], 4, bucket_mb)
-    return max(len({c for owner, c in zip(owners, chunk_of) if owner == f"h.{i}"}) for i in range(LAYERS))
+def most_chunks_per_block(layers: int, bucket_mb: float) -> int:
+    params = shape_of(layers).param_numels()
+    chunk_of = chunk_of_params([n for _, n in params], 4, bucket_mb)
+    return max(len({c for (owner, _), c in zip(params, chunk_of) if owner.startswith(f"h.{i}.")})
+               for i in range(layers))
 
 
-@pytest.mark.parametrize("bucket_mb", BUCKETS)
-def test_chunks_are_packed_as_the_engine_packs_them(bucket_mb):
+@pytest.mark.parametrize("layers,bucket_mb", CASES)
+def test_chunks_are_packed_as_the_engine_packs_them(layers, bucket_mb):
     torch.manual_seed(0)
-    plain = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, n_layer=LAYERS)
+    plain = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, n_layer=layers)
     names = [name for name, _ in plain.named_parameters()]
-    numels = [n for _, n in SHAPE.param_numels()]
+    params = shape_of(layers).param_numels()
+    numels = [n for _, n in params]
     assert numels == [p.numel() for p in plain.parameters()]  # model_zoo's registration order
-    engine = build(bucket_mb, prefetch=2)
+    # the owners are the modules the engine hooks (and the head, which owns wte's weight)
+    owners = [name.removeprefix("transformer.").rsplit(".", 1)[0] for name in names]
+    assert [owner for owner, _ in params] == owners
+    hooked = {name.removeprefix("transformer.") for name, m in plain.named_modules()
+              if next(m.parameters(recurse=False), None) is not None}
+    assert hooked == set(owners) | {"lm_head"}
+    engine = build(bucket_mb, prefetch=2, layers=layers)
     engine_chunk = {slot.name: chunk.plan.index for chunk in engine.chunks for slot in chunk.plan.slots}
     engine.close()
     assert chunk_of_params(numels, 4, bucket_mb) == [engine_chunk[name] for name in names]
 
 
-@pytest.mark.parametrize("bucket_mb", BUCKETS)
+def gathered_bytes(shape: ModelShape, prefetch: int, bucket_mb: float, gather_per_block: bool) -> int:
+    """Stage 3's buffers less stage 2's (the grad chunks in flight): the gathered chunks' bytes."""
+    return (buffer_bytes(shape, 3, 1, "fp32", "none", prefetch, bucket_mb, gather_per_block)["device"]
+            - buffer_bytes(shape, 2, 1, "fp32", "none", prefetch, bucket_mb)["device"])
+
+
+@pytest.mark.parametrize("layers,bucket_mb", CASES)
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_compiled_stage3_counts_the_chunks_the_engine_gathers_at_once(bucket_mb, prefetch):
+def test_compiled_stage3_counts_the_chunks_the_engine_gathers_at_once(layers, bucket_mb, prefetch):
     """block_gather_peak (what buffer_bytes(gather_per_block=True) counts) is the most chunks and elements the
     engine holds gathered at once once the order is recorded and prefetch hits (the first step, with nothing
     recorded, no more)."""
-    engine = build(bucket_mb, prefetch)
+    shape = shape_of(layers)
+    engine = build(bucket_mb, prefetch, layers=layers)
     num_chunks = len(engine.chunks)
     peaks = gathered_at_once(engine)
     engine.close()
-    chunks, elements = block_gather_peak(SHAPE, "fp32", prefetch, bucket_mb)
+    chunks, elements = block_gather_peak(shape, "fp32", prefetch, bucket_mb)
     assert peaks[1:] == [(chunks, elements)] * (len(peaks) - 1), (peaks, chunks, elements)
     assert peaks[0][0] <= chunks and peaks[0][1] <= elements  # nothing recorded: no prefetch
     assert chunks < num_chunks  # the model is deep enough for the count to mean something
-    assert chunks >= most_chunks_per_block(bucket_mb) + 1  # a whole block's beside the tied embedding's
-    # the bytes: stage 3's buffers less stage 2's (the grad chunks in flight) are the gathered elements
-    gathered = (buffer_bytes(SHAPE, 3, 1, "fp32", "none", prefetch, bucket_mb, gather_per_block=True)["device"]
-                - buffer_bytes(SHAPE, 2, 1, "fp32", "none", prefetch, bucket_mb)["device"])
-    assert gathered == elements * 4
-    # what the eager count (current chunk + prefetch, each at the largest chunk's size) would say: too little
-    eager = (buffer_bytes(SHAPE, 3, 1, "fp32", "none", prefetch, bucket_mb)["device"]
-             - buffer_bytes(SHAPE, 2, 1, "fp32", "none", prefetch, bucket_mb)["device"])
-    assert eager < gathered
+    assert chunks >= most_chunks_per_block(layers, bucket_mb) + 1  # a whole block's beside the tied embedding's
+    assert gathered_bytes(shape, prefetch, bucket_mb, gather_per_block=True) == elements * 4
+    # per-module hooks hold less: a Linear's or LayerNorm's chunks, not a block's
+    assert gathered_bytes(shape, prefetch, bucket_mb, gather_per_block=False) < elements * 4
+
+
+@pytest.mark.parametrize("layers,bucket_mb", CASES)
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_eager_stage3_counts_the_chunks_the_engine_gathers_at_once(layers, bucket_mb, prefetch):
+    """gather_peak with per-module hooks (what buffer_bytes counts without gather_per_block: the engine's default)
+    is the most chunks and elements the engine holds gathered at once from the second step on, prefetch counted
+    in chunks of the recorded order."""
+    shape = shape_of(layers)
+    engine = build(bucket_mb, prefetch, per_block=False, layers=layers)
+    num_chunks = len(engine.chunks)
+    peaks = gathered_at_once(engine)
+    engine.close()
+    chunks, elements = gather_peak(shape, "fp32", prefetch, bucket_mb)
+    assert peaks[1:] == [(chunks, elements)] * (len(peaks) - 1), (peaks, chunks, elements)
+    assert peaks[0][0] <= chunks and peaks[0][1] <= elements  # nothing recorded: no prefetch
+    assert chunks < num_chunks
+    assert gathered_bytes(shape, prefetch, bucket_mb, gather_per_block=False) == elements * 4
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_gpt2_xl_compiled_holds_at_least_what_eager_holds(prefetch):
+    """On GPT-2 XL's shape (stage 3, 8 ranks, bf16, 25 MB chunks) whole blocks hold more gathered than per-module
+    hooks, as on the tiny GPT above: the compiled estimate is never the lower one."""
+    xl = ModelShape(layers=48, hidden=1600, heads=25)
+    eager, whole = (buffer_bytes(xl, 3, 8, "bf16", "none", prefetch, 25.0, gather_per_block=g)["device"]
+                    for g in (False, True))
+    assert whole >= eager, (prefetch, eager, whole)
 
 
 def test_estimate_takes_gather_per_block():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from zerogpt.zero.strategy import BucketTensorShardStrategy, TensorShardStrategy
 
 __all__ = ["HOMES", "CATEGORIES", "PRECISIONS", "ModelShape", "model_state_bytes", "zero_paper_bytes",
-           "activation_bytes", "chunk_of_params", "block_gather_peak", "buffer_bytes", "estimate"]
+           "activation_bytes", "chunk_of_params", "gather_peak", "block_gather_peak", "buffer_bytes", "estimate"]
 
 HOMES = ("device", "host", "disk")
 CATEGORIES = ("params", "grads", "master", "optimizer")
@@ -48,13 +48,16 @@ class ModelShape:
 
     def param_numels(self) -> list[tuple[str, int]]:
         """(owning module, numel) of each parameter in model_zoo's (and HF GPT-2's) registration order, the
-        order chunks are packed in: wte, wpe, the 12 of each block `h.i`, ln_f's 2 (the head is wte's weight)."""
+        order chunks are packed in and the order the modules run: wte, wpe, the 12 of each block `h.i` (owned by
+        `h.i.ln_1`, `h.i.attn.c_attn`, `h.i.attn.c_proj`, `h.i.ln_2`, `h.i.mlp.c_fc`, `h.i.mlp.c_proj`, a
+        weight and a bias each), ln_f's 2 (the head is wte's weight)."""
         h, inner = self.hidden, 4 * self.hidden
-        #        ln_1    c_attn w, b       attn c_proj  ln_2    mlp c_fc w, b     mlp c_proj
-        block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, inner * h, inner, inner * h, h]
+        block = [("ln_1", h), ("ln_1", h), ("attn.c_attn", 3 * h * h), ("attn.c_attn", 3 * h),
+                 ("attn.c_proj", h * h), ("attn.c_proj", h), ("ln_2", h), ("ln_2", h),
+                 ("mlp.c_fc", inner * h), ("mlp.c_fc", inner), ("mlp.c_proj", inner * h), ("mlp.c_proj", h)]
         out = [("wte", self.padded_vocab * h), ("wpe", self.positions * h)]
         for i in range(self.layers):
-            out += [(f"h.{i}", n) for n in block]
+            out += [(f"h.{i}.{module}", n) for module, n in block]
         return out + [("ln_f", h), ("ln_f", h)]
 
 
@@ -187,23 +190,29 @@ def chunk_of_params(numels: list[int], element_size: int, bucket_mb: float) -> l
     return out
 
 
-def block_gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: float,
-                      world_size: int = 1) -> tuple[int, int]:
-    """Stage 3 with the blocks gathered whole (`compile = True`, Stage3GatherHooks.gather_per_block): the most
-    chunks, and the most elements, that one rank holds gathered at once.
+def gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: float, world_size: int = 1,
+                per_block: bool = False) -> tuple[int, int]:
+    """Stage 3: the most chunks, and the most elements, that one rank holds gathered at once.
 
     Packs the shape's parameters into chunks as the engine does (`chunk_of_params`: one param group, so a chunk
-    may hold the end of one block and the start of the next), then walks the gather units, forward (wte, wpe,
-    each block whole, ln_f, the tied head) and backward (the reverse). At each unit the chunks held are that
-    unit's, those of the next `prefetch` units (prefetch counts hooked modules here), and those used before and
-    again after it: the tied embedding/head chunk, from the embedding to the head; in forward also the chunks
-    kept for the first `prefetch` units of backward. Chunks are counted padded to a multiple of `world_size`.
-    Assumes every prefetch hits (the recorded order repeats) and each chunk is released at its last use.
+    may hold parameters of several modules, or the end of one block and the start of the next), then walks the
+    hooked modules as zero/gather_hooks.py's Stage3GatherHooks does, forward and backward (the reverse). The
+    hooked modules are those owning parameters (wte, wpe, each block's ln_1, attn c_attn, attn c_proj, ln_2,
+    mlp c_fc, mlp c_proj, then ln_f and the head, which owns wte's weight), or with `per_block`
+    (`compile = True`, `gather_per_block`) each block whole in place of its six. A module gathers its chunks and
+    the next `prefetch` gather units of the recorded order. A unit is one chunk in eager runs (listed once per
+    module that gathers it, so a prefetch may land on a chunk held already) and one module's chunks per block.
+    Backward records a chunk at its first use only, and a module with no new chunk gathers nothing. A chunk stays
+    gathered until the last module using it in the pass has run (forward: its remaining uses; backward: its last
+    gradient), so the tied embedding/head chunk is held from the embedding to the head and through backward; the
+    end of forward keeps the chunks of backward's first `prefetch` units. Chunks are counted padded to a multiple
+    of `world_size`. Assumes every prefetch hits (the recorded order repeats: from the second step on).
 
     Returns: (chunks, elements), each the maximum over forward and backward.
     Example:
-        >>> block_gather_peak(ModelShape(layers=2, hidden=64, heads=2, vocab=128, positions=16), "fp32", 2, 0)
-        (27, 109184)
+        >>> shape = ModelShape(layers=2, hidden=64, heads=2, vocab=128, positions=16)
+        >>> gather_peak(shape, "fp32", 2, 0), gather_peak(shape, "fp32", 2, 0, per_block=True)
+        ((5, 41280), (27, 109184))
     """
     c = PRECISIONS[precision]
     params = shape.param_numels()
@@ -212,46 +221,69 @@ def block_gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_m
     for (_, n), chunk in zip(params, chunk_of):
         sizes[chunk] = sizes.get(chunk, 0) + n
     padded = {chunk: math.ceil(n / world_size) * world_size for chunk, n in sizes.items()}
-    units: dict[str, set[int]] = {}  # the hooked modules in forward order, each with its chunks
+    owners: dict[str, set[int]] = {}  # the hooked modules in forward order, each with its chunks
     for (module, _), chunk in zip(params, chunk_of):
-        units.setdefault(module, set()).add(chunk)
-    forward = list(units.values()) + [units["wte"]]  # the head: wte's weight, tied
+        if per_block and module.startswith("h."):
+            module = ".".join(module.split(".")[:2])  # h.3.attn.c_attn -> h.3
+        owners.setdefault(module, set()).add(chunk)
+    forward = [sorted(chunks) for chunks in owners.values()] + [sorted(owners["wte"])]  # the head: wte's weight
+    backward = forward[::-1]
+    # what each module gathers and records: forward, all of its chunks; backward, those not gathered yet in it
+    seen: set[int] = set()
+    backward_new = []
+    for chunks in backward:
+        backward_new.append([ch for ch in chunks if ch not in seen])
+        seen.update(chunks)
+
+    def units(gathered: list[int]) -> list[tuple[int, ...]]:  # what a gather adds to the recorded order
+        if not gathered:
+            return []
+        return [tuple(gathered)] if per_block else [(ch,) for ch in gathered]
+
+    kept = {ch for unit in [u for new in backward_new for u in units(new)][:prefetch] for ch in unit}
     most_chunks = most_elements = 0
-    for order, kept in ((forward, set().union(*forward[len(forward) - prefetch:]) if prefetch else set()),
-                        (forward[::-1], set())):
+    for modules, gathers, keep in ((forward, forward, kept), (backward, backward_new, set())):
+        order = [u for gathered in gathers for u in units(gathered)]
         first: dict[int, int] = {}
         last: dict[int, int] = {}
-        for i, unit in enumerate(order):
-            for chunk in unit:
-                first.setdefault(chunk, i)
-                last[chunk] = i
-        for i in range(len(order)):
-            held = set().union(*order[i : i + 1 + prefetch])
-            held |= {ch for ch in first if first[ch] < i and (last[ch] > i or ch in kept)}
+        for i, chunks in enumerate(modules):
+            for ch in chunks:
+                first.setdefault(ch, i)
+                last[ch] = i
+        pos = 0  # units recorded so far
+        for i, (chunks, gathered) in enumerate(zip(modules, gathers)):
+            if not gathered:  # no gather: what is held only shrinks
+                continue
+            pos += len(units(gathered))
+            held = set(chunks).union(*order[pos : pos + prefetch])
+            held |= {ch for ch in first if first[ch] < i and (last[ch] > i or ch in keep)}
             most_chunks = max(most_chunks, len(held))
             most_elements = max(most_elements, sum(padded[ch] for ch in held))
     return most_chunks, most_elements
+
+
+def block_gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: float,
+                      world_size: int = 1) -> tuple[int, int]:
+    """`gather_peak` with the blocks gathered whole (`compile = True`, Stage3GatherHooks.gather_per_block)."""
+    return gather_peak(shape, precision, prefetch, bucket_mb, world_size, per_block=True)
 
 
 def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
                  prefetch: int = 2, bucket_mb: float = 25.0, gather_per_block: bool = False) -> dict[str, int]:
     """Chunk buffers in flight on one rank, by home.
 
-    A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding).
-    Stage 3 gathers the current chunk plus `prefetch` ahead (full chunk, compute dtype). With
-    `gather_per_block` (`compile = True`: each block gathered whole, prefetch counting hooked modules) it
-    holds instead a block's chunks, those of the next `prefetch` modules and the tied embedding's, counted
-    chunk by chunk at their real sizes (`block_gather_peak`). Stages 2/3 keep about two full-size grad chunks
-    in flight (one filling, one reducing). Disk offload streams master + Adam state of the current and the
+    A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding). Stage 3 holds the
+    chunks `gather_peak` counts, at their real sizes in compute dtype: a module's, the next `prefetch` chunks
+    of the recorded order (with `gather_per_block`, `compile = True`: a whole block's and the next `prefetch`
+    modules'), and those used before and after (the tied embedding's). Stages 2/3 keep about two full-size grad
+    chunks in flight (one filling, one reducing). Disk offload streams master + Adam state of the current and the
     read-ahead chunk shard (12 B/param) through host RAM.
     """
     c = PRECISIONS[precision]
     chunk_numel = max(int(bucket_mb * 2**20) // c if bucket_mb > 0 else 0, shape.largest_param)
     out = dict.fromkeys(HOMES, 0)
-    if stage == 3 and gather_per_block:
-        out["device"] += block_gather_peak(shape, precision, prefetch, bucket_mb, world_size)[1] * c
-    elif stage == 3:
-        out["device"] += (1 + prefetch) * chunk_numel * c
+    if stage == 3:
+        out["device"] += gather_peak(shape, precision, prefetch, bucket_mb, world_size, gather_per_block)[1] * c
     if stage >= 2:
         out["device"] += 2 * chunk_numel * c
     if offload_optimizer == "disk":
