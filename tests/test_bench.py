@@ -28,7 +28,7 @@ RUNS = {
     "gpu_check.py": (["--help"], "usage:"),          # its tiny CPU dry run is tests/test_gpu_check.py
     "gpu_measure.py": (["--help"], "usage:"),
     "host_step.py": (["--shard-m", "1", "--shards", "1", "--rounds", "1", "--engine-layers", "1"],
-                     "x DeepSpeed op alone |"),
+                     "(median of the rounds' ratios) |"),
     "model_parallel.py": (["--model", "gpt2_tiny", "--seq", "16", "--steps", "1", "--warmup", "0",
                            "--systems", "tp2-sp", "pp2"],
                           "first-step losses agree within 1e-4 (the same step computed 2 ways): yes"),
