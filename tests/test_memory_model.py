@@ -99,41 +99,27 @@ def gathered_bytes(shape: ModelShape, prefetch: int, bucket_mb: float, gather_pe
 
 @pytest.mark.parametrize("layers,bucket_mb", CASES)
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_compiled_stage3_counts_the_chunks_the_engine_gathers_at_once(layers, bucket_mb, prefetch):
-    """block_gather_peak (what buffer_bytes(gather_per_block=True) counts) is the most chunks and elements the
-    engine holds gathered at once once the order is recorded and prefetch hits (the first step, with nothing
-    recorded, no more)."""
+@pytest.mark.parametrize("per_block", [True, False], ids=["blocks-whole", "per-module"])
+def test_stage3_estimate_counts_the_chunks_the_engine_gathers_at_once(layers, bucket_mb, prefetch, per_block):
+    """gather_peak (what buffer_bytes counts: with gather_per_block, the blocks hooked whole as compile=True does,
+    prefetch counted in modules; without, the engine's default per-module hooks, prefetch counted in chunks of the
+    recorded order) is the most chunks and elements the engine holds gathered at once once the order is recorded
+    and prefetch hits (the first step, with nothing recorded, no more)."""
     shape = shape_of(layers)
-    engine = build(bucket_mb, prefetch, layers=layers)
+    engine = build(bucket_mb, prefetch, per_block=per_block, layers=layers)
     num_chunks = len(engine.chunks)
     peaks = gathered_at_once(engine)
     engine.close()
-    chunks, elements = block_gather_peak(shape, "fp32", prefetch, bucket_mb)
+    chunks, elements = gather_peak(shape, "fp32", prefetch, bucket_mb, per_block=per_block)
     assert peaks[1:] == [(chunks, elements)] * (len(peaks) - 1), (peaks, chunks, elements)
     assert peaks[0][0] <= chunks and peaks[0][1] <= elements  # nothing recorded: no prefetch
     assert chunks < num_chunks  # the model is deep enough for the count to mean something
-    assert chunks >= most_chunks_per_block(layers, bucket_mb) + 1  # a whole block's beside the tied embedding's
-    assert gathered_bytes(shape, prefetch, bucket_mb, gather_per_block=True) == elements * 4
-    # per-module hooks hold less: a Linear's or LayerNorm's chunks, not a block's
-    assert gathered_bytes(shape, prefetch, bucket_mb, gather_per_block=False) < elements * 4
-
-
-@pytest.mark.parametrize("layers,bucket_mb", CASES)
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_eager_stage3_counts_the_chunks_the_engine_gathers_at_once(layers, bucket_mb, prefetch):
-    """gather_peak with per-module hooks (what buffer_bytes counts without gather_per_block: the engine's default)
-    is the most chunks and elements the engine holds gathered at once from the second step on, prefetch counted
-    in chunks of the recorded order."""
-    shape = shape_of(layers)
-    engine = build(bucket_mb, prefetch, per_block=False, layers=layers)
-    num_chunks = len(engine.chunks)
-    peaks = gathered_at_once(engine)
-    engine.close()
-    chunks, elements = gather_peak(shape, "fp32", prefetch, bucket_mb)
-    assert peaks[1:] == [(chunks, elements)] * (len(peaks) - 1), (peaks, chunks, elements)
-    assert peaks[0][0] <= chunks and peaks[0][1] <= elements  # nothing recorded: no prefetch
-    assert chunks < num_chunks
-    assert gathered_bytes(shape, prefetch, bucket_mb, gather_per_block=False) == elements * 4
+    assert gathered_bytes(shape, prefetch, bucket_mb, gather_per_block=per_block) == elements * 4
+    if per_block:
+        assert (chunks, elements) == block_gather_peak(shape, "fp32", prefetch, bucket_mb)
+        assert chunks >= most_chunks_per_block(layers, bucket_mb) + 1  # a whole block's beside the embedding's
+        # per-module hooks hold less: a Linear's or LayerNorm's chunks, not a block's
+        assert gathered_bytes(shape, prefetch, bucket_mb, gather_per_block=False) < elements * 4
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
