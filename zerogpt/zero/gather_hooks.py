@@ -31,6 +31,24 @@ from torch.utils._pytree import tree_map_only
 from zerogpt.zero.chunk import Chunk
 
 
+def parts_with_chunks(module: nn.Module, blocks: list[nn.Module],
+                      param_to_chunk: dict[int, tuple[int, int]]) -> list[tuple[nn.Module, list[int]]]:
+    """The parts of `module` that hooks wait or gather for, in module order, each with the sorted chunk indices
+    of its parameters: each of `blocks` whole (all of its parameters, no hook inside it), and every other module
+    outside them that owns parameters directly (its own)."""
+    whole = {id(b) for b in blocks}
+    inside = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
+    parts = []
+    for sub in module.modules():
+        if id(sub) in inside:
+            continue
+        chunk_ids = sorted({param_to_chunk[id(p)][0] for p in sub.parameters(recurse=id(sub) in whole)
+                            if id(p) in param_to_chunk})
+        if chunk_ids:
+            parts.append((sub, chunk_ids))
+    return parts
+
+
 class _GatherBeforeBackward(torch.autograd.Function):
     """Identity whose backward gathers the module's chunks before the module's own backward runs."""
 
@@ -92,17 +110,9 @@ class Stage3GatherHooks:
         """The hooks: gather/release on each of `blocks` for all of its parameters and on every other module
         outside them that owns parameters directly, for those; then the root module's."""
         self.whole_blocks = bool(blocks)  # prefetch counts hooked modules, not chunks
-        whole = {id(b) for b in blocks}
-        inside = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
         self.module_chunks: dict[int, list[int]] = {}
         uses: dict[int, int] = defaultdict(int)
-        for sub in self.module.modules():
-            if id(sub) in inside:
-                continue
-            own = [p for p in sub.parameters(recurse=id(sub) in whole) if id(p) in self.param_to_chunk]
-            if not own:
-                continue
-            chunk_ids = sorted({self.param_to_chunk[id(p)][0] for p in own})
+        for sub, chunk_ids in parts_with_chunks(self.module, blocks, self.param_to_chunk):
             self.module_chunks[id(sub)] = chunk_ids
             for c in chunk_ids:
                 uses[c] += 1

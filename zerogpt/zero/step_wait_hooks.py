@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from zerogpt.zero.chunk import Chunk
+from zerogpt.zero.gather_hooks import parts_with_chunks
 
 
 class StepWaitHooks:
@@ -25,17 +26,10 @@ class StepWaitHooks:
     def __init__(self, module: nn.Module, chunks: list[Chunk], param_to_chunk: dict[int, tuple[int, int]],
                  blocks: list[nn.Module]) -> None:
         by_index = {c.plan.index: c for c in chunks}
-        whole = {id(b) for b in blocks}
-        inside = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
         self.handles: list[Any] = []
-        for sub in module.modules():
-            if id(sub) in inside:
-                continue
-            owned = sorted({param_to_chunk[id(p)][0] for p in sub.parameters(recurse=id(sub) in whole)
-                            if id(p) in param_to_chunk})
-            if owned:
-                mine = [by_index[i] for i in owned]
-                self.handles.append(sub.register_forward_pre_hook(lambda m, args, mine=mine: _wait(mine)))
+        for sub, owned in parts_with_chunks(module, blocks, param_to_chunk):
+            mine = [by_index[i] for i in owned]
+            self.handles.append(sub.register_forward_pre_hook(lambda m, args, mine=mine: _wait(mine)))
 
     def remove(self) -> None:
         for handle in self.handles:
