@@ -412,8 +412,7 @@ class ShardedOptimizer:
             # Copy the updated master into its param shard now, while its pages are in RAM (disk)
             # and so the host->device copy overlaps the next chunk's CPU step.
             if staged is not None and wrote:
-                state.chunk.shard.copy_(staged, non_blocking=True)
-                self._staging.sent()
+                self._send_staged(state.chunk.shard, staged)
             elif not wrote:
                 state.write_back()
             self._count_compute_copy(state)
@@ -492,11 +491,12 @@ class ShardedOptimizer:
         self._chunk_step_s += time.perf_counter() - start  # one worker thread: no other writer
         return wrote, copied
 
-    def _send_staged(self, shard: torch.Tensor, staged: torch.Tensor, ready: Any) -> Any:
-        """Copy a staged compute copy into its param shard from the worker thread: on a GPU on the worker's
-        stream, after `ready`, returning the copy's event; on the CPU (forced staging) at once, returning None."""
-        if shard.device.type != "cuda":
-            shard.copy_(staged)
+    def _send_staged(self, shard: torch.Tensor, staged: torch.Tensor, ready: Any = None) -> Any:
+        """Copy a staged compute copy into its param shard. With `ready` (an overlapped step on a GPU: the device
+        work queued at its launch), from the worker thread on the worker's own stream after it, returning the
+        copy's event; without, on the current stream (the plain step; the CPU, where staging is forced)."""
+        if ready is None:
+            shard.copy_(staged, non_blocking=True)
             self._staging.sent()
             return None
         if self._h2d_stream is None:
