@@ -203,12 +203,12 @@ def test_stage3_on_two_ranks_trains_as_pytorch_and_compiles_once():
     from tests.zero.stage3_recipes import RECIPES, SEQ
     from tests.zero.stage3_recipes import VOCAB as RECIPE_VOCAB
     from tests.zero.test_stage3 import PREFETCH
-    from zerogpt.memory_model import ModelShape, block_gather_peak
+    from zerogpt.memory_model import ModelShape, gather_peak
 
     # a block's chunks, the next PREFETCH hooked modules' and the tied embedding's (what the memory model counts
     # with the blocks gathered whole; on this 2-block GPT with 4K-element chunks that is every chunk)
     shape = ModelShape(layers=2, hidden=64, heads=2, vocab=RECIPE_VOCAB, positions=SEQ)
-    bound = block_gather_peak(shape, "fp32", PREFETCH, 0.016, world_size=2)[0]
+    bound = gather_peak(shape, "fp32", PREFETCH, 0.016, world_size=2, per_block=True)[0]
     runs = run_distributed(_stage3_compiled, 2, timeout=180)
     for name, run in runs[0].items():
         assert_run_matches(run, reference_run(RECIPES[name], 2, 1), precision="fp32", what=f"compiled {name}")

@@ -14,7 +14,7 @@ import zerogpt
 from model_zoo.gpt import gpt2_tiny
 from tests.zero.reference import cpu_ctx, train_losses
 from zerogpt.compile import find_blocks
-from zerogpt.memory_model import ModelShape, block_gather_peak, buffer_bytes, chunk_of_params, estimate, gather_peak
+from zerogpt.memory_model import ModelShape, buffer_bytes, chunk_of_params, estimate, gather_peak
 from zerogpt.zero import BucketTensorShardStrategy, TensorShardStrategy
 
 VOCAB, SEQ, LAYERS, HIDDEN = 128, 16, 4, 64
@@ -116,7 +116,6 @@ def test_stage3_estimate_counts_the_chunks_the_engine_gathers_at_once(layers, bu
     assert chunks < num_chunks  # the model is deep enough for the count to mean something
     assert gathered_bytes(shape, prefetch, bucket_mb, gather_per_block=per_block) == elements * 4
     if per_block:
-        assert (chunks, elements) == block_gather_peak(shape, "fp32", prefetch, bucket_mb)
         assert chunks >= most_chunks_per_block(layers, bucket_mb) + 1  # a whole block's beside the embedding's
         # per-module hooks hold less: a Linear's or LayerNorm's chunks, not a block's
         assert gathered_bytes(shape, prefetch, bucket_mb, gather_per_block=False) < elements * 4

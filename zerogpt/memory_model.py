@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from zerogpt.zero.strategy import BucketTensorShardStrategy, TensorShardStrategy
 
 __all__ = ["HOMES", "CATEGORIES", "PRECISIONS", "ModelShape", "model_state_bytes", "zero_paper_bytes",
-           "activation_bytes", "chunk_of_params", "gather_peak", "block_gather_peak", "buffer_bytes", "estimate"]
+           "activation_bytes", "chunk_of_params", "gather_peak", "buffer_bytes", "estimate"]
 
 HOMES = ("device", "host", "disk")
 CATEGORIES = ("params", "grads", "master", "optimizer")
@@ -260,12 +260,6 @@ def gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: flo
             most_chunks = max(most_chunks, len(held))
             most_elements = max(most_elements, sum(padded[ch] for ch in held))
     return most_chunks, most_elements
-
-
-def block_gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: float,
-                      world_size: int = 1) -> tuple[int, int]:
-    """`gather_peak` with the blocks gathered whole (`compile = True`, Stage3GatherHooks.gather_per_block)."""
-    return gather_peak(shape, precision, prefetch, bucket_mb, world_size, per_block=True)
 
 
 def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
