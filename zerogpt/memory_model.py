@@ -273,6 +273,8 @@ def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str,
     chunks in flight (one filling, one reducing). Disk offload streams master + Adam state of the current and the
     read-ahead chunk shard (12 B/param) through host RAM.
     """
+    if prefetch < 0:  # as zero.prefetch is checked
+        raise ValueError(f"prefetch must be an int >= 0 (0 = no prefetch), got {prefetch!r}")
     c = PRECISIONS[precision]
     chunk_numel = max(int(bucket_mb * 2**20) // c if bucket_mb > 0 else 0, shape.largest_param)
     out = dict.fromkeys(HOMES, 0)

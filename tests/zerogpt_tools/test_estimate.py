@@ -103,6 +103,8 @@ def test_cli_fits_and_json(capsys):
     assert plan["model"] == "custom" and plan["num_params"] == ModelShape(2, 64, 2, 1000).num_params
     with pytest.raises(SystemExit, match="stage 3"):
         main(["--stage", "2", "--offload-param", "cpu"])
+    with pytest.raises(SystemExit, match="prefetch must be an int >= 0"):
+        main(["--model", "gpt2_xl", "--stage", "3", "--prefetch", "-1"])
 
 
 @pytest.mark.timeout(120)
