@@ -41,6 +41,47 @@ def test_matches_torch_fused_adam_and_writes_the_compute_copy(adamw, weight_deca
     assert torch.equal(out, master.to(torch.bfloat16))  # round to nearest even, as torch casts
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_the_streamed_compute_copy_equals_a_cast_at_any_alignment(out_dtype, offset):
+    """The copy is written in whole cache lines with streaming stores, plainly before the first aligned line and
+    after the last whole block: an offset view and a length that is no multiple of a block take every path."""
+    g = torch.Generator().manual_seed(1)
+    n = 3 * 65_536 + 1_001
+    master, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    buffer = torch.full((n + offset + 5,), float("nan"), dtype=out_dtype)
+    out = buffer[offset:offset + n]
+    host_adam_step(master, grad, torch.zeros(n), torch.zeros(n), step=1, weight_decay=0.1, adamw=True, out=out,
+                   **HYPER)
+    assert torch.equal(out, master.to(out_dtype))
+    assert buffer[:offset].isnan().all() and buffer[offset + n:].isnan().all()  # nothing written outside
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_decay_ranges_in_one_call_decay_only_those_elements(adamw):
+    """The engine steps a chunk shard of many params in one call; only its weights' ranges decay. The reference
+    is torch's optimizer with the ranges as separate params in a decayed and an undecayed group."""
+    g = torch.Generator().manual_seed(2)
+    n, ranges = 200_000, [(0, 70_000), (70_768, 150_000), (150_000, 190_000)]  # adjacent ranges, as slots are
+    master = torch.randn(n, generator=g)
+    cuts = sorted({0, n, *(i for r in ranges for i in r)})
+    refs = [master[a:b].clone().requires_grad_() for a, b in zip(cuts, cuts[1:])]
+    decays = [any(a <= lo and hi <= b for a, b in ranges) for lo, hi in zip(cuts, cuts[1:])]
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref_opt = cls([dict(params=[r for r, d in zip(refs, decays) if d], weight_decay=0.1),
+                   dict(params=[r for r, d in zip(refs, decays) if not d], weight_decay=0.0)], fused=True, **HYPER)
+    m, v, out = torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=g)
+        for r, (a, b) in zip(refs, zip(cuts, cuts[1:])):
+            r.grad = grad[a:b].clone()
+        ref_opt.step()
+        host_adam_step(master, grad, m, v, step=step, weight_decay=0.1, adamw=adamw, out=out, decay_ranges=ranges,
+                       **HYPER)
+    assert rel(master, torch.cat([r.detach() for r in refs])) < 1e-6
+    assert torch.equal(out, master.to(torch.bfloat16))
+
+
 def test_bf16_moments_are_rounded_without_bias():
     """v's per-step change (1 - beta2 = 0.001 of it) is below bf16's half ulp: round-to-nearest would keep v
     where it is forever. Stochastic rounding decays it as fp32 does, on average."""
@@ -114,6 +155,9 @@ def test_wrong_inputs_are_named():
     with pytest.raises(RuntimeError, match="exp_avg_sq has dtype"):
         host_adam_step(master, torch.zeros(10), torch.zeros(10), torch.zeros(10, dtype=torch.bfloat16), step=1,
                        weight_decay=0.0, adamw=True, **HYPER)
+    with pytest.raises(RuntimeError, match=r"decay range \(6, 4\) is not sorted"):
+        host_adam_step(master, torch.zeros(10), torch.zeros(10), torch.zeros(10), step=1, weight_decay=0.1,
+                       adamw=True, decay_ranges=[(0, 2), (6, 4)], **HYPER)
 
 
 

@@ -88,19 +88,6 @@ def _takes_fused_step(p: torch.Tensor, state: dict, copy_to: dict[torch.Tensor, 
         and load_host_adam()[0] is not None
 
 
-def decay_segments(numel: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
-    """A flat param cut into (start, end, decays) runs that cover it, from the sorted ranges that decay."""
-    segments, at = [], 0
-    for a, b in ranges:
-        if at < a:
-            segments.append((at, a, False))
-        segments.append((a, b, True))
-        at = b
-    if at < numel:
-        segments.append((at, numel, False))
-    return segments
-
-
 def decay_slices(param: torch.Tensor, grad: torch.Tensor, ranges: list[tuple[int, int]], *, lr: float,
                  weight_decay: float, decoupled: bool, found_inf: torch.Tensor | None = None) -> None:
     """Weight decay of the given ranges of a flat param, as a pass before an update that runs without decay.
@@ -118,12 +105,6 @@ def decay_slices(param: torch.Tensor, grad: torch.Tensor, ranges: list[tuple[int
         torch._foreach_mul_([param[a:b] for a, b in ranges], keep)
     else:
         torch._foreach_add_([grad[a:b] for a, b in ranges], [param[a:b] for a, b in ranges], alpha=weight_decay)
-
-
-def _segment_seed(seed: int, start: int) -> int:
-    """The rounding seed of a run of slots that starts at `start`: the op hashes indices from each call's own 0,
-    so each run gets its own stream of random bits."""
-    return (seed ^ (start * 0x9E3779B1)) & 0x7FFFFFFF
 
 
 def _announce(key: str, msg: str) -> None:
@@ -153,7 +134,8 @@ class CPUAdam(torch.optim.Optimizer):
 
     A param group may name `decay_ranges`: the sorted (start, end) ranges of each flattened param that take
     weight_decay, the rest none (the engine's chunk shards mix weights with biases and norms). The fused op
-    takes the decay into its one pass, a call per run of slots; the other kernels get a decay pass first.
+    takes the decay into its one pass, one call per param (the ranges go into the op); the other kernels get a
+    decay pass first.
 
     Args:
         params: iterable of tensors or param-group dicts (fp32, on CPU; HybridAdam also takes CUDA).
@@ -326,16 +308,13 @@ class CPUAdam(torch.optim.Optimizer):
                 out.copy_(p)
             return
         state["step"] += 1
-        wd, ranges, seed = group["weight_decay"], group.get("decay_ranges"), group.get("rounding_seed", 0)
-        segments = [(0, p.numel(), True)] if ranges is None or not wd else decay_segments(p.numel(), ranges)
-        flat = [t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
-        step = int(state["step"].item())
-        for a, b, decays in segments:  # the decay folded into the update: one op call per run of slots
-            host_adam_step(*(t[a:b] for t in flat), step=step, lr=group["lr"],
-                           betas=group["betas"], eps=group["eps"], weight_decay=wd if decays else 0.0,
-                           adamw=bool(group["adamw_mode"]), bias_correction=bool(group["bias_correction"]),
-                           grad_scale=grad_scale, out=None if out is None else out.view(-1)[a:b],
-                           seed=seed if a == 0 else _segment_seed(seed, a))
+        # the decay folded into the update: one op call for the whole shard, its biases and norms undecayed
+        host_adam_step(*(t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])),
+                       step=int(state["step"].item()), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                       weight_decay=group["weight_decay"], adamw=bool(group["adamw_mode"]),
+                       bias_correction=bool(group["bias_correction"]), grad_scale=grad_scale,
+                       out=None if out is None else out.view(-1), seed=group.get("rounding_seed", 0),
+                       decay_ranges=group.get("decay_ranges"))
 
     def _ds_id(self, op: Any, group: dict) -> int:
         adamw = bool(group["adamw_mode"])

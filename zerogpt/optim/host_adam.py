@@ -51,14 +51,17 @@ def seed_of(chunk_index: int, rank: int) -> int:
 def host_adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                    adamw: bool, bias_correction: bool = True, grad_scale: float = 1.0,
-                   out: torch.Tensor | None = None, seed: int = 0) -> None:
+                   out: torch.Tensor | None = None, seed: int = 0,
+                   decay_ranges: list[tuple[int, int]] | None = None) -> None:
     """One Adam(W) update of `master` in place; `out` (fp32 or bf16, master's size) receives the new master.
 
-    `step` is the count after this update (1 first). Moments may be fp32 or bf16 (stochastically rounded); the
+    `step` is the count after this update (1 first). `decay_ranges`, sorted (start, end) element ranges, are the
+    only elements that take weight decay (a chunk shard's weights, not its biases and norms); None: all do. Moments may be fp32 or bf16 (stochastically rounded); the
     gradient fp32 or bf16, multiplied by `grad_scale` as it is read. Both bf16 moments are rounded stochastically
     at every beta: round-to-nearest drops a step's change below half an ulp (a bias where beta is near 1) and
     measured no better on the demo's betas (0.9, 0.95) (bench/README.md, "bf16 Adam moments").
     """
     op = require_host_adam("an Adam step with a fused compute copy or bf16 moments")
     op.adam_step(master, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(betas[0]), float(betas[1]),
-                 float(eps), float(weight_decay), bool(adamw), bool(bias_correction), float(grad_scale), int(seed))
+                 float(eps), float(weight_decay), bool(adamw), bool(bias_correction), float(grad_scale), int(seed),
+                 None if decay_ranges is None else [int(i) for r in decay_ranges for i in r])
