@@ -53,3 +53,30 @@ def test_opt_out_leaves_malloc_alone():
     result = probe(ZEROGPT_KEEP_HOST_MEMORY="0")
     assert result["applied"] is False
     assert result["faults"] > result["pages"] // 2, result  # glibc's default: mmap + munmap every time
+
+
+RELEASE = textwrap.dedent("""
+    import json, torch
+    from zerogpt.host_memory import keep_freed_host_memory, release_freed_host_memory
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+    assert keep_freed_host_memory()
+    keep = torch.ones(2**20)  # in use below the freed block: its pages stay
+    freed = torch.ones(64 * 2**20)  # 256 MiB, as the build's init values: freed, kept resident by the setting
+    keep_above = torch.ones(2**20)  # in use above it, so it is a hole in the heap, not its top
+    del freed
+    held = rss()
+    released = release_freed_host_memory()
+    print(json.dumps({"released": released, "dropped": held - rss(), "kept": float(keep.sum() + keep_above.sum())}))
+""")
+
+
+def test_the_builds_freed_heap_is_handed_back():
+    """The build calls release_freed_host_memory once it is done: pages free in the never-trimmed heap go back to
+    the kernel, blocks in use stay."""
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["released"] is True
+    assert result["dropped"] > 200 * 2**20, result
+    assert result["kept"] == 2 * 2**20

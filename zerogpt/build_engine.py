@@ -22,7 +22,7 @@ from zerogpt.compile import find_blocks
 from zerogpt.config import Config, EngineConfig, HostConfig, engine_config, optimizer_class
 from zerogpt.context import DistContext
 from zerogpt.engine import Engine
-from zerogpt.host_memory import keep_freed_host_memory
+from zerogpt.host_memory import keep_freed_host_memory, release_freed_host_memory
 from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk, ChunkPlan, plan_chunks, to_local
 from zerogpt.zero.comm import all_gather_flat
@@ -186,6 +186,8 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
     sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, transport, traffic)
     if plan.stage in (1, 2) and plan.optim_home == "host":  # the host step may run behind the next forward
         sharded_optim.step_waits = StepWaitHooks(module, chunks, grad_hooks.param_to_chunk, find_blocks(module))
+    if keeps_freed_memory:  # the build's own garbage goes; training's heap is kept from here on
+        release_freed_host_memory()
     engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx,
                     criterion=parallel.criterion(criterion), parallel=parallel, transport=transport,
                     run_config=run_config, keeps_freed_memory=keeps_freed_memory, traffic=traffic,

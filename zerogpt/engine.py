@@ -22,7 +22,7 @@ from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.offload import HOMES, Placement, Traffic, start_d2h
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
-from zerogpt.zero.sharded_optim import ShardedOptimizer
+from zerogpt.zero.sharded_optim import ChunkState, ShardedOptimizer
 
 CATEGORIES = ("params", "grads", "master", "optimizer")
 
@@ -72,8 +72,9 @@ class Engine:
         offload_grads = placement.device.type == "cuda" and sharded_optim.grad_home != "device"
         self._copy_stream = torch.cuda.Stream(placement.device) if offload_grads else None
         self.hand_over_at_launch = offload_grads
-        # Reduced grad shards still being copied device->host: (fp32 host shard, staging copy, event).
-        self._pending_d2h: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        # Reduced grad shards still being copied device->host: (fp32 host shard to add the copy into, or None when
+        # the copy is kept as the gradient; staging copy; event).
+        self._pending_d2h: list[tuple[torch.Tensor | None, torch.Tensor, torch.cuda.Event | None]] = []
         self.accumulate_on_device = accumulate_on_device
         """Offloaded gradients are summed over the micro-steps on the device and cross to the host once per step."""
         # chunk index -> fp32 grad shard on the device, the sum of this step's micro-steps (accumulate_on_device)
@@ -204,9 +205,15 @@ class Engine:
                 if not self._last_reduce:
                     return
                 reduced = self._device_grads.pop(index)  # the step's sum crosses once
+            self.traffic.copied("device", state.grad_home, reduced)
+            if self._last_reduce and state.keeps_as_crossed():  # the step's one crossing, kept as it lands
+                crossed, event = start_d2h(reduced)
+                state.take_crossed_grad(reduced, crossed)
+                if event is not None:
+                    self._pending_d2h.append((None, crossed, event))
+                return
             # adds when on the same device (CPU; grads on device); a host gradient's norm is taken here first
             grad = state.add_grad(reduced, self.placement, whole=self._last_reduce and state.grad_home == "host")
-            self.traffic.copied("device", state.grad_home, reduced)
             if reduced.device != grad.device:
                 # Start this chunk's device->host copy, then add the copies that have landed into their
                 # host shards, never blocking the host on one still in flight (backward keeps queueing
@@ -222,7 +229,8 @@ class Engine:
                 if landed_only and not event.query():
                     return
                 event.synchronize()
-            shard.add_(staging)
+            if shard is not None:  # None: the copy is the gradient itself (ChunkState.take_crossed_grad)
+                shard.add_(staging)
             self._pending_d2h.pop(0)
 
     # -- step -----------------------------------------------------------------------------------
@@ -322,7 +330,7 @@ class Engine:
         """Host RAM this rank holds while it trains, in bytes (what the build line states; issue 30 point 1).
 
         The model state in host memory now (`memory_stats()`; on a CPU run every home but disk is host memory),
-        the fp32 gradient shards each step allocates there, and on a CPU run the compute's own largest buffers.
+        the gradient shards each step holds there (fp32, or as they crossed: `_step_grad_itemsize`), and on a CPU run the compute's own largest buffers.
         Sharded chunks: the largest chunk twice (its local gradient buffer, and a parameter's gradient as
         autograd makes it beside that buffer), at stage 3 once more (its gathered copy). One shard per chunk:
         the gathered chunk is the shard and the local gradient buffer the gradient shard (Chunk.gather,
@@ -333,7 +341,7 @@ class Engine:
         stats = self.memory_stats()
         homes = ("device", "host") if self.ctx.device.type == "cpu" else ("host",)
         held = sum(stats[c][h] for c in CATEGORIES for h in homes)
-        held += sum(s.master.numel() * 4 for s in self.sharded_optim.states.values()
+        held += sum(s.master.numel() * self._step_grad_itemsize(s) for s in self.sharded_optim.states.values()
                     if s.grad is None and s.grad_home in homes)
         if self.ctx.device.type == "cpu":
             if any(c.plan.num_shards > 1 for c in self.chunks):
@@ -343,6 +351,13 @@ class Engine:
                 held += max((s.numel * c.dtype.itemsize for c in self.chunks if len(c.plan.slots) > 1
                              for s in c.plan.slots), default=0)
         return held
+
+    def _step_grad_itemsize(self, state: ChunkState) -> int:
+        """Bytes per element of the gradient shard `state` holds at the step: the reduced shard as it crossed
+        (compute dtype) when that is the step's one crossing (`keeps_as_crossed`: stages 0-1 reduce once per
+        step, stages 2-3 once at accumulation 1), else an fp32 shard."""
+        once = self.stage <= 1 or self.gradient_accumulation == 1
+        return state.chunk.dtype.itemsize if once and state.keeps_as_crossed() else 4
 
     def describe(self) -> str:
         """One startup line: stage, chunks, this rank's model-state bytes, and the process-wide host settings."""

@@ -42,6 +42,18 @@ def keep_freed_host_memory() -> bool:
     return _applied
 
 
+def release_freed_host_memory() -> bool:
+    """Hand the pages that are free in the heap right now back to the kernel (glibc's malloc_trim).
+
+    Called once, when the build is done: it frees what only it needed (init values, each shard's staging), and in a
+    heap that is never trimmed those pages stayed resident beside training's own, 0.7-1.3 bytes/param at 531M
+    parameters (tests/zero/test_host_bytes.py). Blocks in use and the settings above stay as they are; a page
+    handed back faults in again when training reuses it, once. Returns whether anything was handed back.
+    """
+    libc = _glibc() if sys.platform.startswith("linux") else None
+    return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
 def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -51,4 +63,6 @@ def _glibc() -> ctypes.CDLL | None:
         return None
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     libc.mallopt.restype = ctypes.c_int
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
     return libc

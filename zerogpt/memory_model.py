@@ -79,13 +79,17 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
     per home (stage 0 mixed: 18Psi; stage 1: 4Psi+12Psi/N for N >= 2). In fp32 the master *is* the
     param shard when the params rest where the optimizer lives (16Psi ... 16Psi/N; stage 3 with param and
     optimizer offload: 16Psi/N on the host); otherwise a separate fp32 master is kept where the optimizer runs.
+    With the optimizer offloaded, a step's gradient that crosses to the host once (stages 0-1, or accumulation
+    1) is kept there as it crossed, in the compute dtype: stage 3 with param and optimizer offload in bf16 is
+    2 + 2 + 4 + 8 = 16Psi/N on the host, the paper's figure.
 
     Args:
         num_params: Psi, trainable parameters (tied weights counted once).
         stage: ZeRO stage 0-3.  world_size: N, data-parallel ranks.
         precision: "fp32" | "bf16" | "fp16" (params/grads compute dtype; masters and Adam are fp32).
-        offload_optimizer: "none" | "cpu" | "disk": where master + optimizer state (and fp32 grad shards:
-            host for both cpu and disk) live.
+        offload_optimizer: "none" | "cpu" | "disk": where master + optimizer state (and grad shards: host for
+            both cpu and disk) live. Offloaded, a step's gradient that crosses to the host once stays there in
+            the compute dtype (bf16: 2 B/param/N, not 4) until the step.
         offload_param: "none" | "cpu": where stage-3 param shards rest between uses.
         optimizer_bytes_per_param: 8 for Adam (exp_avg + exp_avg_sq in fp32), 4 for SGD+momentum.
         accumulation: micro-steps per optimizer step. Above 1 at stages 2-3 with the optimizer offloaded and the
@@ -129,7 +133,10 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
     if grad_home == "device":
         out["grads"]["device"] = max(full_grads, shard_grads)
     else:
-        out["grads"]["device"], out["grads"]["host"] = full_grads, shard_grads
+        # the step's one crossing (stages 0-1 reduce once per step, stages 2-3 once at accumulation 1) is kept on
+        # the host as it crossed, in the compute dtype (ChunkState.keeps_as_crossed); a sum over micro-steps: fp32
+        crossed = c if stage <= 1 or accumulation == 1 else 4
+        out["grads"]["device"], out["grads"]["host"] = full_grads, per_rank(crossed, n_opt)
         if stage >= 2 and param_home == "device" and accumulation > 1:  # the device-side sum (issue 29)
             out["grads"]["device"] = shard_grads
     # master: aliased to the param shard in fp32 when the params rest where the optimizer lives (both on the

@@ -47,17 +47,23 @@ def attach_handover_probe(engine) -> None:
     hooks = engine.grad_hooks
     engine._probe = {"ended": False, "calls": []}
 
+    def log(reduced: torch.Tensor, shard: torch.Tensor) -> None:
+        copy_stream = engine._copy_stream
+        on_copy = (reduced.is_cuda and copy_stream is not None
+                   and torch.cuda.current_stream(reduced.device) == copy_stream)
+        engine._probe["calls"].append((on_copy, not engine._probe["ended"], shard.device.type,
+                                       shard.device.type != "cpu" or shard.is_pinned()))
+
     def probe(state):
         def add_grad(reduced, placement, whole=False, original=state.add_grad):
-            copy_stream = engine._copy_stream
-            on_copy = (reduced.is_cuda and copy_stream is not None
-                       and torch.cuda.current_stream(reduced.device) == copy_stream)
-            during_backward = not engine._probe["ended"]
             shard = original(reduced, placement, whole)  # where the fp32 grad shard lives (freed after the step)
-            engine._probe["calls"].append((on_copy, during_backward, shard.device.type,
-                                           shard.device.type != "cpu" or shard.is_pinned()))
+            log(reduced, shard)
             return shard
-        state.add_grad = add_grad
+
+        def take_crossed_grad(reduced, crossed, original=state.take_crossed_grad):
+            original(reduced, crossed)  # the step's one crossing, kept as it landed
+            log(reduced, crossed)
+        state.add_grad, state.take_crossed_grad = add_grad, take_crossed_grad
 
     for state in engine.sharded_optim.states.values():
         probe(state)

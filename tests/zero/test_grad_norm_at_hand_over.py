@@ -49,8 +49,7 @@ def test_the_norm_of_a_whole_gradient_is_taken_at_hand_over(stage, accum, monkey
     got = norms(engine)
     assert reads[0] == 0
     engine.close()
-    monkeypatch.setattr(ChunkState, "add_grad",  # the reference: every norm read from the host gradients
-                        lambda self, reduced, placement, whole=False: add_grad(self, reduced, placement))
+    read_from_host(monkeypatch)
     expect = norms(build(stage, accum=accum))
     assert got == pytest.approx(expect, rel=1e-6)
 
@@ -58,11 +57,16 @@ def test_the_norm_of_a_whole_gradient_is_taken_at_hand_over(stage, accum, monkey
 add_grad = ChunkState.add_grad
 
 
+def read_from_host(mp) -> None:
+    """The reference: every gradient added into a host shard (none kept as it crossed) and its norm read there."""
+    mp.setattr(ChunkState, "keeps_as_crossed", lambda self: False)
+    mp.setattr(ChunkState, "add_grad", lambda self, reduced, placement, whole=False: add_grad(self, reduced, placement))
+
+
 def test_the_trained_params_are_those_of_the_norm_read_from_the_host():
     run = run_steps(build(3, accum=2), 3)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ChunkState, "add_grad", lambda self, reduced, placement, whole=False:
-                   add_grad(self, reduced, placement))
+        read_from_host(mp)
         ref = run_steps(build(3, accum=2), 3)
     assert run["losses"] == ref["losses"]
     assert max_param_diff(run["params"], ref["params"]) == 0.0

@@ -40,11 +40,16 @@ def test_breakdown_stage2_bf16():
 
 
 def test_optimizer_offload_cpu_and_disk():
+    # the step's one crossing stays on the host in bf16: grads(2) + master(4) + Adam(8)
     cpu = model_state_bytes(PSI, 3, 1, "bf16", offload_optimizer="cpu")
-    assert on(cpu, "device") == 2 * PSI and on(cpu, "host") == 16 * PSI  # grads(4) + master(4) + Adam(8)
+    assert on(cpu, "device") == 2 * PSI and on(cpu, "host") == 14 * PSI
+    # summed over micro-steps (on the device at stages 2-3, with the params there): fp32 on both sides
+    accumulated = model_state_bytes(PSI, 3, 1, "bf16", offload_optimizer="cpu", accumulation=4)
+    assert accumulated["grads"] == {"device": 4 * PSI, "host": 4 * PSI, "disk": 0}
     disk = model_state_bytes(PSI, 2, N, "bf16", offload_optimizer="disk")
     assert on(disk, "device") == 2 * PSI
-    assert disk["grads"]["host"] == 4 * PSI // N
+    assert disk["grads"]["host"] == 2 * PSI // N
+    assert model_state_bytes(PSI, 2, N, "fp16", offload_optimizer="cpu")["grads"]["host"] == 2 * PSI // N
     assert on(disk, "disk") == 12 * PSI // N
     # fp32 with the optimizer off the device keeps its own master copy there
     fp32 = model_state_bytes(PSI, 3, N, "fp32", offload_optimizer="cpu")
@@ -53,7 +58,7 @@ def test_optimizer_offload_cpu_and_disk():
 
 def test_param_offload_and_errors():
     plan = model_state_bytes(PSI, 3, N, "bf16", offload_optimizer="cpu", offload_param="cpu")
-    assert on(plan, "device") == 0 and on(plan, "host") == 18 * PSI // N
+    assert on(plan, "device") == 0 and on(plan, "host") == 16 * PSI // N  # params 2, grads 2, master 4, Adam 8
     with pytest.raises(ValueError, match="stage 3"):
         model_state_bytes(PSI, 2, N, offload_param="cpu")
     with pytest.raises(ValueError, match="precision"):
@@ -105,6 +110,10 @@ def test_cli_fits_and_json(capsys):
         main(["--stage", "2", "--offload-param", "cpu"])
     with pytest.raises(SystemExit, match="prefetch must be an int >= 0"):
         main(["--model", "gpt2_xl", "--stage", "3", "--prefetch", "-1"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # a capacity without its unit is bytes: refused, not "DOES NOT FIT"
+        main(["--model", "gpt2_xl", "--gpu-mem", "80"])
+    assert "'80' is 80 bytes; give the unit, e.g. 80GiB" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

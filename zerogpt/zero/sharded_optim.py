@@ -110,7 +110,9 @@ class ChunkState:
     # out where another rank holds the same gradient (a tensor-parallel replica, the tied head of the last
     # pipeline stage), so the norm counts every distinct gradient once.
     norm_ranges: list[tuple[int, int]] | None = None
-    grad: torch.Tensor | None = None  # reduced fp32 grad shard, summed over micro-steps; None between steps
+    # reduced grad shard: fp32, summed over micro-steps, or the step's one crossing as it crossed
+    # (keeps_as_crossed); None between steps
+    grad: torch.Tensor | None = None
     # The squared norm of `grad` (its norm ranges), taken from the gradient on the device before it crossed
     # to the host, when that one hand-over was the step's whole gradient; None: the step reads `grad`.
     grad_sumsq: torch.Tensor | None = None
@@ -137,6 +139,24 @@ class ChunkState:
     def tensors(self) -> list[torch.Tensor]:
         """Master and state: what a disk-offloaded step reads ahead and evicts."""
         return [self.master, *self.state_tensors().values()]
+
+    def keeps_as_crossed(self) -> bool:
+        """Whether a reduced shard handed over now, as the step's whole gradient of this chunk, is kept for the
+        step as it crossed to the host (the compute dtype: 2 bytes/param in bf16) instead of being added into
+        an fp32 shard.
+
+        The fp32 shard would hold the same values, so the step is the same bit for bit; what goes is 2
+        bytes/param of host RAM held from backward to the step (issue 30 point 1) and the pass that converted
+        the gradient into it. CPUAdam's host step reads bf16 as it is; other optimizers get a chunk's fp32
+        copy at the step (`step`).
+        """
+        return self.grad is None and self.grad_home == "host"
+
+    def take_crossed_grad(self, reduced: torch.Tensor, crossed: torch.Tensor) -> None:
+        """Keep `crossed`, the host copy of `reduced` (`reduced` itself on a CPU run), as this step's gradient;
+        its squared norm is taken from `reduced`, where it is (see `add_grad`)."""
+        self.grad_sumsq = self.sumsq(reduced)
+        self.grad = crossed
 
     def add_grad(self, reduced: torch.Tensor, placement: Placement, whole: bool = False) -> torch.Tensor:
         """Sum a reduced gradient shard into this chunk's fp32 grad shard (allocated on first use).
@@ -196,6 +216,11 @@ class ChunkState:
         grad = grad if grad is not None else self.grad  # an overlapped step passes the one it captured
         grad = grad if grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
         host_step = self.steps_on_host
+        if grad.dtype != self.master.dtype:  # kept as it crossed (keeps_as_crossed)
+            if host_step and grad.dtype in HOST_ADAM_DTYPES and _grad_dtype_settable():
+                self.master.grad_dtype = None  # CPUAdam reads it as it is, on the fp32 master
+            else:
+                grad = grad.to(self.master.dtype)  # one chunk's temporary, for the step alone
         scale = 1.0
         if factor is not None and host_step:  # read once; the update multiplies each gradient as it reads it
             scale = float(factor)
@@ -614,6 +639,11 @@ class HostStaging:
         if torch.cuda.is_available():
             self.events[self.turn] = torch.cuda.Event()
             self.events[self.turn].record()
+
+
+def _grad_dtype_settable() -> bool:
+    """Whether this torch lets a gradient's dtype differ from its tensor's (`Tensor.grad_dtype`, torch 2.10+)."""
+    return hasattr(torch.Tensor, "grad_dtype")
 
 
 def _slot_ranges(chunk: Chunk, excluded: set[str]) -> list[tuple[int, int]] | None:
