@@ -69,8 +69,8 @@ def format_report(est: dict, shape: ModelShape, args: argparse.Namespace) -> str
               f"({_fmt(acts['per_layer'])} per layer un-checkpointed, Korthikanti et al. 2022), "
               f"{_fmt(acts['logits'])} logits/loss, {_fmt(acts['embeddings'])} embeddings",
               f"ZeRO paper (mixed precision, Adam): stage {args.stage} = {name} = {_fmt(paper)} per rank; "
-              f"ours: {_fmt(sum(states_total.values()))} (fp32 grad shards: +2 B/param/N; "
-              f"fp32 precision aliases master and param)"]
+              f"ours: {_fmt(sum(states_total.values()))} (fp32 grad shards on the device: +2 B/param/N; offloaded, "
+              f"a step's one crossing stays in the compute dtype; fp32 precision aliases master and param)"]
     for home, cap, flag in (("device", args.gpu_mem, "--gpu-mem"), ("host", args.host_mem, "--host-mem"),
                             ("disk", args.disk_space, "--disk")):
         need = est["totals"][home] * (args.world // args.nodes if home != "device" else 1)
@@ -85,6 +85,14 @@ def format_report(est: dict, shape: ModelShape, args: argparse.Namespace) -> str
             lines.append(f"{home:6}: needs {_fmt(need)} {scope} of {_fmt(cap)} -> {verdict} "
                          f"({100 * need / cap:.0f}%)")
     return "\n".join(lines)
+
+
+def _capacity(text: str) -> int:
+    """A memory or disk capacity: a size below 1 MiB is a number given without its unit (`--gpu-mem 80`)."""
+    nbytes = parse_size(text)
+    if nbytes < 2**20:
+        raise argparse.ArgumentTypeError(f"{text!r} is {nbytes} bytes; give the unit, e.g. {text}GiB or {text}GB")
+    return nbytes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,9 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager-attention", action="store_true", help="attention that stores s x s scores")
     p.add_argument("--dropout", action="store_true", help="dropout > 0 (1-byte masks are stored)")
     # capacities
-    p.add_argument("--gpu-mem", type=parse_size, help="e.g. 80GiB or 80G (2**30), 80GB (10**9)")
-    p.add_argument("--host-mem", type=parse_size, help="host RAM per node, e.g. 128GB")
-    p.add_argument("--disk", dest="disk_space", type=parse_size, help="free space at the offload path")
+    p.add_argument("--gpu-mem", type=_capacity, help="e.g. 80GiB or 80G (2**30), 80GB (10**9)")
+    p.add_argument("--host-mem", type=_capacity, help="host RAM per node, e.g. 128GB")
+    p.add_argument("--disk", dest="disk_space", type=_capacity, help="free space at the offload path")
     p.add_argument("--gpu-overhead", type=parse_size, default=2**30, help="CUDA context + workspaces")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
