@@ -15,6 +15,7 @@ from torch import nn
 
 from zerogpt.config import EngineConfig
 from zerogpt.context import DistContext
+from zerogpt.memory_model import grad_crosses_once
 from zerogpt.parallel.layout import ParamLayout
 from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk
@@ -212,8 +213,7 @@ class Engine:
                 if event is not None:
                     self._pending_d2h.append((None, crossed, event))
                 return
-            # adds when on the same device (CPU; grads on device); a host gradient's norm is taken here first
-            grad = state.add_grad(reduced, self.placement, whole=self._last_reduce and state.grad_home == "host")
+            grad = state.add_grad(reduced, self.placement)  # adds when on the same device (CPU; grads on device)
             if reduced.device != grad.device:
                 # Start this chunk's device->host copy, then add the copies that have landed into their
                 # host shards, never blocking the host on one still in flight (backward keeps queueing
@@ -249,7 +249,7 @@ class Engine:
         if self.micro_step % self.gradient_accumulation != 0:
             return None
         self._finish_d2h()
-        if self._copy_stream is not None:  # the norms taken on the copy stream (ChunkState.add_grad)
+        if self._copy_stream is not None:  # the norms taken on the copy stream (ChunkState.take_crossed_grad)
             torch.cuda.current_stream(self.placement.device).wait_stream(self._copy_stream)
         grad_norm, self.last_step_skipped = self.sharded_optim.step()
         self.last_step_traffic = self.traffic.take()
@@ -330,7 +330,8 @@ class Engine:
         """Host RAM this rank holds while it trains, in bytes (what the build line states; issue 30 point 1).
 
         The model state in host memory now (`memory_stats()`; on a CPU run every home but disk is host memory),
-        the gradient shards each step holds there (fp32, or as they crossed: `_step_grad_itemsize`), and on a CPU run the compute's own largest buffers.
+        the gradient shards each step holds there (fp32, or as they crossed: `_step_grad_itemsize`), and on a CPU
+        run the compute's own largest buffers.
         Sharded chunks: the largest chunk twice (its local gradient buffer, and a parameter's gradient as
         autograd makes it beside that buffer), at stage 3 once more (its gathered copy). One shard per chunk:
         the gathered chunk is the shard and the local gradient buffer the gradient shard (Chunk.gather,
@@ -354,9 +355,8 @@ class Engine:
 
     def _step_grad_itemsize(self, state: ChunkState) -> int:
         """Bytes per element of the gradient shard `state` holds at the step: the reduced shard as it crossed
-        (compute dtype) when that is the step's one crossing (`keeps_as_crossed`: stages 0-1 reduce once per
-        step, stages 2-3 once at accumulation 1), else an fp32 shard."""
-        once = self.stage <= 1 or self.gradient_accumulation == 1
+        (compute dtype) when that is the step's one crossing (`keeps_as_crossed`), else an fp32 shard."""
+        once = grad_crosses_once(self.stage, self.gradient_accumulation)
         return state.chunk.dtype.itemsize if once and state.keeps_as_crossed() else 4
 
     def describe(self) -> str:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from zerogpt.zero.strategy import BucketTensorShardStrategy, TensorShardStrategy
 
 __all__ = ["HOMES", "CATEGORIES", "PRECISIONS", "ModelShape", "model_state_bytes", "zero_paper_bytes",
-           "activation_bytes", "chunk_of_params", "gather_peak", "buffer_bytes", "estimate"]
+           "activation_bytes", "chunk_of_params", "gather_peak", "buffer_bytes", "estimate",
+           "grad_crosses_once"]
 
 HOMES = ("device", "host", "disk")
 CATEGORIES = ("params", "grads", "master", "optimizer")
@@ -64,6 +65,12 @@ class ModelShape:
 def _check_choice(name: str, value: str, valid) -> None:
     if value not in valid:
         raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(map(str, valid))}")
+
+
+def grad_crosses_once(stage: int, accumulation: int) -> bool:
+    """Whether an offloaded step's gradient reaches the host in one crossing per chunk, the reduced shard as it
+    is: stages 0-1 reduce once per step, stages 2-3 every micro-step (so once at accumulation 1)."""
+    return stage <= 1 or accumulation == 1
 
 
 def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precision: str = "bf16",
@@ -133,9 +140,9 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
     if grad_home == "device":
         out["grads"]["device"] = max(full_grads, shard_grads)
     else:
-        # the step's one crossing (stages 0-1 reduce once per step, stages 2-3 once at accumulation 1) is kept on
-        # the host as it crossed, in the compute dtype (ChunkState.keeps_as_crossed); a sum over micro-steps: fp32
-        crossed = c if stage <= 1 or accumulation == 1 else 4
+        # the step's one crossing is kept on the host as it crossed, in the compute dtype
+        # (ChunkState.keeps_as_crossed); a sum over micro-steps: fp32
+        crossed = c if grad_crosses_once(stage, accumulation) else 4
         out["grads"]["device"], out["grads"]["host"] = full_grads, per_rank(crossed, n_opt)
         if stage >= 2 and param_home == "device" and accumulation > 1:  # the device-side sum (issue 29)
             out["grads"]["device"] = shard_grads

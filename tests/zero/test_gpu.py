@@ -55,8 +55,8 @@ def attach_handover_probe(engine) -> None:
                                        shard.device.type != "cpu" or shard.is_pinned()))
 
     def probe(state):
-        def add_grad(reduced, placement, whole=False, original=state.add_grad):
-            shard = original(reduced, placement, whole)  # where the fp32 grad shard lives (freed after the step)
+        def add_grad(reduced, placement, original=state.add_grad):
+            shard = original(reduced, placement)  # where the fp32 grad shard lives (freed after the step)
             log(reduced, shard)
             return shard
 

@@ -13,29 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_zoo.gpt import GPTLMLoss, gpt2_tiny
-from tests.zero.test_offload_traffic import VOCAB, max_param_diff, run_steps
-from zerogpt.context import DistContext
+from model_zoo.gpt import GPTLMLoss
+from tests.zero.test_offload_traffic import SEQ, VOCAB, build as build_engine, max_param_diff, run_steps
 from zerogpt.zero.sharded_optim import ChunkState
-
-SEQ = 16
 
 
 def build(stage: int, *, param: bool = False, accum: int = 1, optimizer: str = "hybrid"):
-    import zerogpt
-    from zerogpt.optim import HybridAdam
-    from zerogpt.zero import BucketTensorShardStrategy
-
-    torch.manual_seed(0)
-    model = gpt2_tiny(vocab_size=VOCAB, dropout=0.0, max_position_embeddings=SEQ)
-    zero = dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02),
-                offload_optimizer=dict(device="cpu"))
-    if param:
-        zero["offload_param"] = dict(device="cpu")
-    cfg = zerogpt.Config(dict(zero=zero, precision="bf16", clip_grad_norm=1.0, GRADIENT_ACCUMULATION=accum))
-    opt = (HybridAdam(model.parameters(), lr=3e-3, weight_decay=0.1) if optimizer == "hybrid"
-           else torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
-    return zerogpt.initialize(model, opt, GPTLMLoss(shift=False), config=cfg, ctx=DistContext.current())
+    """bf16 with clipping, the optimizer offloaded: HybridAdam (the host op) or torch's AdamW."""
+    return build_engine(stage, param=param, accum=accum, precision="bf16", clip=1.0,
+                        hybrid_adam=optimizer == "hybrid")
 
 
 def grad_dtypes_at_step(engine) -> set[torch.dtype]:

@@ -1,5 +1,5 @@
 """The clip norm of an offloaded step is taken from each gradient shard where it was reduced, before it crosses
-to the host (ChunkState.add_grad `whole`), so the host step reads the host gradients once, in the update, and
+to the host (ChunkState.take_crossed_grad), so the host step reads the host gradients once, in the update, and
 not a second time for the norm (issue 29 point 3). On a GPU that is a device-bandwidth pass on the copy stream;
 on this CPU the same code runs. Checked: the step reads no host gradient for the norm whenever each chunk's
 gradient arrived whole (accumulation 1, or summed on the device), the norm and the trained params equal the
@@ -54,13 +54,9 @@ def test_the_norm_of_a_whole_gradient_is_taken_at_hand_over(stage, accum, monkey
     assert got == pytest.approx(expect, rel=1e-6)
 
 
-add_grad = ChunkState.add_grad
-
-
 def read_from_host(mp) -> None:
     """The reference: every gradient added into a host shard (none kept as it crossed) and its norm read there."""
     mp.setattr(ChunkState, "keeps_as_crossed", lambda self: False)
-    mp.setattr(ChunkState, "add_grad", lambda self, reduced, placement, whole=False: add_grad(self, reduced, placement))
 
 
 def test_the_trained_params_are_those_of_the_norm_read_from_the_host():

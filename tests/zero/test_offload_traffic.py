@@ -28,8 +28,10 @@ LR = 3e-3
 
 
 def build(stage: int, *, offload: str = "cpu", param: bool = False, budget=0, accum: int = 1,
-          precision: str = "fp32", eager: bool = False, ctx: DistContext | None = None):
+          precision: str = "fp32", eager: bool = False, ctx: DistContext | None = None, clip: float | None = None,
+          hybrid_adam: bool = False):
     import zerogpt
+    from zerogpt.optim import HybridAdam
     from zerogpt.zero import BucketTensorShardStrategy
 
     torch.manual_seed(0)
@@ -38,9 +40,9 @@ def build(stage: int, *, offload: str = "cpu", param: bool = False, budget=0, ac
                 offload_optimizer=dict(device=offload))
     if param:
         zero["offload_param"] = dict(device="cpu", device_budget=budget)
-    cfg = zerogpt.Config(dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=accum))
-    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1),
-                                GPTLMLoss(shift=False), config=cfg, ctx=ctx or DistContext.current())
+    cfg = zerogpt.Config(dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=accum, clip_grad_norm=clip))
+    optimizer = (HybridAdam if hybrid_adam else torch.optim.AdamW)(model.parameters(), lr=LR, weight_decay=0.1)
+    engine = zerogpt.initialize(model, optimizer, GPTLMLoss(shift=False), config=cfg, ctx=ctx or DistContext.current())
     engine.hand_over_at_launch = eager  # CUDA's hand-over (each chunk right after its launch), forced on CPU
     return engine
 

@@ -56,8 +56,9 @@ def host_adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     """One Adam(W) update of `master` in place; `out` (fp32 or bf16, master's size) receives the new master.
 
     `step` is the count after this update (1 first). `decay_ranges`, sorted (start, end) element ranges, are the
-    only elements that take weight decay (a chunk shard's weights, not its biases and norms); None: all do. Moments may be fp32 or bf16 (stochastically rounded); the
-    gradient fp32 or bf16, multiplied by `grad_scale` as it is read. Both bf16 moments are rounded stochastically
+    only elements that take weight decay (a chunk shard's weights, not its biases and norms); None: all do.
+    Moments may be fp32 or bf16 (stochastically rounded); the gradient fp32 or bf16, multiplied by `grad_scale`
+    as it is read. Both bf16 moments are rounded stochastically
     at every beta: round-to-nearest drops a step's change below half an ulp (a bias where beta is near 1) and
     measured no better on the demo's betas (0.9, 0.95) (bench/README.md, "bf16 Adam moments").
     """

@@ -153,22 +153,22 @@ class ChunkState:
         return self.grad is None and self.grad_home == "host"
 
     def take_crossed_grad(self, reduced: torch.Tensor, crossed: torch.Tensor) -> None:
-        """Keep `crossed`, the host copy of `reduced` (`reduced` itself on a CPU run), as this step's gradient;
-        its squared norm is taken from `reduced`, where it is (see `add_grad`)."""
+        """Keep `crossed`, the host copy of `reduced` (`reduced` itself on a CPU run), as this step's gradient.
+
+        Its squared norm is taken from `reduced`, where it is, so an offloaded step does not read the host
+        gradient once more for the clip norm (on a GPU: at device bandwidth, on the copy stream, before the
+        device->host copy)."""
         self.grad_sumsq = self.sumsq(reduced)
         self.grad = crossed
 
-    def add_grad(self, reduced: torch.Tensor, placement: Placement, whole: bool = False) -> torch.Tensor:
+    def add_grad(self, reduced: torch.Tensor, placement: Placement) -> torch.Tensor:
         """Sum a reduced gradient shard into this chunk's fp32 grad shard (allocated on first use).
 
         The first shard of a step becomes the grad shard itself when it already is one (fp32, this chunk's size,
         at the grad home, nothing to pin): no second buffer beside it and no copy (at one rank, the chunk's whole
-        local gradient buffer). `whole`: no other shard will be added this step (the step's last reduction, or
-        the sum accumulated on the device). The first such shard has its squared norm taken where it is, so an
-        offloaded step does not read the host gradient once more for the clip norm (on a GPU: at device
-        bandwidth, on the copy stream, before the device->host copy).
+        local gradient buffer). The step reads a gradient summed here for its norm; a step's one offloaded
+        crossing goes to `take_crossed_grad` instead.
         """
-        self.grad_sumsq = self.sumsq(reduced) if whole and self.grad is None else None
         if self.grad is None and reduced.dtype == torch.float32 and reduced.numel() == self.master.numel() \
                 and reduced.device == placement.torch_device(self.grad_home) \
                 and not (self.grad_home == "host" and placement.device.type == "cuda"):
