@@ -252,3 +252,59 @@ def test_pipeline_stages_compile_their_blocks():
     for rank, run in enumerate(run_distributed(_pipeline_fit, 2, timeout=180)):
         torch.testing.assert_close(run[True]["losses"], run[False]["losses"], rtol=1e-5, atol=1e-6)
         assert run[True]["blocks"] == 2 and run[True]["graphs"] == 1, (rank, run[True])  # tiny_gpt4: 2 per stage
+
+
+def _tensor_parallel_fit(rank: int, world: int, stage: int) -> dict:
+    """TP2 (x DP2 on 4 ranks) trained by the Trainer as tests/parallel/test_tp_pp.py trains it: eager, then with the
+    blocks' DTensor parameters compiled (stage 3 with DP2: gathered whole per block, rebound at every gather)."""
+    from tests.parallel.test_pipeline import STEPS, Record, _trainer_data
+    from tests.parallel.test_tp_pp import build
+    from zerogpt.trainer import Trainer
+
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        engine, _ = build(2, 1, stage)
+        backend = CountingBackend()
+        blocks = compile_blocks(engine.module, backend=backend, gather_hooks=engine.gather_hooks) if compiled else 0
+        train_data, _ = _trainer_data(engine.ctx.dp_size)
+        record = Record()
+        Trainer(engine, hooks=[record]).fit([b[engine.ctx.dp_rank] for b in train_data], max_steps=STEPS)
+        engine.close()
+        out[compiled] = {"losses": record.losses, "norms": record.norms, "blocks": blocks, "graphs": backend.graphs}
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, stage", [(2, 1), (4, 3)])
+def test_tensor_parallel_blocks_compile_once_and_train_as_eager(world, stage):
+    """Each block's DTensor parameters are views of chunk slots; the blocks share one graph (no recompile per block
+    or per step) and train as the eager run does."""
+    from tests.dist_utils import run_distributed
+
+    for rank, run in enumerate(run_distributed(_tensor_parallel_fit, world, stage, timeout=280)):
+        for key in ("losses", "norms"):
+            torch.testing.assert_close(run[True][key], run[False][key], rtol=1e-5, atol=1e-6, msg=key)
+        assert run[True]["blocks"] == 4 and run[True]["graphs"] == 1, (rank, run[True])  # tiny_gpt4
+
+
+def test_tensor_parallel_with_dropout_stays_eager_and_says_why(caplog):
+    """A rank's own dropout stream is switched by forward hooks (parallel/rng.py), which a compiled block would
+    not follow: those blocks stay eager, with the reason in the log. With p = 0 no hook is installed."""
+    from zerogpt.parallel.rng import has_own_stream, own_stream
+
+    model = gpt2_tiny(dropout=0.0)
+    for block in model.transformer.h:
+        own_stream(block.attn.attend, rank=1)
+    assert not any(has_own_stream(m) for m in model.modules())
+    assert not model.transformer.h[0].attn.attend._forward_hooks
+    assert compile_blocks(model, backend="aot_eager") == 2
+
+    model = gpt2_tiny(dropout=0.1)
+    for block in model.transformer.h:
+        own_stream(block.attn.attend, rank=1)
+    logger = logging.getLogger("test_compile")
+    with caplog.at_level(logging.WARNING, logger="test_compile"):
+        assert compile_blocks(model, backend="aot_eager", logger=logger) == 0
+    assert "forward" not in vars(model.transformer.h[0])
+    assert any("dropout > 0" in r.getMessage() for r in caplog.records)

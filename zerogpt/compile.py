@@ -11,8 +11,11 @@ At stage 3 the gather hooks (zero/gather_hooks.py) sit on every parameter-owning
 a compiled block would break its graph at each and recompile as parameters change size between gathered and
 released. So the blocks' parameters are first moved to block granularity (`Stage3GatherHooks.gather_per_block`:
 one hook pair on the block gathers and releases all of them), and the compiled forward sees plain full-size
-parameters. Tensor parallelism is left eager: dynamo (torch 2.13) fails on a DTensor parameter whose local
-tensor is a chunk slot (chunk.py bind_param). Pipeline stages compile their own blocks.
+parameters. Under tensor parallelism the blocks compile with their DTensor parameters (chunk.py bind_param keeps
+each wrapper's storage offset its slot's, which dynamo checks), unless dropout > 0: then each rank's attention
+dropout draws from its own stream, switched by forward hooks (parallel/rng.py) that dynamo would trace as
+per-block guards and inductor's own random numbers would not follow, so those blocks stay eager, with a warning.
+Pipeline stages compile their own blocks.
 """
 from __future__ import annotations
 
@@ -73,10 +76,11 @@ def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor",
 
 def _why_eager(blocks: list[nn.Module]) -> str:
     """Why these blocks cannot be compiled (see the module docstring), or ''."""
-    from torch.distributed.tensor import DTensor
+    from zerogpt.parallel.rng import has_own_stream
 
-    if any(isinstance(p, DTensor) for block in blocks for p in block.parameters()):
-        return "under tensor parallelism (dynamo fails on DTensor parameters bound to chunk slots)"
+    if any(has_own_stream(m) for block in blocks for m in block.modules()):
+        return ("under tensor parallelism with dropout > 0: a rank's own dropout stream is switched by hooks "
+                "that a compiled block would not follow (set dropout = 0, as pretraining usually does)")
     return ""
 
 

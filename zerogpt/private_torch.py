@@ -33,6 +33,12 @@ PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
     # a new Parameter, and the optimizer, tied modules and hooks hold the old one.
     ("torch.distributed.tensor.DTensor", "_local_tensor",
      "zero/chunk.py bind_param: point a DTensor Parameter's local values at its chunk slot"),
+    # ... and its wrapper's storage offset made the slot's, as DTensor.from_local makes it (torch.compile checks it).
+    ("torch.Tensor", "_dtensor__new__", "zero/chunk.py _match_wrapper_offset: a data-less wrapper storage of the "
+                                        "slot's offset and size"),
+    ("torch.distributed.tensor.DTensor", "_spec", "zero/chunk.py _match_wrapper_offset: the parameter's placement"),
+    ("torch.utils._mode_utils", "no_dispatch", "zero/chunk.py _match_wrapper_offset: set_ the wrapper itself, "
+                                               "not its local tensor"),
     # Multi-tensor kernels, as torch.optim uses them (there is no public torch.foreach): sharded_optim.py's
     # per-slot weight decay, and cpu_adam.py's Adam without bias correction (torch's Adam kernels always correct).
     ("torch", "_foreach_mul_", "zero/sharded_optim.py, optim/cpu_adam.py: decoupled weight decay; Adam's v"),

@@ -314,3 +314,36 @@ def test_real_engine_no_host_sync_on_steps_that_log_nothing(fused, monkeypatch, 
     else:
         assert all(len(sites) == 1 and sites[0].startswith("item at sharded_optim.py") for sites in quiet.values()), \
             quiet
+
+
+# ------------------------------------------------------------------ the model's own (chunked) loss
+def _chunked_loss_run(stage: int, chunked: bool) -> dict:
+    import zerogpt
+    from model_zoo import GPTLMLoss, gpt2_tiny
+    from tests.zero.reference import cpu_ctx
+
+    def refuse(logits, labels):
+        raise AssertionError("the criterion ran, with the model computing its own loss")
+
+    torch.manual_seed(0)
+    model = gpt2_tiny(vocab_size=64, max_position_embeddings=16, chunked_loss=chunked, loss_chunk_size=8)
+    cfg = zerogpt.Config(dict(BATCH_SIZE=2, GRADIENT_ACCUMULATION=2, precision="fp32", zero=dict(stage=stage)))
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                criterion=refuse if chunked else GPTLMLoss(shift=False), config=cfg, ctx=cpu_ctx())
+    data = [b for b in torch.stack(token_batches(8, batch_size=2, seq_len=16, vocab=64))]
+    keep = KeepLosses()
+    trainer = Trainer(engine, hooks=[keep])
+    trainer.fit(data, max_steps=4)
+    out = {"losses": keep.losses, "eval": trainer.evaluate(data[:2])["loss"]}
+    engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_model_with_the_chunked_loss_trains_on_its_own_loss(stage):
+    """GPTConfig.chunked_loss: the Trainer passes the labels to the model and takes its loss (no logits exist, the
+    criterion is not called), in training and evaluation; the run is the plain-loss run to fp32 summation order."""
+    plain, chunked = _chunked_loss_run(stage, False), _chunked_loss_run(stage, True)
+    torch.testing.assert_close(chunked["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
+    assert chunked["eval"] == pytest.approx(plain["eval"], rel=1e-5)

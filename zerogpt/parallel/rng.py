@@ -10,18 +10,22 @@ or positions would get exactly rank 0's masks. Megatron forks a per-rank stream 
 (the same draw on every rank, so the shared stream stays in step), mixed with the rank, and the module runs on
 generators seeded with that; on exit the global state is back, advanced by the one draw. Activation
 checkpointing restores the RNG state before it recomputes a segment, so the recomputation draws the same seed
-and the same masks. Nothing happens in eval mode or with p = 0: runs without dropout draw nothing extra.
+and the same masks. Nothing happens in eval mode or with p = 0: runs without dropout draw nothing extra, and a
+module built with p = 0 gets no hooks at all, so a compiled block (zerogpt/compile.py) has none to trace.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import weakref
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["own_stream", "rank_stream"]
+__all__ = ["has_own_stream", "own_stream", "rank_stream"]
+
+_OWN_STREAM: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def _mixed_seed(seed: int, rank: int) -> int:
@@ -42,13 +46,25 @@ def rank_stream(rank: int, device: torch.device) -> Iterator[None]:
         yield
 
 
+def _dropout_p(module: nn.Module) -> float:
+    return module.p if isinstance(module, nn.Dropout) else getattr(module, "dropout", 0.0)
+
+
 def _drops(module: nn.Module) -> bool:
-    p = module.p if isinstance(module, nn.Dropout) else getattr(module, "dropout", 0.0)
-    return module.training and p > 0
+    return module.training and _dropout_p(module) > 0
+
+
+def has_own_stream(module: nn.Module) -> bool:
+    """Whether `own_stream` hooked `module` (it drops, p > 0)."""
+    return module in _OWN_STREAM
 
 
 def own_stream(module: nn.Module, rank: int) -> None:
-    """Make `module`'s dropout draw from this rank's own stream (forward hooks; always undone, even on error)."""
+    """Make `module`'s dropout draw from this rank's own stream (forward hooks; always undone, even on error).
+    A module with p = 0 never draws, and is left without hooks."""
+    if _dropout_p(module) == 0:
+        return
+    _OWN_STREAM.add(module)
     open_streams: list[contextlib.ExitStack] = []
 
     def enter(mod: nn.Module, args: tuple[Any, ...]) -> None:

@@ -141,6 +141,7 @@ class Trainer:
         self.world_size: int = ctx.world_size
         self.device = ctx.device
         self.group = ctx.dp_group
+        self._model_loss = bool(getattr(getattr(getattr(engine, "module", None), "config", None), "chunked_loss", False))
         self.logger = logger or ctx.logger
         self.hooks: list[Hook] = list(hooks)
         for h in self.hooks:
@@ -210,8 +211,7 @@ class Trainer:
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in split_batch(batch))
                 if pipeline is None:
                     with engine.loss_context():                     # tensor parallelism's vocab-parallel loss
-                        out = engine(inputs)                        # (B, T, vocab) logits
-                        loss = engine.criterion(getattr(out, "logits", out), labels)  # scalar mean over B*T
+                        loss = self._loss(inputs, labels)           # scalar mean over B*T
                         engine.backward(loss)                       # scales by 1/accum (and fp16 scale)
                     grad_norm = engine.step()                       # a device tensor at the boundary, else None
                     micro_losses.append(loss.detach())
@@ -271,6 +271,14 @@ class Trainer:
         m.samples_per_s = (s.consumed_samples - w["samples"]) / seconds
         m.logged = True
         self._start_window()
+
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's mean loss: `engine.criterion` on the model's logits, or, when the model computes its
+        loss from the labels itself (GPTConfig.chunked_loss: the (B, T, vocab) logits never exist), that loss."""
+        if self._model_loss:
+            return self.engine(inputs, labels=labels).loss
+        out = self.engine(inputs)
+        return self.engine.criterion(getattr(out, "logits", out), labels)
 
     def _add_to_epoch(self, step_loss: torch.Tensor) -> None:
         if self._epoch_loss is None:
@@ -361,8 +369,7 @@ class Trainer:
                 total[0] += self.pipeline.eval_loss(inputs, labels).double()
             else:
                 with self.engine.loss_context():
-                    out = self.engine(inputs)
-                    total[0] += self.engine.criterion(getattr(out, "logits", out), labels).double()
+                    total[0] += self._loss(inputs, labels).double()
             total[1] += 1
         self.engine.train()
         self._share_loss(total)

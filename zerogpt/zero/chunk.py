@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor
+from torch.utils._mode_utils import no_dispatch
 
 from zerogpt.zero.comm import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from zerogpt.zero.offload import Traffic
@@ -179,8 +180,25 @@ def bind_param(param: torch.Tensor, data: torch.Tensor) -> None:
     """
     if isinstance(param, DTensor):
         param._local_tensor = data
+        _match_wrapper_offset(param, data)
     else:
         param.data = data
+
+
+def _match_wrapper_offset(param: DTensor, local: torch.Tensor) -> None:
+    """Give the DTensor wrapper its local tensor's storage offset, as `DTensor.from_local` does.
+
+    torch.compile fakeifies a DTensor by rebuilding it from its local tensor, then checks that the rebuilt
+    wrapper's offset is the original's; a wrapper left at offset 0 over a slot at offset k fails that check
+    ("Attempted to set the storage ... on different device meta"). The wrapper's storage holds no data, so a
+    data-less storage of the right size from a fresh wrapper is swapped in; nothing aliases the chunk.
+    """
+    offset = local.storage_offset()
+    if param.storage_offset() == offset:
+        return
+    holder = torch.Tensor._dtensor__new__(DTensor, local, param._spec, requires_grad=False)
+    with torch.no_grad(), no_dispatch():
+        param.set_(holder.untyped_storage(), offset, param.size(), param.stride())
 
 
 def _empty_like_param(param: torch.Tensor) -> torch.Tensor:
