@@ -20,6 +20,7 @@ from model_zoo.gpt import gpt2_tiny
 from tests.zero.reference import cpu_ctx, train_losses
 from zerogpt.compile import compile_blocks, find_blocks
 from zerogpt.config import engine_config
+from zerogpt.trainer import Hook
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 2, 3
 
@@ -254,57 +255,60 @@ def test_pipeline_stages_compile_their_blocks():
         assert run[True]["blocks"] == 2 and run[True]["graphs"] == 1, (rank, run[True])  # tiny_gpt4: 2 per stage
 
 
-def _tensor_parallel_fit(rank: int, world: int, stage: int) -> dict:
-    """TP2 (x DP2 on 4 ranks) trained by the Trainer as tests/parallel/test_tp_pp.py trains it: eager, then with the
-    blocks' DTensor parameters compiled (stage 3 with DP2: gathered whole per block, rebound at every gather)."""
-    from tests.parallel.test_pipeline import STEPS, Record, _trainer_data
-    from tests.parallel.test_tp_pp import build
+def _tensor_parallel_fit(rank: int, world: int, stage: int, dropout: float, sequence_parallel: bool) -> dict:
+    """A 10-block GPT under TP2 (x DP2 on 4 ranks), trained by the Trainer as tests/parallel/test_tp_pp.py trains it:
+    eager, then with its blocks compiled (stage 3 with DP2: gathered whole per block, rebound at every gather).
+    The same dropout stream on every rank; the graphs are counted after each step."""
+    from tests.parallel.engines import parallel_engine
+    from tests.parallel.test_pipeline import SEQ, STEPS, VOCAB, Record, _config, _trainer_data, criterion
+    from tests.zero.reference import adamw
+    from zerogpt.parallel import ParallelDims
     from zerogpt.trainer import Trainer
 
+    torch.set_num_threads(1)
     out = {}
     for compiled in (False, True):
         torch._dynamo.reset()
-        engine, _ = build(2, 1, stage)
+        torch.manual_seed(0)
+        model = gpt2_tiny(vocab_size=VOCAB, dropout=dropout, max_position_embeddings=SEQ, n_layer=10)
+        engine, _ = parallel_engine(model, ParallelDims(tp=2, pp=1, dp=world // 2), _config(stage), adamw,
+                                    criterion, sequence_parallel)
         backend = CountingBackend()
         blocks = compile_blocks(engine.module, backend=backend, gather_hooks=engine.gather_hooks) if compiled else 0
         train_data, _ = _trainer_data(engine.ctx.dp_size)
-        record = Record()
-        Trainer(engine, hooks=[record]).fit([b[engine.ctx.dp_rank] for b in train_data], max_steps=STEPS)
+        record, graphs = Record(), GraphsPerStep(backend)
+        torch.manual_seed(5)
+        Trainer(engine, hooks=[record, graphs]).fit([b[engine.ctx.dp_rank] for b in train_data], max_steps=STEPS)
         engine.close()
-        out[compiled] = {"losses": record.losses, "norms": record.norms, "blocks": blocks, "graphs": backend.graphs}
+        out[compiled] = {"losses": record.losses, "norms": record.norms, "blocks": blocks, "graphs": graphs.seen}
     return out
 
 
+class GraphsPerStep(Hook):
+    def __init__(self, backend: CountingBackend) -> None:
+        self.backend, self.seen = backend, []
+
+    def after_step(self, trainer) -> None:
+        self.seen.append(self.backend.graphs)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world, stage", [(2, 1), (4, 3)])
-def test_tensor_parallel_blocks_compile_once_and_train_as_eager(world, stage):
-    """Each block's DTensor parameters are views of chunk slots; the blocks share one graph (no recompile per block
-    or per step) and train as the eager run does."""
+@pytest.mark.parametrize("world, stage, dropout, sequence_parallel",
+                         [(2, 1, 0.0, False), (4, 3, 0.0, False), (2, 1, 0.1, False), (2, 2, 0.1, True)])
+def test_tensor_parallel_blocks_compile_once_and_train_as_eager(world, stage, dropout, sequence_parallel):
+    """Each block's DTensor parameters are views of chunk slots; the blocks share their graphs (fewer than the
+    blocks, none compiled after the first step) and train as the eager run does. Without dropout a block is one
+    graph; with it, the modules on a rank's own dropout stream run eagerly between graphs (parallel/rng.py), and
+    aot_eager draws the other masks as eager does, so the runs match."""
     from tests.dist_utils import run_distributed
 
-    for rank, run in enumerate(run_distributed(_tensor_parallel_fit, world, stage, timeout=280)):
+    runs = run_distributed(_tensor_parallel_fit, world, stage, dropout, sequence_parallel, timeout=280)
+    for rank, run in enumerate(runs):
         for key in ("losses", "norms"):
             torch.testing.assert_close(run[True][key], run[False][key], rtol=1e-5, atol=1e-6, msg=key)
-        assert run[True]["blocks"] == 4 and run[True]["graphs"] == 1, (rank, run[True])  # tiny_gpt4
-
-
-def test_tensor_parallel_with_dropout_stays_eager_and_says_why(caplog):
-    """A rank's own dropout stream is switched by forward hooks (parallel/rng.py), which a compiled block would
-    not follow: those blocks stay eager, with the reason in the log. With p = 0 no hook is installed."""
-    from zerogpt.parallel.rng import has_own_stream, own_stream
-
-    model = gpt2_tiny(dropout=0.0)
-    for block in model.transformer.h:
-        own_stream(block.attn.attend, rank=1)
-    assert not any(has_own_stream(m) for m in model.modules())
-    assert not model.transformer.h[0].attn.attend._forward_hooks
-    assert compile_blocks(model, backend="aot_eager") == 2
-
-    model = gpt2_tiny(dropout=0.1)
-    for block in model.transformer.h:
-        own_stream(block.attn.attend, rank=1)
-    logger = logging.getLogger("test_compile")
-    with caplog.at_level(logging.WARNING, logger="test_compile"):
-        assert compile_blocks(model, backend="aot_eager", logger=logger) == 0
-    assert "forward" not in vars(model.transformer.h[0])
-    assert any("dropout > 0" in r.getMessage() for r in caplog.records)
+        graphs = run[True]["graphs"]
+        assert run[True]["blocks"] == 10 and len(set(graphs)) == 1, (rank, run[True])
+        # the modules of a block on their own stream: attention's dropout, and under SP the two residual dropouts;
+        # each splits the block's graph, and a split may resume in the module that called it
+        own = 0 if dropout == 0 else 3 if sequence_parallel else 1
+        assert graphs[0] == 1 if own == 0 else 1 < graphs[0] <= 2 * (own + 1) < 10, (rank, graphs)

@@ -93,23 +93,21 @@ def test_train_gpt_ends_in_seconds_with_the_line(tmp_path, monkeypatch, capsys):
 def test_compile_counts_a_block_gathered_whole(monkeypatch):
     """compile = True at stage 3: the chunk buffers are a whole block's plus the next `prefetch` modules'
     (memory_model.buffer_bytes(gather_per_block=True)), with the config's chunk size; on a CPU run (every home
-    but disk is host RAM) the need grows by exactly that difference, under tensor parallelism too, unless dropout is
-    on there: then the blocks stay eager."""
+    but disk is host RAM) the need grows by exactly that difference, under tensor parallelism too."""
     from zerogpt.memory_model import ModelShape, buffer_bytes
     from zerogpt.zero import TensorShardStrategy
 
     monkeypatch.setattr(preflight_memory, "available_host_bytes", lambda: (2**50, "MemAvailable"))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
 
-    def need(compile_: bool, tensor: int = 1, dropout: float = 0.0) -> int:
+    def need(compile_: bool, tensor: int = 1) -> int:
         cfg = Config(dict(BATCH_SIZE=1, SEQ_LEN=16, precision="fp32", compile=compile_,
                           parallel=dict(tensor=dict(size=tensor)),
                           zero=dict(stage=3, shard_strategy=TensorShardStrategy(), prefetch=2)))
 
         def build():
             with torch.device("meta"):
-                return GPT(GPTConfig(n_layer=4, n_embd=64, n_head=2, vocab_size=128, max_position_embeddings=16,
-                                     dropout=dropout))
+                return GPT(GPTConfig(n_layer=4, n_embd=64, n_head=2, vocab_size=128, max_position_embeddings=16))
         return preflight_memory.check_memory(cfg, tensor, build, on_gpu=False)["host"][0]
 
     shape = ModelShape(layers=4, hidden=64, heads=2, vocab=128, positions=16, pad_vocab_multiple=1)
@@ -117,4 +115,3 @@ def test_compile_counts_a_block_gathered_whole(monkeypatch):
     assert whole > eager
     assert need(True) - need(False) == whole - eager
     assert need(True, tensor=2) - need(False, tensor=2) == 2 * (whole - eager)  # two ranks on this host
-    assert need(True, tensor=2, dropout=0.1) == need(False, tensor=2, dropout=0.1)

@@ -12,10 +12,11 @@ a compiled block would break its graph at each and recompile as parameters chang
 released. So the blocks' parameters are first moved to block granularity (`Stage3GatherHooks.gather_per_block`:
 one hook pair on the block gathers and releases all of them), and the compiled forward sees plain full-size
 parameters. Under tensor parallelism the blocks compile with their DTensor parameters (chunk.py bind_param keeps
-each wrapper's storage offset its slot's, which dynamo checks), unless dropout > 0: then each rank's attention
-dropout draws from its own stream, switched by forward hooks (parallel/rng.py) that dynamo would trace as
-per-block guards and inductor's own random numbers would not follow, so those blocks stay eager, with a warning.
-Pipeline stages compile their own blocks.
+each wrapper's storage offset its slot's, which dynamo checks); with dropout on, the modules that draw from a rank's
+own stream run eagerly between compiled graphs (parallel/rng.py). There AOTAutograd's cache is turned off for the
+process: in torch 2.13 a graph of DTensors split by such a module, loaded from that cache, computes wrong gradients
+for the parameters before the split under sequence parallelism (the same loss; tests/parallel/test_rng.py), while
+the graph compiled afresh is right. Pipeline stages compile their own blocks.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch._functorch.config
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from zerogpt.zero.gather_hooks import Stage3GatherHooks
@@ -60,11 +63,8 @@ def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor",
         2
     """
     blocks = find_blocks(model)
-    reason = _why_eager(blocks)
-    if reason:
-        if logger is not None and blocks:
-            logger.warning(f"compile=True: blocks left eager {reason}")
-        return 0
+    if any(isinstance(p, DTensor) for block in blocks for p in block.parameters()):
+        torch._functorch.config.enable_autograd_cache = False  # see the module docstring
     if gather_hooks is not None:
         gather_hooks.gather_per_block(blocks)
     for block in blocks:
@@ -72,16 +72,6 @@ def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor",
     if logger is not None and blocks:
         _log_first_step(model, len(blocks), logger)
     return len(blocks)
-
-
-def _why_eager(blocks: list[nn.Module]) -> str:
-    """Why these blocks cannot be compiled (see the module docstring), or ''."""
-    from zerogpt.parallel.rng import has_own_stream
-
-    if any(has_own_stream(m) for block in blocks for m in block.modules()):
-        return ("under tensor parallelism with dropout > 0: a rank's own dropout stream is switched by hooks "
-                "that a compiled block would not follow (set dropout = 0, as pretraining usually does)")
-    return ""
 
 
 def _log_first_step(model: nn.Module, count: int, logger: Any) -> None:

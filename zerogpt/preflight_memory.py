@@ -115,12 +115,9 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
         shape = ModelShape(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head,
                            vocab=config.padded_vocab_size, positions=config.max_position_embeddings,
                            pad_vocab_multiple=1)
-        # compile = True gathers each block whole at stage 3 (zerogpt/compile.py), except under tensor
-        # parallelism with dropout, where the blocks stay eager
-        eager = dims.tp > 1 and getattr(config, "dropout", 0.0) > 0
+        # compile = True gathers each block whole at stage 3 (zerogpt/compile.py)
         buffers = buffer_bytes(shape, zero.stage, dims.dp, precision, zero.offload_optimizer.device,
-                               zero.prefetch, _bucket_mb(zero.shard_strategy),
-                               gather_per_block=ecfg.compile and not eager)
+                               zero.prefetch, _bucket_mb(zero.shard_strategy), gather_per_block=ecfg.compile)
         host_rank += sum(buffers[h] for h in homes)
         if not on_gpu:  # the activations live on the host too
             host_rank += activation_bytes(shape, cfg.SEQ_LEN, cfg.BATCH_SIZE, precision,

@@ -37,6 +37,8 @@ PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
     ("torch.Tensor", "_dtensor__new__", "zero/chunk.py _match_wrapper_offset: a data-less wrapper storage of the "
                                         "slot's offset and size"),
     ("torch.distributed.tensor.DTensor", "_spec", "zero/chunk.py _match_wrapper_offset: the parameter's placement"),
+    ("torch._functorch.config", "enable_autograd_cache", "compile.py compile_blocks: off under tensor parallelism, "
+                                                         "where a cached graph of DTensors gave wrong gradients"),
     ("torch.utils._mode_utils", "no_dispatch", "zero/chunk.py _match_wrapper_offset: set_ the wrapper itself, "
                                                "not its local tensor"),
     # Multi-tensor kernels, as torch.optim uses them (there is no public torch.foreach): sharded_optim.py's

@@ -54,13 +54,24 @@ def test_the_stream_is_left_even_when_the_forward_raises():
     assert torch.equal(torch.get_rng_state(), expected.get_state())
 
 
-def _tp_dropout(rank: int, world: int, sequence_parallel: bool) -> dict:
-    """TP2 with dropout 0.1, activation checkpointing off and on: the residual stream each block hands on, the
-    loss and the gradients of the replicated LayerNorm."""
+def _record_rng_inside(module: nn.Module, states: list) -> None:
+    forward = module.forward
+
+    def recording_forward(*args, **kwargs):
+        states.append(torch.get_rng_state())
+        return forward(*args, **kwargs)
+
+    module.forward = recording_forward
+
+
+def _tp_dropout(rank: int, world: int, sequence_parallel: bool, compiled: bool) -> dict:
+    """TP2 with dropout 0.1, activation checkpointing off and on, the blocks eager or compiled by inductor: the
+    residual stream each block hands on, the loss and the gradients of the replicated LayerNorm."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
+    from zerogpt.compile import compile_blocks
     from zerogpt.parallel.tensor import apply_tensor_parallel
 
     torch.set_num_threads(1)
@@ -68,12 +79,15 @@ def _tp_dropout(rank: int, world: int, sequence_parallel: bool) -> dict:
     for checkpoint in (False, True):
         torch.manual_seed(0)
         model = gpt2_tiny(vocab_size=VOCAB, dropout=0.1, max_position_embeddings=SEQ, checkpoint=checkpoint)
-        apply_tensor_parallel(model, init_device_mesh("cpu", (world,)), sequence_parallel)
         residual, attend_rng, embed_rng = [], [], []
+        # the RNG state each dropout draws from: read inside the forward that the plan wraps in a rank's stream
+        _record_rng_inside(model.transformer.h[0].attn.attend, attend_rng)
+        _record_rng_inside(model.transformer.drop, embed_rng)
+        apply_tensor_parallel(model, init_device_mesh("cpu", (world,)), sequence_parallel)
         model.transformer.h[0].register_forward_hook(lambda m, i, o: residual.append(o[0].detach().clone()))
-        # the RNG state each dropout draws from (these hooks run after the plan's own)
-        model.transformer.h[0].attn.attend.register_forward_pre_hook(lambda m, a: attend_rng.append(torch.get_rng_state()))
-        model.transformer.drop.register_forward_pre_hook(lambda m, a: embed_rng.append(torch.get_rng_state()))
+        if compiled:
+            torch._dynamo.reset()
+            compile_blocks(model)
         ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
         torch.manual_seed(5)  # the dropout stream: the same on every rank
         with loss_parallel():
@@ -86,13 +100,14 @@ def _tp_dropout(rank: int, world: int, sequence_parallel: bool) -> dict:
     return out
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tensor_parallel_dropout_keeps_the_replicated_stream_replicated(sequence_parallel):
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sequence_parallel, compiled", [(False, False), (True, False), (False, True), (True, True)])
+def test_tensor_parallel_dropout_keeps_the_replicated_stream_replicated(sequence_parallel, compiled):
     """With dropout on, the tensor-parallel ranks still agree on what they all hold (the residual stream without
     SP, the loss, the LayerNorm's gradient), and recomputation under activation checkpointing redraws exactly
-    the masks of the forward."""
-    rank0, rank1 = run_distributed(_tp_dropout, 2, sequence_parallel, timeout=180)
+    the masks of the forward. Compiled by inductor too: its own random numbers, seeded from the shared stream,
+    are alike on every rank, and the modules on a rank's stream run eagerly between its graphs."""
+    rank0, rank1 = run_distributed(_tp_dropout, 2, sequence_parallel, compiled, timeout=280)
     # each rank's heads draw from their own stream; the embedding dropout too under SP (its own positions)
     assert not torch.equal(rank0[False]["attend_rng"], rank1[False]["attend_rng"])
     assert torch.equal(rank0[False]["embed_rng"], rank1[False]["embed_rng"]) != sequence_parallel
@@ -104,3 +119,9 @@ def test_tensor_parallel_dropout_keeps_the_replicated_stream_replicated(sequence
     for rank in (rank0, rank1):  # checkpointing changes nothing: the same masks in forward and recomputation
         assert rank[True]["loss"] == rank[False]["loss"]
         torch.testing.assert_close(rank[True]["ln_grad"], rank[False]["ln_grad"], rtol=1e-6, atol=1e-7)
+    if compiled and sequence_parallel:  # every dropout in a block is on a rank's stream: the eager run's numbers
+        eager, _ = run_distributed(_tp_dropout, 2, sequence_parallel, False, timeout=280)
+        for checkpoint in (False, True):  # (the second compiled run loads the first's graphs from inductor's caches)
+            assert rank0[checkpoint]["loss"] == pytest.approx(eager[checkpoint]["loss"], rel=1e-6)
+            torch.testing.assert_close(rank0[checkpoint]["ln_grad"], eager[checkpoint]["ln_grad"], rtol=1e-4,
+                                       atol=1e-7)

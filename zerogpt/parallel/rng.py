@@ -11,21 +11,23 @@ or positions would get exactly rank 0's masks. Megatron forks a per-rank stream 
 generators seeded with that; on exit the global state is back, advanced by the one draw. Activation
 checkpointing restores the RNG state before it recomputes a segment, so the recomputation draws the same seed
 and the same masks. Nothing happens in eval mode or with p = 0: runs without dropout draw nothing extra, and a
-module built with p = 0 gets no hooks at all, so a compiled block (zerogpt/compile.py) has none to trace.
+module built with p = 0 is left as it is.
+
+The wrapper is a function torch.compile does not trace (`torch.compiler.disable`): inside a compiled block
+(zerogpt/compile.py) the module runs eagerly between two compiled graphs, on its own stream, while the block's other
+dropouts draw from inductor's generator, seeded from the shared stream alike on every rank. Forward hooks would be
+traced instead: guarded per module (a recompile per block) and blind to inductor's random numbers.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import weakref
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["has_own_stream", "own_stream", "rank_stream"]
-
-_OWN_STREAM: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+__all__ = ["own_stream", "rank_stream"]
 
 
 def _mixed_seed(seed: int, rank: int) -> int:
@@ -54,29 +56,19 @@ def _drops(module: nn.Module) -> bool:
     return module.training and _dropout_p(module) > 0
 
 
-def has_own_stream(module: nn.Module) -> bool:
-    """Whether `own_stream` hooked `module` (it drops, p > 0)."""
-    return module in _OWN_STREAM
-
-
 def own_stream(module: nn.Module, rank: int) -> None:
-    """Make `module`'s dropout draw from this rank's own stream (forward hooks; always undone, even on error).
-    A module with p = 0 never draws, and is left without hooks."""
+    """Make `module`'s dropout draw from this rank's own stream (its forward wrapped; always undone, even on
+    error). A module with p = 0 never draws, and is left as it is."""
     if _dropout_p(module) == 0:
         return
-    _OWN_STREAM.add(module)
-    open_streams: list[contextlib.ExitStack] = []
+    forward = module.forward
 
-    def enter(mod: nn.Module, args: tuple[Any, ...]) -> None:
-        stack = contextlib.ExitStack()
-        if _drops(mod):
-            device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-            stack.enter_context(rank_stream(rank, device))
-        open_streams.append(stack)
+    @torch.compiler.disable
+    def forward_on_own_stream(*args: Any, **kwargs: Any) -> Any:
+        if not _drops(module):
+            return forward(*args, **kwargs)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        with rank_stream(rank, device):
+            return forward(*args, **kwargs)
 
-    def leave(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if open_streams:
-            open_streams.pop().close()
-
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave, always_call=True)
+    module.forward = forward_on_own_stream
