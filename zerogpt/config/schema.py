@@ -358,7 +358,7 @@ class EngineConfig:
     """Process-wide host settings (malloc, shared-memory collectives, CPU Adam kernel)."""
     compile: bool = False
     """Compile each transformer block with torch.compile (zerogpt/compile.py; every stage, stage 3 gathering each
-    block's parameters as a whole; blocks stay eager under tensor parallelism). Off by default: not yet measured
+    block's parameters as a whole; with pipeline and tensor parallelism too). Off by default: not yet measured
     faster on a GPU."""
 
     def __post_init__(self) -> None:
