@@ -347,3 +347,34 @@ def test_a_model_with_the_chunked_loss_trains_on_its_own_loss(stage):
     plain, chunked = _chunked_loss_run(stage, False), _chunked_loss_run(stage, True)
     torch.testing.assert_close(chunked["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
     assert chunked["eval"] == pytest.approx(plain["eval"], rel=1e-5)
+
+
+def _tensor_parallel_model_loss(rank: int, world: int, chunked: bool) -> tuple[list, float]:
+    from model_zoo import gpt2_tiny
+    from tests.parallel.engines import parallel_engine
+    from tests.parallel.test_pipeline import SEQ, STEPS, VOCAB, Record, _config, _trainer_data, criterion
+    from tests.zero.reference import adamw
+    from zerogpt.parallel import ParallelDims
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, chunked_loss=chunked, loss_chunk_size=8)
+    engine, _ = parallel_engine(model, ParallelDims(tp=2, pp=1, dp=1), _config(1), adamw, criterion)
+    train_data, eval_data = _trainer_data(1)
+    record = Record()
+    trainer = Trainer(engine, hooks=[record])
+    trainer.fit([b[0] for b in train_data], max_steps=STEPS)
+    evaluation = trainer.evaluate([b[0] for b in eval_data])["loss"]
+    engine.close()
+    return record.losses, evaluation
+
+
+@pytest.mark.timeout(120)
+def test_under_tensor_parallelism_the_models_own_loss_is_made_local():
+    """Under TP the model computes its loss on vocab-sharded logits (the plain path: the chunked one needs the whole
+    vocabulary), a replicated DTensor; the Trainer takes its local value, and the run is the criterion's."""
+    from tests.dist_utils import run_distributed
+
+    plain = run_distributed(_tensor_parallel_model_loss, 2, False, timeout=100)
+    own = run_distributed(_tensor_parallel_model_loss, 2, True, timeout=100)
+    assert own == plain

@@ -53,10 +53,16 @@ def local_loss(criterion: Callable | None) -> Callable | None:
     """`criterion` giving a plain tensor: on vocab-sharded logits its loss is a replicated DTensor."""
     if criterion is None:
         return None
-    from torch.distributed.tensor import DTensor
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        value = criterion(logits, labels)
-        return value.to_local() if isinstance(value, DTensor) else value  # differentiable
+        return plain_loss(criterion(logits, labels))
 
     return loss
+
+
+def plain_loss(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor, differentiably: computed on vocab-sharded logits it is a replicated DTensor (the
+    criterion's, or a model's own loss from its labels)."""
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value

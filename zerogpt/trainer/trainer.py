@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from zerogpt.parallel.parallel_model import plain_loss
 from zerogpt.trainer.hooks.base import Hook
 from zerogpt.trainer.hooks.lr import LRSchedulerHook
 from zerogpt.trainer.interrupt import StopOnSignal
@@ -276,7 +277,7 @@ class Trainer:
         """The micro-batch's mean loss: `engine.criterion` on the model's logits, or, when the model computes its
         loss from the labels itself (GPTConfig.chunked_loss: the (B, T, vocab) logits never exist), that loss."""
         if self._model_loss:
-            return self.engine(inputs, labels=labels).loss
+            return plain_loss(self.engine(inputs, labels=labels).loss)
         out = self.engine(inputs)
         return self.engine.criterion(getattr(out, "logits", out), labels)
 
