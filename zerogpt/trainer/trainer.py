@@ -111,6 +111,13 @@ def _iterate(loader: Iterable) -> Iterator[Any]:
         return iter(loader)
 
 
+def _computes_own_loss(engine: Any) -> bool:
+    """Whether the engine's model computes its loss from the labels itself (GPTConfig.chunked_loss): its output
+    then has no logits for `engine.criterion`."""
+    config = getattr(getattr(engine, "module", None), "config", None)
+    return bool(getattr(config, "chunked_loss", False))
+
+
 class Trainer:
     """Runs `engine` over a dataloader, steps the LR schedule and fires hook events; `trainer.state` is shared.
 
@@ -142,7 +149,7 @@ class Trainer:
         self.world_size: int = ctx.world_size
         self.device = ctx.device
         self.group = ctx.dp_group
-        self._model_loss = bool(getattr(getattr(getattr(engine, "module", None), "config", None), "chunked_loss", False))
+        self._model_loss = _computes_own_loss(engine)
         self.logger = logger or ctx.logger
         self.hooks: list[Hook] = list(hooks)
         for h in self.hooks:
