@@ -57,10 +57,10 @@ def host_adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
 
     `step` is the count after this update (1 first). `decay_ranges`, sorted (start, end) element ranges, are the
     only elements that take weight decay (a chunk shard's weights, not its biases and norms); None: all do.
-    Moments may be fp32 or bf16 (stochastically rounded); the gradient fp32 or bf16, multiplied by `grad_scale`
-    as it is read. Both bf16 moments are rounded stochastically
-    at every beta: round-to-nearest drops a step's change below half an ulp (a bias where beta is near 1) and
-    measured no better on the demo's betas (0.9, 0.95) (bench/README.md, "bf16 Adam moments").
+    Moments may be fp32 or bf16; the gradient fp32 or bf16, multiplied by `grad_scale` as it is read. Both bf16
+    moments are rounded stochastically at every beta: round-to-nearest drops a step's change below half an ulp (a
+    bias where beta is near 1) and measured no better on the demo's betas (0.9, 0.95) (bench/README.md, "bf16 Adam
+    moments").
     """
     op = require_host_adam("an Adam step with a fused compute copy or bf16 moments")
     op.adam_step(master, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(betas[0]), float(betas[1]),
