@@ -259,20 +259,14 @@ def _tensor_parallel_fit(rank: int, world: int, stage: int, dropout: float, sequ
     """A 10-block GPT under TP2 (x DP2 on 4 ranks), trained by the Trainer as tests/parallel/test_tp_pp.py trains it:
     eager, then with its blocks compiled (stage 3 with DP2: gathered whole per block, rebound at every gather).
     The same dropout stream on every rank; the graphs are counted after each step."""
-    from tests.parallel.engines import parallel_engine
-    from tests.parallel.test_pipeline import SEQ, STEPS, VOCAB, Record, _config, _trainer_data, criterion
-    from tests.zero.reference import adamw
-    from zerogpt.parallel import ParallelDims
+    from tests.parallel.test_pipeline import STEPS, Record, _trainer_data
+    from tests.parallel.test_tp_pp import build
     from zerogpt.trainer import Trainer
 
-    torch.set_num_threads(1)
     out = {}
     for compiled in (False, True):
         torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = gpt2_tiny(vocab_size=VOCAB, dropout=dropout, max_position_embeddings=SEQ, n_layer=10)
-        engine, _ = parallel_engine(model, ParallelDims(tp=2, pp=1, dp=world // 2), _config(stage), adamw,
-                                    criterion, sequence_parallel)
+        engine, _ = build(2, 1, stage, sequence_parallel=sequence_parallel, dropout=dropout, n_layer=10)
         backend = CountingBackend()
         blocks = compile_blocks(engine.module, backend=backend, gather_hooks=engine.gather_hooks) if compiled else 0
         train_data, _ = _trainer_data(engine.ctx.dp_size)

@@ -18,9 +18,10 @@ from zerogpt.trainer import Trainer
 from zerogpt.zero.chunk import to_local
 
 
-def build(tp: int, pp: int, stage: int, meta: bool = False, sequence_parallel: bool = False):
+def build(tp: int, pp: int, stage: int, meta: bool = False, sequence_parallel: bool = False, **model):
     """(engine, pipeline) for this rank of a (pp, dp, tp) mesh over every rank; `meta`: the model is built on the
-    meta device, as train_gpt builds it, and `initialize` fills each rank's shards."""
+    meta device, as train_gpt builds it, and `initialize` fills each rank's shards; `model`: tiny_gpt4's
+    overrides."""
     import contextlib
 
     from zerogpt.parallel import ParallelDims
@@ -28,7 +29,7 @@ def build(tp: int, pp: int, stage: int, meta: bool = False, sequence_parallel: b
     torch.set_num_threads(1)
     dims = ParallelDims(tp=tp, pp=pp, dp=torch.distributed.get_world_size() // (tp * pp))
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model = tiny_gpt4()
+        model = tiny_gpt4(**model)
     return parallel_engine(model, dims, _config(stage), adamw, criterion, sequence_parallel)
 
 

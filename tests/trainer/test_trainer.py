@@ -350,16 +350,10 @@ def test_a_model_with_the_chunked_loss_trains_on_its_own_loss(stage):
 
 
 def _tensor_parallel_model_loss(rank: int, world: int, chunked: bool) -> tuple[list, float]:
-    from model_zoo import gpt2_tiny
-    from tests.parallel.engines import parallel_engine
-    from tests.parallel.test_pipeline import SEQ, STEPS, VOCAB, Record, _config, _trainer_data, criterion
-    from tests.zero.reference import adamw
-    from zerogpt.parallel import ParallelDims
+    from tests.parallel.test_pipeline import STEPS, Record, _trainer_data
+    from tests.parallel.test_tp_pp import build
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, chunked_loss=chunked, loss_chunk_size=8)
-    engine, _ = parallel_engine(model, ParallelDims(tp=2, pp=1, dp=1), _config(1), adamw, criterion)
+    engine, _ = build(2, 1, 1, n_layer=2, chunked_loss=chunked, loss_chunk_size=8)
     train_data, eval_data = _trainer_data(1)
     record = Record()
     trainer = Trainer(engine, hooks=[record])
