@@ -1,7 +1,9 @@
 """Models for zerogpt, and `build_model`, which turns a config's `model = dict(type=..., **kwargs)` into an nn.Module.
 
-The GPT-2 family (gpt.py) with its loss (loss.py), weight init (weight_init.py) and sampling (generation.py);
-Hugging Face conversion and local HF causal LMs (hf.py). Knows nothing about ZeRO or data.
+Two native families: GPT-2 (gpt.py, its Hugging Face conversion in hf.py) and Llama / Qwen / Mistral (llama.py,
+its mapping in llama_adapter.py), sharing layers.py, loss.py, weight_init.py and generation.py. Hugging Face
+checkpoints of the Llama family stream into a meta-built native model (pretrained.py); any other local HF causal
+LM loads through transformers (hf.load_hf_causal_lm). Knows nothing about ZeRO or data.
 """
 from __future__ import annotations
 
@@ -11,21 +13,30 @@ from torch import nn
 
 from model_zoo.gpt import GPT, GPTConfig, GPTOutput, gpt2_large, gpt2_medium, gpt2_small, gpt2_tiny, gpt2_xl
 from model_zoo.hf import from_hf, to_hf
+from model_zoo.llama import (Llama, LlamaConfig, llama2_7b, llama3_2_1b, llama3_2_3b, llama3_8b, llama_tiny,
+                             mistral_7b, qwen2_5_0_5b, qwen2_5_7b, qwen3_0_6b, qwen3_8b)
 from model_zoo.loss import GPTLMLoss
+from model_zoo.pretrained import from_pretrained
 
 __all__ = ["GPT", "GPTConfig", "GPTLMLoss", "GPTOutput", "from_hf", "to_hf", "gpt2_tiny", "gpt2_small",
-           "gpt2_medium", "gpt2_large", "gpt2_xl", "build_model", "builds_on_meta"]
+           "gpt2_medium", "gpt2_large", "gpt2_xl", "build_model", "builds_on_meta", "Llama", "LlamaConfig",
+           "from_pretrained", "llama_tiny", "llama2_7b", "llama3_2_1b", "llama3_2_3b", "llama3_8b", "qwen2_5_0_5b",
+           "qwen2_5_7b", "qwen3_0_6b", "qwen3_8b", "mistral_7b"]
 
 GPT_FACTORIES = (gpt2_tiny, gpt2_small, gpt2_medium, gpt2_large, gpt2_xl)
+LLAMA_FACTORIES = (llama_tiny, llama2_7b, llama3_2_1b, llama3_2_3b, llama3_8b, qwen2_5_0_5b, qwen2_5_7b, qwen3_0_6b,
+                   qwen3_8b, mistral_7b)
 
 
 def builds_on_meta(model_cfg: dict[str, Any]) -> bool:
-    """Whether `build_model(model_cfg)` may run under torch.device("meta"): a model_zoo GPT with fresh weights.
+    """Whether `build_model(model_cfg)` may run under torch.device("meta"): a model_zoo factory with fresh weights.
 
-    Such a model has no storage until zerogpt.initialize fills each rank's shards from GPT.init_param_range.
-    A pretrained GPT (pretrained=DIR), a Hugging Face model (type="hf") or another callable needs real weights.
+    Such a model has no storage until zerogpt.initialize fills each rank's shards from its init_param_range.
+    A pretrained GPT (pretrained=DIR) or another callable needs real weights; a Llama-family checkpoint
+    (type="hf" or pretrained=DIR) is built on the meta device by build_model itself, its weights streamed.
     """
-    return model_cfg.get("type") in GPT_FACTORIES and model_cfg.get("pretrained") is None
+    factory = model_cfg.get("type")
+    return factory in GPT_FACTORIES + LLAMA_FACTORIES and model_cfg.get("pretrained") is None
 
 
 def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None) -> nn.Module:
@@ -33,7 +44,9 @@ def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None) -> nn.
 
     Args:
         model_cfg: `dict(type=<callable>, **kwargs)` -> type(**kwargs); or `dict(type="hf", path=DIR, **kwargs)`
-            -> a local Hugging Face causal LM (model_zoo.hf.load_hf_causal_lm).
+            -> a local Hugging Face causal LM: a Llama-family one as model_zoo's Llama on the meta device, its
+            weights streamed from the files (pretrained.from_pretrained; kwargs are LlamaConfig fields such as
+            checkpoint=True), any other through transformers (hf.load_hf_causal_lm; generic=True forces this path).
         vocab_size: the tokenizer's vocabulary; passed to a callable as vocab_size unless the config sets it,
             and checked against an HF model's embedding size.
     Example:
@@ -46,10 +59,13 @@ def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None) -> nn.
     kind = kwargs.pop("type")
     if kind == "hf":
         from model_zoo.hf import load_hf_causal_lm
+        from model_zoo.pretrained import is_native
 
         if "path" not in kwargs:
             raise ValueError("model = dict(type='hf') needs path=DIR (a local save_pretrained directory)")
-        model = load_hf_causal_lm(kwargs.pop("path"), **kwargs)
+        path, generic = kwargs.pop("path"), kwargs.pop("generic", False)
+        native = not generic and is_native(path)
+        model = from_pretrained(path, **kwargs) if native else load_hf_causal_lm(path, **kwargs)
         rows = model.get_input_embeddings().num_embeddings
         if vocab_size is not None and vocab_size > rows:
             raise ValueError(f"the tokenizer has {vocab_size} tokens but the HF model's embedding has only {rows} "

@@ -16,12 +16,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from model_zoo import generation, weight_init
-from model_zoo.loss import GPTLMLoss, chunked_cross_entropy
+from model_zoo.layers import CausalAttention, LMHead, RealVocab
+from model_zoo.loss import GPTLMLoss
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "CausalAttention", "MLP", "LMHead", "GPTOutput",
            "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "SIZES", "as_gpt_config",
@@ -95,31 +95,6 @@ class GPTOutput:
     past_key_values: KVCache | None = None
 
 
-class CausalAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + causal mask) v with dropout on the probabilities (SDPA), per head.
-
-    A module of its own, without parameters, so a parallel plan can tell its dropout where to draw from: a
-    tensor-parallel rank computes only its own heads and gives them their own random stream
-    (zerogpt.parallel.rng), while every other dropout must draw alike on every rank.
-    """
-
-    def __init__(self, dropout: float):
-        super().__init__()
-        self.dropout = dropout
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, nh, T, hs), k and v (B, nh, T_past + T, hs): the last T positions attend to all before them."""
-        T, T_past = q.size(2), k.size(2) - q.size(2)
-        dropout_p = self.dropout if self.training else 0.0
-        if T_past == 0:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        if T == 1:  # one new token sees the whole cache
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-        # SDPA's is_causal aligns top-left; with a cache the mask must align bottom-right
-        mask = torch.ones(T, T_past + T, dtype=torch.bool, device=q.device).tril(diagonal=T_past)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -158,40 +133,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))
-
-
-class RealVocab(nn.Module):
-    """The head's logits over the padded vocabulary, sliced to the real one: (B, T, vocab_size).
-
-    A module of its own, with no parameters, so a parallel plan can replace it: when the logits are sharded
-    on the vocabulary dim no rank holds whole rows to slice, and the plan masks the padded classes instead
-    (zerogpt.parallel.tensor).
-    """
-
-    def __init__(self, vocab_size: int):
-        super().__init__()
-        self.vocab_size = vocab_size
-
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[..., : self.vocab_size]
-
-
-class LMHead(nn.Linear):
-    """The output projection; given labels, it returns the chunked loss instead of the logits.
-
-    The loss is computed inside this module's forward because that is where its (tied) weight may be read:
-    ZeRO-3 gathers a module's parameters only around its forward (and again before its backward).
-    """
-
-    def __init__(self, config: GPTConfig):
-        super().__init__(config.n_embd, config.padded_vocab_size, bias=False)
-        self.vocab_size, self.chunk_size = config.vocab_size, config.loss_chunk_size
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, C) -> logits (B, T, padded vocab); with labels (B, T): the scalar fp32 mean loss."""
-        if labels is None:
-            return super().forward(x)
-        return chunked_cross_entropy(x, self.weight, labels, vocab_size=self.vocab_size, chunk_size=self.chunk_size)
 
 
 class Block(nn.Module):
@@ -247,7 +188,7 @@ class GPT(nn.Module):
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
             ))
-            self.lm_head = LMHead(config)
+            self.lm_head = LMHead(config.n_embd, config.padded_vocab_size, config.vocab_size, config.loss_chunk_size)
         # Tie: the head OWNS the same Parameter object, so module hooks on lm_head see it (named_parameters
         # lists it once, as transformer.wte.weight).
         self.lm_head.weight = self.transformer.wte.weight

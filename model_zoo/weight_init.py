@@ -16,7 +16,7 @@ import torch
 if TYPE_CHECKING:
     from model_zoo.gpt import GPTConfig
 
-__all__ = ["INIT_BLOCK", "init_param_range", "init_rule"]
+__all__ = ["INIT_BLOCK", "init_param_range", "init_rule", "draw_range"]
 
 INIT_BLOCK = 1 << 16
 """Elements per independently seeded block of a parameter's random init."""
@@ -72,6 +72,21 @@ def init_param_range(config: GPTConfig, init_seed: int, numels: dict[str, int], 
         tensor([0., 0., 0.])
     """
     name, numel, std, fill = init_rule(config, numels, name)
+    out = draw_range(init_seed, name, numel, start, end, std, fill)
+    if name == "transformer.wte.weight":  # padded vocab rows: never a real token; zero (they get zero grad)
+        out[max(0, config.vocab_size * config.n_embd - start):] = 0.0
+    return out
+
+
+def draw_range(init_seed: int, name: str, numel: int, start: int, end: int, std: float | None,
+               fill: float = 0.0) -> torch.Tensor:
+    """Elements [start, end) of a parameter of `numel` elements drawn N(0, std) (or filled with `fill` when std is
+    None), the same however the parameter is split: the counter-based stream every model_zoo family draws from.
+
+    Each block of INIT_BLOCK elements is drawn whole from its own generator seeded by (init_seed, name, block index),
+    so a range costs its overlapping blocks only (memory: the range plus one block) and any split concatenates to
+    the whole parameter bit for bit.
+    """
     if not 0 <= start <= end <= numel:
         raise ValueError(f"init_param_range({name!r}, {start}, {end}): the range must lie within the "
                          f"parameter's {numel} elements (0 <= start <= end <= {numel})")
@@ -92,7 +107,4 @@ def init_param_range(config: GPTConfig, init_seed: int, numels: dict[str, int], 
             scratch = torch.empty(INIT_BLOCK, dtype=torch.float32) if scratch is None else scratch
             values = scratch[: hi - lo].normal_(generator=gen)
             out[a - start : b - start] = values[a - lo : b - lo]
-    out.mul_(std)
-    if name == "transformer.wte.weight":  # padded vocab rows: never a real token; zero (they get zero grad)
-        out[max(0, config.vocab_size * config.n_embd - start):] = 0.0
-    return out
+    return out.mul_(std)

@@ -1,0 +1,176 @@
+"""model_zoo/pretrained.py: Hugging Face checkpoints of the Llama family streamed into each rank's shards.
+
+zerogpt.initialize fills a meta-built model from the safetensors files at ZeRO stages 0-3, on 1 and 2 gloo ranks,
+and its logits equal transformers' (fp32, <= 1e-5) for every family; a rank never holds a whole parameter while
+loading at stage 3; bad checkpoints are one line naming the file and tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+import zerogpt
+from model_zoo import build_model, from_pretrained
+from tests.dist_utils import run_distributed
+from tests.model_zoo.hf_families import FAMILIES, VOCAB, make_hf_model
+from tests.zero.init_checks import LargestAllocation
+from tests.zero.reference import cpu_ctx
+from zerogpt.zero import BucketTensorShardStrategy
+
+IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+def _expected_logits(root) -> dict[str, torch.Tensor]:
+    out = {}
+    for family in sorted(FAMILIES):
+        hf = make_hf_model(family, root / family, seed=len(family))
+        with torch.no_grad():
+            out[family] = hf(IDS).logits
+    return out
+
+
+def _engine_logits(rank: int, world: int, root: str, stages: tuple[int, ...]) -> dict:
+    out = {}
+    for family in sorted(FAMILIES):
+        for stage in stages:
+            model = build_model(dict(type="hf", path=os.path.join(root, family)))
+            assert all(p.is_meta for p in model.parameters())  # nothing read yet
+            config = zerogpt.Config(dict(zero=dict(stage=stage, shard_strategy=BucketTensorShardStrategy(
+                bucket_mb=0.02))))  # several chunks, each cut across the ranks
+            engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=config,
+                                        ctx=cpu_ctx(rank, world))
+            engine.eval()
+            with torch.no_grad():
+                out[(family, stage)] = engine(IDS)
+            engine.close()
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_streamed_into_every_stage_on_two_ranks_equals_transformers(tmp_path):
+    expected = _expected_logits(tmp_path)
+    for rank_out in run_distributed(_engine_logits, 2, str(tmp_path), (0, 1, 2, 3), timeout=180):
+        for (family, stage), logits in rank_out.items():
+            diff = (logits - expected[family]).abs().max().item()
+            assert diff <= 1e-5, f"{family} stage {stage} on 2 ranks: max diff {diff}"
+
+
+@pytest.mark.timeout(120)
+def test_streamed_into_every_stage_on_one_rank_equals_transformers(tmp_path):
+    expected = _expected_logits(tmp_path)
+    (rank_out,) = run_distributed(_engine_logits, 1, str(tmp_path), (0, 1, 2, 3), timeout=100)
+    for (family, stage), logits in rank_out.items():
+        assert (logits - expected[family]).abs().max().item() <= 1e-5, (family, stage)
+
+
+def _file_mapped(ptr: int) -> bool:
+    """Whether address `ptr` lies in a mapping of a file (/proc/self/maps): safetensors' slices are views of the
+    file's pages, of which only those read become resident, so such a storage is not memory the load holds."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi:
+                return len(fields) > 5 and fields[5].endswith(".safetensors")
+    return False
+
+
+class LargestHeldAllocation(LargestAllocation):
+    """LargestAllocation, not counting views of the safetensors files' mapped pages."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage().nbytes() > self.max_bytes \
+                    and not _file_mapped(t.untyped_storage().data_ptr()):
+                self.max_bytes = t.untyped_storage().nbytes()
+        return out
+
+
+def _load_watched(rank: int, world: int, path: str) -> dict:
+    os.environ["ZEROGPT_SHM_COMM"] = "0"  # its staging buffer is communication, not model state
+    watch = LargestHeldAllocation()
+    with watch:
+        model = from_pretrained(path)
+        engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()),
+                                    config=zerogpt.Config(dict(zero=dict(stage=3, shard_strategy=BucketTensorShardStrategy(
+                                        bucket_mb=1)))), ctx=cpu_ctx(rank, world))
+    out = dict(max_bytes=watch.max_bytes, largest_shard=max(c.plan.shard_numel for c in engine.chunks) * 4)
+    engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_loading_at_stage_3_never_holds_a_whole_parameter(tmp_path):
+    # a wide untied vocabulary: the embedding and the head are 2 x 4096 x 256 fp32 = 4 MiB each
+    make_hf_model("llama", tmp_path, vocab_size=4096, hidden_size=256, intermediate_size=512)
+    whole_embedding = 4096 * 256 * 4
+    for r in run_distributed(_load_watched, 2, str(tmp_path), timeout=100):
+        # the largest read is a shard's worth of rows (plus the two rows its ends cut), never the embedding
+        assert r["max_bytes"] <= r["largest_shard"] + 2 * 256 * 4, r
+        assert r["max_bytes"] < whole_embedding, r
+
+
+# ----------------------------------------------------------------------------------------------
+# bad checkpoints: one line naming the file and what is wrong
+
+
+def test_unknown_architecture_goes_to_the_generic_path_or_is_named(tmp_path):
+    make_hf_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="not a Llama-family model"):
+        from_pretrained(str(tmp_path))
+
+
+def test_missing_or_misshapen_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_hf_model("qwen2", tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.k_proj.bias"}, path,
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no tensor 'model.layers.1.self_attn.k_proj.bias'"):
+        from_pretrained(str(tmp_path))
+    tensors["model.norm.weight"] = torch.ones(3)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \[3\] but config.json makes it \[64\]"):
+        from_pretrained(str(tmp_path))
+
+
+def test_corrupt_file_and_missing_weights_are_named(tmp_path):
+    make_hf_model("mistral", tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="model.safetensors is corrupt, truncated or missing"):
+        from_pretrained(str(tmp_path))
+    path.unlink()
+    with pytest.raises(ValueError, match="holds no model.safetensors"):
+        from_pretrained(str(tmp_path))
+
+
+def test_sharded_checkpoint_with_index_loads(tmp_path):
+    hf = make_hf_model("llama", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ours = from_pretrained(str(tmp_path / "sharded"), device="cpu").eval()
+    with torch.no_grad():
+        assert (ours(IDS) - hf(IDS).logits).abs().max().item() <= 1e-5
+
+
+def test_factory_pretrained_checks_the_shape(tmp_path):
+    from model_zoo import llama3_8b, llama_tiny
+
+    make_hf_model("llama", tmp_path)
+    with pytest.raises(ValueError, match="which is not llama3_8b"):
+        llama3_8b(pretrained=str(tmp_path))
+    with pytest.raises(ValueError, match="which is not llama_tiny"):  # tiny's widths are not the fixture's
+        llama_tiny(pretrained=str(tmp_path))
+    model = from_pretrained(str(tmp_path), checkpoint=True)
+    assert model.config.checkpoint and model.config.vocab_size == VOCAB
