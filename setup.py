@@ -12,6 +12,9 @@ INSTALL_REQUIRES = [
     "transformers>=4.40",
     "datasets",
     "tokenizers",
+    # a model's sentencepiece tokenizer.model (Llama-2, Mistral) becomes a fast tokenizer through these
+    "sentencepiece",
+    "protobuf",
     "safetensors",
     "ftfy",
     "langdetect",

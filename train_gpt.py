@@ -262,16 +262,36 @@ def setup(cfg, train, data, ctx, dims, resume):
 
 
 def check_run_vocab(dataset, data, model) -> None:
-    """The train split's recorded vocabulary and largest id, data.tokenizer and the model agree (preflight)."""
+    """The train split's recorded vocabulary and largest id, data.tokenizer and the model agree (preflight).
+
+    The model's side is the rows of its input embedding where it has one (HF models, the Llama family; the
+    shape is there on the meta device too), so a tokenizer whose added tokens run past the embedding is refused.
+    model_zoo's models pad those rows for speed and slice logits to config.vocab_size, so where that is smaller
+    it is the bound (GPT has no get_input_embeddings: config.vocab_size, as before). The tokenizer's side is
+    len(tokenizer), added tokens included, not tokenizer.vocab_size.
+    """
     if data.mock:
         return
     prefix, recorded = dataset.prefix, dataset.meta_file.get("vocab_size")
-    tokenizer = len(data_pipeline.load_tokenizer(data.tokenizer)) if data.tokenizer else None
-    config = getattr(model, "config", None)
+    tokenizer = None
+    if data.tokenizer:
+        tok = data_pipeline.load_tokenizer(data.tokenizer)
+        added = len(tok) - tok.vocab_size
+        tokenizer = (len(tok), f"data.tokenizer={data.tokenizer}"
+                     + (f": {tok.vocab_size:,} + {added:,} added tokens" if added > 0 else ""))
+    try:
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError, KeyError):  # an HF base model without one; a stage without it
+        embedding = None
+    rows = getattr(embedding, "num_embeddings", None)
+    real = getattr(getattr(model, "config", None), "vocab_size", None)
+    if rows is not None and (real is None or rows <= real):
+        model_vocab = (rows, "rows of the model's input embedding")
+    else:
+        model_vocab = (real, "the model's vocab_size") if real else None
     preflight.check_vocab(dataset=(recorded, f"{prefix}.stats.json") if recorded else None,
                           max_id=(dataset.max_token_id, f"largest id in the train split of {prefix}.bin"),
-                          tokenizer=(tokenizer, f"data.tokenizer={data.tokenizer}") if tokenizer else None,
-                          model=(config.vocab_size, "the model's vocab_size") if config is not None else None,
+                          tokenizer=tokenizer, model=model_vocab,
                           data_key=(data.vocab_size, "data.vocab_size") if data.vocab_size else None)
 
 

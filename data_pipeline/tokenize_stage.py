@@ -1,8 +1,12 @@
 """Stage `tokenize`: JSONL -> Megatron `P.bin`/`P.idx`, batched fast tokenization over worker processes.
 
-Each worker parses a block of raw lines, encodes the texts with the Rust tokenizer in one batch, appends
-the EOD id (`<|endoftext|>`) to every document and returns one flat token array; the main process only
-reads blocks and appends results in input order, so output is deterministic and memory stays bounded.
+The tokenizer is any that `load_tokenizer` takes: the pipeline's own, GPT-2's, or a model's HF tokenizer
+directory (Llama-3/Qwen tokenizer.json, Llama-2 sentencepiece tokenizer.model). Each worker parses a block of
+raw lines, encodes the texts with the Rust tokenizer in one batch without special tokens (so no BOS, even
+where the tokenizer's post-processor would add one), appends the EOD id (the tokenizer's eos_token, or
+`<|endoftext|>` when it names none; see tokenizer.py) to every document and returns one flat token array; the
+main process only reads blocks and appends results in input order, so output is deterministic and memory
+stays bounded.
 Empty documents and malformed lines are skipped and counted. Named tokenize_stage.py so it does not shadow
 the stdlib `tokenize` module. Stats (docs, tokens, tokens/s, skipped by reason, tokenizer, eod id,
 vocab size, dtype) go to `P.stats.json`, which `GPTDataset` reads to check vocab and EOD.
@@ -211,7 +215,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="JSONL with one document per line")
     p.add_argument("--tokenizer", required=True,
-                   help="tokenizer directory (tokenizer.json, or vocab.json + merges.txt) or tokenizer.json")
+                   help="tokenizer directory (tokenizer.json, a sentencepiece tokenizer.model, or vocab.json + "
+                        "merges.txt), e.g. the HF model's own directory, or a tokenizer.json file")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.stats.json")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: cores)")
     p.add_argument("--json-key", default="text", help="field holding the document text")

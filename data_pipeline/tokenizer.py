@@ -1,7 +1,12 @@
-"""Load a local tokenizer as a transformers fast tokenizer, with `<|endoftext|>` as EOS/EOD.
+"""Load a local tokenizer as a transformers fast tokenizer, and the id put between documents (EOD).
 
-Accepts a HF tokenizer directory (tokenizer.json and/or tokenizer_config.json), a GPT-2 style
+Accepts a model's own HF tokenizer directory (a tokenizer.json BPE as GPT-2, Llama-3 and Qwen ship, or a
+sentencepiece tokenizer.model as Llama-2 ships, which transformers converts to a fast tokenizer), a GPT-2 style
 directory with only vocab.json + merges.txt, or a path to a tokenizer.json file. Never downloads.
+EOD is the tokenizer's own eos_token ("<|end_of_text|>" for Llama-3, "</s>" for Llama-2); `<|endoftext|>` only
+when it names none (GPT-2 and the tokenizers `train-tokenizer` writes). Documents get EOS only, never BOS
+(`eod_id` has no BOS twin): the EOS already marks each boundary in a packed sequence, as in Megatron's
+`preprocess_data.py --append-eod` and NeMo's pretraining data, and GPT-2 data stays as it was.
 Training lives in `train_tokenizer.py`, merging in `merge_tokenizers.py`.
 """
 from __future__ import annotations
@@ -12,8 +17,13 @@ from typing import Any
 
 EOD_TOKEN = "<|endoftext|>"
 
+# tokenizer_config.json classes that use tokenizer.json as it is (others may rebuild the pipeline from its vocab)
+_AS_IS_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+_EXPECTED = ("need tokenizer.json (GPT-2, Llama-3, Qwen), tokenizer.model (sentencepiece, Llama-2) with "
+             "tokenizer_config.json, or vocab.json + merges.txt")
 _TRAIN_HINT = ("train one with `python -m data_pipeline train-tokenizer IN.jsonl --output DIR --vocab-size 50257`, "
-               "or point at a directory holding tokenizer.json, or vocab.json + merges.txt")
+               "or point at a model's tokenizer directory (tokenizer.json, tokenizer.model, or "
+               "vocab.json + merges.txt)")
 
 
 def byte_level_bpe_from_files(vocab_file: str, merges_file: str):
@@ -44,13 +54,15 @@ def load_tokenizer(path: str):
     """Load a local tokenizer as a transformers fast tokenizer.
 
     Args:
-        path: a directory with tokenizer.json / tokenizer_config.json (anything
-            `AutoTokenizer.from_pretrained` reads offline), a directory with GPT-2 style
+        path: a model's tokenizer directory that `AutoTokenizer.from_pretrained` reads offline, holding
+            tokenizer.json (GPT-2, Llama-3, Qwen) or a sentencepiece tokenizer.model (Llama-2; converted to a
+            fast tokenizer, which needs the `sentencepiece` package), a directory with GPT-2 style
             vocab.json + merges.txt, or a tokenizer.json file.
 
     Returns:
-        A `PreTrainedTokenizerFast`-compatible tokenizer. If `<|endoftext|>` is in the vocabulary and
-        the tokenizer names no EOS, EOS is set to it; `eod_id(tok)` gives the id used between documents.
+        A `PreTrainedTokenizerFast`-compatible tokenizer. If the tokenizer names no EOS and `<|endoftext|>`
+        is in the vocabulary, EOS is set to it; `eod_id(tok)` gives the id used between documents.
+        `len(tok)` counts added tokens (what an embedding must hold); `tok.vocab_size` does not.
 
     Raises:
         ValueError naming `path` when it is missing, holds no tokenizer files, or fails to load.
@@ -65,59 +77,120 @@ def load_tokenizer(path: str):
         try:
             return _with_eos(wrap_fast(Tokenizer.from_file(path)))
         except Exception as e:  # tokenizers raises its own Exception type for bad files
-            raise ValueError(f"tokenizer file {path} does not load: {e}; {_TRAIN_HINT}") from e
+            raise ValueError(f"tokenizer file {path} does not load: {_one_line(e)}; {_TRAIN_HINT}") from e
     if not os.path.isdir(path):
         raise ValueError(f"tokenizer directory {path} does not exist; {_TRAIN_HINT}")
     files = set(os.listdir(path))
+    bpe_files = {"vocab.json", "merges.txt"} <= files
+    if not ({"tokenizer.json", "tokenizer.model"} & files or bpe_files):
+        raise ValueError(f"tokenizer directory {path} holds no tokenizer files (found {sorted(files)[:10]}; "
+                         f"{_EXPECTED}); {_TRAIN_HINT}")
     try:
-        if "tokenizer.json" in files or "tokenizer_config.json" in files:
+        if {"tokenizer.json", "tokenizer.model", "tokenizer_config.json"} & files:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
             if not getattr(tok, "is_fast", False):
                 raise ValueError(f"tokenizer in {path} has no fast (Rust) backend; save it with tokenizer.json")
             return _with_eos(tok)
-        if {"vocab.json", "merges.txt"} <= files:
-            backend = byte_level_bpe_from_files(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"))
-            return _with_eos(wrap_fast(backend))
+        backend = byte_level_bpe_from_files(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"))
+        return _with_eos(wrap_fast(backend))
     except ValueError as e:
         if str(path) in str(e):
             raise
-        raise ValueError(f"tokenizer directory {path} does not load: {e}; {_TRAIN_HINT}") from e
-    except Exception as e:  # AutoTokenizer raises OSError, json errors, tokenizers' Exception...
-        raise ValueError(f"tokenizer directory {path} does not load: {type(e).__name__}: {e}; {_TRAIN_HINT}") from e
-    raise ValueError(f"tokenizer directory {path} holds no tokenizer files (found {sorted(files)[:10]}; need "
-                     f"tokenizer.json, or vocab.json + merges.txt); {_TRAIN_HINT}")
+        raise ValueError(f"tokenizer directory {path} does not load: {_one_line(e)}; {_TRAIN_HINT}") from e
+    except Exception as e:  # AutoTokenizer raises OSError, ImportError, json errors, tokenizers' Exception...
+        hint = ("; converting a sentencepiece tokenizer.model needs `pip install sentencepiece protobuf`"
+                if "tokenizer.model" in files and "tokenizer.json" not in files else "")
+        raise ValueError(f"tokenizer directory {path} does not load: {type(e).__name__}: {_one_line(e)}{hint}; "
+                         f"{_TRAIN_HINT}") from e
 
 
 def load_backend(path: str, require_eod: bool = True):
-    """The Rust `tokenizers.Tokenizer` of a tokenizer dir/file, without importing transformers (fast start).
+    """The Rust `tokenizers.Tokenizer` of a tokenizer dir/file, without importing transformers when it can (fast start).
 
-    Reads tokenizer.json or vocab.json + merges.txt directly and falls back to `load_tokenizer` for
-    anything else. Returns (backend, eod_id, vocab_size); eod_id is None only with require_eod=False.
+    Reads tokenizer.json (when its tokenizer_config.json, if any, uses it as it is and names only tokens it holds)
+    or vocab.json + merges.txt directly, and goes through `load_tokenizer` for anything else (a sentencepiece
+    tokenizer.model, a model-specific class, special tokens transformers would add), so the ids, the EOD and the
+    size are always those of `load_tokenizer(path)`. Returns (backend, eod_id, vocab_size): eod_id as `eod_id`
+    gives it, None only with require_eod=False; vocab_size counts added tokens (len(tokenizer)).
     Raises ValueError naming `path` like `load_tokenizer`.
     """
     from tokenizers import Tokenizer
 
     path = os.fspath(path)
-    json_file = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
+    is_file = os.path.isfile(path)
+    json_file = path if is_file else os.path.join(path, "tokenizer.json")
+    config = {} if is_file else _read_config(path)
     backend = None
     try:
         if os.path.isfile(json_file):
-            backend = Tokenizer.from_file(json_file)
-        elif os.path.isfile(os.path.join(path, "vocab.json")) and os.path.isfile(os.path.join(path, "merges.txt")):
+            if config is not None and _uses_json_as_is(path, config):
+                backend = Tokenizer.from_file(json_file)
+        elif os.path.isfile(os.path.join(path, "vocab.json")) and os.path.isfile(os.path.join(path, "merges.txt")) \
+                and not os.path.isfile(os.path.join(path, "tokenizer.model")):
             backend = byte_level_bpe_from_files(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"))
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
-        raise ValueError(f"tokenizer {path} does not load: {type(e).__name__}: {e}; {_TRAIN_HINT}") from e
-    eod = None if backend is None else backend.token_to_id(EOD_TOKEN)
-    if backend is not None and eod is None and not require_eod:  # e.g. cleanup's length count: no EOD needed
-        return backend, None, int(backend.get_vocab_size(with_added_tokens=True))
-    if eod is None:  # not a plain tokenizer.json, or no <|endoftext|>: let transformers resolve eos
-        tok = load_tokenizer(path)
-        backend, vocab = tok.backend_tokenizer, vocab_size(tok)
-        if not require_eod and tok.eos_token_id is None and EOD_TOKEN not in tok.get_vocab():
+        raise ValueError(f"tokenizer {path} does not load: {type(e).__name__}: {_one_line(e)}; {_TRAIN_HINT}") from e
+    if backend is not None and config is not None and _holds_special_tokens(backend, config):
+        eos = _token_content(config.get("eos_token"))
+        eod = backend.token_to_id(eos or EOD_TOKEN)
+        vocab = int(backend.get_vocab_size(with_added_tokens=True))
+        if eod is not None:
+            return backend, int(eod), vocab
+        if not require_eod and eos is None:  # e.g. cleanup's length count: no EOD needed
             return backend, None, vocab
-        return backend, eod_id(tok), vocab
-    return backend, int(eod), int(backend.get_vocab_size(with_added_tokens=True))
+    # transformers resolves the class, its added tokens and eos (and raises the one-line errors)
+    tok = load_tokenizer(path)
+    backend, vocab = tok.backend_tokenizer, vocab_size(tok)
+    if not require_eod and tok.eos_token_id is None and EOD_TOKEN not in tok.get_vocab():
+        return backend, None, vocab
+    return backend, eod_id(tok), vocab
+
+
+def _read_config(path: str) -> dict | None:
+    """tokenizer_config.json of directory `path`: {} when there is none, None when unreadable (transformers says)."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _uses_json_as_is(path: str, config: dict) -> bool:
+    """Whether AutoTokenizer would use `path`'s tokenizer.json unchanged: a generic class, or no config at all."""
+    if not config:  # no tokenizer_config.json: a model's config.json could still pick a model-specific class
+        return os.path.isfile(path) or not os.path.isfile(os.path.join(path, "config.json"))
+    return config.get("tokenizer_class") in _AS_IS_CLASSES
+
+
+def _token_content(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it (a string, or an AddedToken dict), as its text."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) and token else None
+
+
+def _holds_special_tokens(backend, config: dict) -> bool:
+    """Whether every token tokenizer_config.json names is in `backend` already, at its recorded id (otherwise
+    transformers adds it on load, and the ids and the size must come from there)."""
+    named = [v for k, v in config.items() if k.endswith("_token")]
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        extra = config.get(key) or []
+        named += list(extra.values()) if isinstance(extra, dict) else list(extra)
+    if any(name is not None and backend.token_to_id(name) is None for name in map(_token_content, named)):
+        return False
+    for token_id, token in (config.get("added_tokens_decoder") or {}).items():
+        if backend.token_to_id(_token_content(token) or "") != int(token_id):
+            return False
+    return True
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line (transformers' messages span several)."""
+    return " ".join(str(e).split())
 
 
 def _with_eos(tok):
@@ -128,17 +201,19 @@ def _with_eos(tok):
 
 
 def eod_id(tok) -> int:
-    """The document separator id: `<|endoftext|>` if present, else the tokenizer's EOS.
+    """The document separator id: the tokenizer's eos_token, else `<|endoftext|>` (the GPT-2 default).
 
     Raises ValueError when the tokenizer has neither, since packed samples need a separator.
     """
+    eos = tok.eos_token_id
+    if eos is not None and not (eos == tok.unk_token_id and tok.eos_token != tok.unk_token):  # not a stand-in unk
+        return int(eos)
     vocab = tok.get_vocab()
     if EOD_TOKEN in vocab:
         return int(vocab[EOD_TOKEN])
-    if tok.eos_token_id is not None:
-        return int(tok.eos_token_id)
     raise ValueError(f"tokenizer {getattr(tok, 'name_or_path', '')!r} has no {EOD_TOKEN} and no eos_token; "
-                     f"documents need a separator: add {EOD_TOKEN} as a special token or {_TRAIN_HINT}")
+                     f"documents need a separator: set eos_token in its tokenizer_config.json, add {EOD_TOKEN} "
+                     f"as a special token, or {_TRAIN_HINT}")
 
 
 def vocab_size(tok) -> int:

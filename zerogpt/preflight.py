@@ -224,9 +224,10 @@ def check_vocab(*, tokenizer: tuple[int, str] | None = None, dataset: tuple[int,
 
     Each argument is (size, where it came from) or None when unknown. The rules:
     the dataset's recorded vocabulary equals the tokenizer's (it is the tokenizer the data was made with);
-    the largest token id is below both; the model's vocab_size and data.vocab_size may be larger (padding)
-    but never smaller. A mismatch trains without any error and generates nonsense, so it is refused here,
-    before the engine is built, and again by `zerogpt_tools.export` and `zerogpt_tools.generate`.
+    the largest token id is below both; the model's vocabulary (its embedding's rows, or GPT's vocab_size) and
+    data.vocab_size may be larger (padding) but never smaller. A mismatch trains without any error and
+    generates nonsense, so it is refused here, before the engine is built, and again by `zerogpt_tools.export`
+    and `zerogpt_tools.generate`.
     """
     def name(entry: tuple[int, str]) -> str:
         return f"{entry[0]:,} ({entry[1]})"
@@ -241,13 +242,15 @@ def check_vocab(*, tokenizer: tuple[int, str] | None = None, dataset: tuple[int,
                 raise PreflightError(f"vocabulary mismatch: the data holds token id {max_id[0]:,} ({max_id[1]}) "
                                      f"but the vocabulary has {name(entry)} tokens; use the tokenizer the data "
                                      f"was made with, or re-tokenize the data")
-    needed = [e for e in (dataset, tokenizer) if e] + ([(max_id[0] + 1, f"ids 0..{max_id[0]:,}, {max_id[1]}")]
+    # the tokenizer first: it is the one that says how many of its ids are added tokens
+    needed = [e for e in (tokenizer, dataset) if e] + ([(max_id[0] + 1, f"ids 0..{max_id[0]:,}, {max_id[1]}")]
                                                       if max_id else [])
     for holder in (model, data_key):
         for entry in needed:
             if holder and holder[0] < entry[0]:
                 raise PreflightError(f"vocabulary mismatch: {name(holder)} is smaller than the {name(entry)} it "
-                                     f"must hold; raise it to at least {entry[0]:,}, or pass the tokenizer the model "
+                                     f"must hold; raise it to at least {entry[0]:,} (a pretrained model's embedding: "
+                                     f"python -m zerogpt_tools.extend_vocab), or pass the tokenizer the model "
                                      f"was trained with")
 
 
