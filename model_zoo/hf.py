@@ -143,6 +143,11 @@ def load_pretrained_gpt(path: str, size: str, config: GPTConfig) -> GPT:
 def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.Module:
     """AutoModelForCausalLM.from_pretrained(path) from local files only.
 
+    Memory: every rank holds the whole model while loading. transformers maps a checkpoint loaded in its own
+    dtype (parameters are views of the safetensors file) and copies one loaded in another; zerogpt.initialize
+    then reads all of it on every rank: a measured per-rank peak of 9.5 bytes/param for an fp32 checkpoint at
+    stage 3 on 2 ranks (docs/training.md, "Any Hugging Face model").
+
     Args:
         path: directory written by `save_pretrained` (config.json + weights).
         checkpoint: enable HF gradient (activation) checkpointing.
@@ -150,13 +155,41 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
     Returns:
         the HF model; calling it returns an output object with `.logits` (GPTLMLoss accepts it directly).
     """
+    import logging
+    import sys
+
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"model = dict(type='hf', path={path!r}): no config.json there; point path at a "
                          f"directory written by save_pretrained (nothing is downloaded)")
-    from transformers import AutoModelForCausalLM  # optional dependency
-
     check_hf_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    import transformers  # optional dependency
+    from transformers.utils import logging as hf_logging
+
+    # A model class's first import pulls in torchao (transformers' quantizer registry). torchao's wheel carries
+    # kernels built for other Python and CUDA versions, so on import it logs "Failed to load .../_C_*.so" for
+    # each, and torch warns that it registers Enums as pytree constants: 4 lines per rank, none about this run.
+    # Exactly those records are dropped, and only while transformers loads; any other warning or error prints.
+    def not_import_noise(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.name == "torchao":
+            return not (message.startswith("Failed to load ") and ".so" in message)
+        return "is an Enum subclass and is now natively supported" not in message
+
+    noisy = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
+    # The "Loading weights" bar only where someone watches it, rank 0 in a terminal (as train_gpt's progress
+    # bar): in a log every rank would add a line of it.
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    if bar_was_on and not (sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"):
+        hf_logging.disable_progress_bar()
+    for logger in noisy:
+        logger.addFilter(not_import_noise)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    finally:
+        for logger in noisy:
+            logger.removeFilter(not_import_noise)
+        if bar_was_on and not hf_logging.is_progress_bar_enabled():
+            hf_logging.enable_progress_bar()
     if checkpoint:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

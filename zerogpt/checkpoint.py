@@ -104,16 +104,36 @@ def _save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str) -> Non
 
 
 def _model_description(module: torch.nn.Module) -> dict:
-    """The model's class and config, so export/generate can rebuild or convert it without a config file."""
+    """The model's class and config, so export/generate can rebuild or convert it without a config file.
+
+    The config is plain JSON. A config's own `to_dict()` comes first: a transformers config is a dataclass too
+    (transformers >= 5), but `dataclasses.asdict` keeps its `dtype` a torch.dtype, which meta.json cannot hold,
+    while `to_dict()` is the form its config.json takes ("float32") and `from_dict` rebuilds it from.
+    """
     cls = type(module)
     config = getattr(module, "config", None)
-    if dataclasses.is_dataclass(config):
-        config = dataclasses.asdict(config)
-    elif hasattr(config, "to_dict"):
+    if hasattr(config, "to_dict"):
         config = config.to_dict()
+    elif dataclasses.is_dataclass(config):
+        config = dataclasses.asdict(config)
     else:
         config = None
-    return {"class": f"{cls.__module__}.{cls.__qualname__}", "config": config}
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    return {"class": name, "config": _plain_json(config, f"{name}.config")}
+
+
+def _plain_json(value: Any, where: str) -> Any:
+    """`value` as JSON values: a torch.dtype as its name ("bfloat16"), a tuple as a list; TypeError for the rest."""
+    if isinstance(value, dict):
+        return {str(k): _plain_json(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"{where} is a {type(value).__name__} ({value!r}), which a checkpoint's meta.json cannot "
+                    f"record; make it a number, string, list, dict or torch.dtype in the model's config")
 
 
 def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
