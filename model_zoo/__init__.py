@@ -47,8 +47,8 @@ def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None) -> nn.
             -> a local Hugging Face causal LM: a Llama-family one as model_zoo's Llama on the meta device, its
             weights streamed from the files (pretrained.from_pretrained; kwargs are LlamaConfig fields such as
             checkpoint=True), any other through transformers (hf.load_hf_causal_lm; generic=True forces this path).
-        vocab_size: the tokenizer's vocabulary; passed to a callable as vocab_size unless the config sets it,
-            and checked against an HF model's embedding size.
+        vocab_size: the tokenizer's vocabulary; passed to a callable as vocab_size unless the config sets it or
+            names a checkpoint (pretrained=DIR), and checked against an HF model's embedding size.
     Example:
         >>> build_model(dict(type=gpt2_tiny, checkpoint=True), vocab_size=512).config.vocab_size
         512
@@ -73,6 +73,6 @@ def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None) -> nn.
         return model
     if not callable(kind):
         raise TypeError(f"model.type must be a callable (e.g. gpt2_small) or 'hf', got {kind!r}")
-    if vocab_size is not None and "vocab_size" not in kwargs:
-        kwargs["vocab_size"] = vocab_size
+    if vocab_size is not None and "vocab_size" not in kwargs and kwargs.get("pretrained") is None:
+        kwargs["vocab_size"] = vocab_size  # a checkpoint's vocabulary is its own (preflight compares the two)
     return kind(**kwargs)

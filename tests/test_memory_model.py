@@ -1,7 +1,8 @@
 """zerogpt/memory_model.py's stage-3 chunk buffers: the chunks the model packs and the most it says are gathered
 at once (`gather_peak`), against the engine's own chunks and what it really holds gathered at once, with eager
 per-module hooks and with the blocks gathered whole (`compile = True`; tiny GPT, world 1 on the CPU; the hooks are
-moved as compile_blocks moves them, nothing is compiled).
+moved as compile_blocks moves them, nothing is compiled). The Llama family's shapes: parameters against model_zoo's
+Llama built on meta, per-layer activations against what autograd saves, the gather peak against the engine's.
 
 (The ZeRO formulas, activations and the CLI are tested in tests/zerogpt_tools/test_estimate.py.)
 """
@@ -14,7 +15,7 @@ import zerogpt
 from model_zoo.gpt import gpt2_tiny
 from tests.zero.reference import cpu_ctx, train_losses
 from zerogpt.compile import find_blocks
-from zerogpt.memory_model import ModelShape, buffer_bytes, chunk_of_params, estimate, gather_peak
+from zerogpt.memory_model import ModelShape, activation_bytes, buffer_bytes, chunk_of_params, estimate, gather_peak
 from zerogpt.zero import BucketTensorShardStrategy, TensorShardStrategy
 
 VOCAB, SEQ, LAYERS, HIDDEN = 128, 16, 4, 64
@@ -138,3 +139,132 @@ def test_estimate_takes_gather_per_block():
                                                                      - eager["buffers"]["device"]) > 0
     # stages 0-2 gather nothing: the flag changes nothing there
     assert estimate(SHAPE, 2, 1, gather_per_block=True) == estimate(SHAPE, 2, 1)
+
+
+# -- the Llama family: GQA, SwiGLU, RMSNorm, optional qkv bias / qk-norm, tied or untied head -------------------
+
+LLAMA_TINY = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=176, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+LLAMA_VARIANTS = {"untied": {}, "qkv-bias-qk-norm": dict(qkv_bias=True, qk_norm=True, head_dim=32),
+                  "tied": dict(tie_word_embeddings=True)}
+
+
+def llama(**overrides):
+    from model_zoo.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**{**LLAMA_TINY, **overrides}))
+
+
+@pytest.mark.parametrize("name", ["llama3_8b", "qwen2_5_7b", "qwen3_0_6b"])
+def test_llama_shapes_count_the_meta_built_models_parameters(name):
+    """num_params and param_numels (registration order, owning modules) of the real shapes against model_zoo's
+    Llama built on the meta device: GQA and an untied 128k vocabulary (Llama-3.1-8B), q/k/v biases (Qwen2.5-7B),
+    qk-norm, an explicit head_dim and a tied head (Qwen3-0.6B)."""
+    from model_zoo import llama as family
+
+    with torch.device("meta"):
+        model = getattr(family, name)()
+    shape = ModelShape.from_config(model.config)
+    assert shape.num_params == model.num_params() == sum(p.numel() for p in model.parameters())
+    assert shape.param_numels() == [(n.rsplit(".", 1)[0], p.numel()) for n, p in model.named_parameters()]
+    assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert shape.largest_param == max(p.numel() for p in model.parameters())
+    written = dict(  # the same shapes written out by hand, as the estimate's users write them
+        llama3_8b=ModelShape(32, 4096, 32, 128256, family="llama", kv_heads=8, ffn=14336, tied=False),
+        qwen2_5_7b=ModelShape(28, 3584, 28, 152064, family="llama", kv_heads=4, ffn=18944, qkv_bias=True,
+                              tied=False),
+        qwen3_0_6b=ModelShape(28, 1024, 16, 151936, family="llama", kv_heads=8, head_dim=128, ffn=3072,
+                              qk_norm=True))[name]
+    assert written.param_numels() == shape.param_numels()
+    assert {"llama3_8b": 8_030_261_248, "qwen2_5_7b": 7_615_616_512, "qwen3_0_6b": 596_049_920}[name] == \
+        shape.num_params  # the published counts (Llama-3.1-8B: 8.03B; Qwen2.5-7B: 7.61B; Qwen3-0.6B: 0.6B)
+
+
+@pytest.mark.parametrize("variant", LLAMA_VARIANTS)
+def test_llama_modules_run_in_forward_modules_order(variant):
+    """The hooked modules (those owning parameters) run in ModelShape.forward_modules' order, the head last: a
+    block's q_norm/k_norm before o_proj, which registers before them."""
+    model = llama(**LLAMA_VARIANTS[variant])
+    ran = []
+    for name, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is not None or name == "lm_head":
+            module.register_forward_pre_hook(lambda m, args, name=name: ran.append(name))
+    model(torch.randint(0, VOCAB, (1, SEQ)))
+    assert ran == ModelShape.from_config(model.config).forward_modules()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", [*LLAMA_VARIANTS, "mqa"])
+def test_llama_layer_activations_are_what_autograd_saves(variant, precision):
+    """activation_bytes' per-layer Llama term is exactly the bytes autograd keeps for backward in one DecoderLayer
+    (unique storages; parameters and the shared RoPE tables aside), and `embeddings` is those RoPE tables."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    model = llama(**(LLAMA_VARIANTS.get(variant) or dict(num_key_value_heads=1))).to(dtype)
+    B, T = 2, 24
+    cos, sin = model.rope(0, T, dtype)
+    skip = {t.untyped_storage().data_ptr() for t in [cos, sin, *model.parameters()]}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(B, T, HIDDEN, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.layers[0](x, cos, sin)
+    acts = activation_bytes(ModelShape.from_config(model.config), T, B, precision)
+    assert acts["per_layer"] == sum(saved.values())
+    assert acts["embeddings"] == cos.nbytes + sin.nbytes
+
+
+def test_llama_activations_against_gpt2s():
+    """Llama-3-8B's layer keeps 49 sbh bytes in bf16 (norms 16, attention 5 with 8 of 32 heads for k/v, SwiGLU 28)
+    where GPT-2's keeps 32; the chunked loss keeps one chunk's logits; checkpointing keeps each block's input."""
+    shape = ModelShape(32, 4096, 32, 128256, family="llama", kv_heads=8, ffn=14336, tied=False)
+    s, b = 1024, 2
+    sb, sbh = s * b, s * b * 4096
+    acts = activation_bytes(shape, s, b, "bf16")
+    assert acts["per_layer"] == 49 * sbh + 2 * 4 * sb + 4 * 32 * sb  # + the fp32 rsqrt and logsumexp rows
+    gpt2 = activation_bytes(ModelShape(32, 4096, 32, 128256), s, b, "bf16")
+    assert gpt2["per_layer"] == 32 * sbh
+    chunked = activation_bytes(shape, s, b, "bf16", checkpoint=True, loss_chunk=256)
+    assert acts["logits"] - chunked["logits"] == (sb - 256) * 128256 * (2 + 8)
+    assert chunked["layers"] == 32 * 2 * sbh + acts["per_layer"]
+
+
+def test_llama_shape_checks():
+    with pytest.raises(ValueError, match="needs ffn"):
+        ModelShape(2, 64, 4, family="llama")
+    with pytest.raises(ValueError, match="no position table"):
+        ModelShape(2, 64, 4, positions=16, family="llama", ffn=128)
+    with pytest.raises(ValueError, match=r"heads \(4\) must be a multiple of kv_heads \(3\)"):
+        ModelShape(2, 64, 4, family="llama", kv_heads=3, ffn=128)
+    with pytest.raises(ValueError, match="kv_heads=2 is a llama-family option"):
+        ModelShape(2, 64, 4, kv_heads=2)
+    with pytest.raises(ValueError, match="family='llamma' is not valid"):
+        ModelShape(2, 64, 4, family="llamma")
+    assert ModelShape.from_config(object()) is None
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 0.02])
+@pytest.mark.parametrize("per_block", [True, False], ids=["blocks-whole", "per-module"])
+@pytest.mark.parametrize("variant", LLAMA_VARIANTS)
+def test_llama_stage3_gather_peak_is_the_engines(variant, per_block, bucket_mb):
+    """The Llama chunks pack as the engine packs them, and gather_peak is the most the engine holds gathered at once
+    (stage 3, world 1, fp32, prefetch 2), per-module and with the blocks whole, tied and untied heads."""
+    model = llama(**LLAMA_VARIANTS[variant])
+    shape = ModelShape.from_config(model.config)
+    names = [name for name, _ in model.named_parameters()]
+    strategy = BucketTensorShardStrategy(bucket_mb=bucket_mb) if bucket_mb else TensorShardStrategy()
+    cfg = zerogpt.Config(dict(zero=dict(stage=3, shard_strategy=strategy, prefetch=2), precision="fp32"))
+    engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg, ctx=cpu_ctx())
+    engine_chunk = {slot.name: chunk.plan.index for chunk in engine.chunks for slot in chunk.plan.slots}
+    assert chunk_of_params([n for _, n in shape.param_numels()], 4, bucket_mb) == [engine_chunk[n] for n in names]
+    if per_block:
+        engine.gather_hooks.gather_per_block(find_blocks(engine.module))
+    peaks = gathered_at_once(engine)
+    engine.close()
+    expected = gather_peak(shape, "fp32", 2, bucket_mb, per_block=per_block)
+    assert peaks[1:] == [expected] * (len(peaks) - 1), (peaks, expected)

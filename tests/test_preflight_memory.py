@@ -115,3 +115,75 @@ def test_compile_counts_a_block_gathered_whole(monkeypatch):
     assert whole > eager
     assert need(True) - need(False) == whole - eager
     assert need(True, tensor=2) - need(False, tensor=2) == 2 * (whole - eager)  # two ranks on this host
+
+
+def llama3_8b_config(state_dtype: str = "fp32", model_type=None) -> Config:
+    """Llama-3.1-8B on one GPU: stage 3, parameters and Adam state on the host, bf16 (as its shipped config)."""
+    from model_zoo.llama import llama3_8b
+
+    return Config(dict(BATCH_SIZE=8, SEQ_LEN=8192, precision="bf16",
+                       zero=dict(stage=3, offload_param=dict(device="cpu"),
+                                 offload_optimizer=dict(device="cpu", state_dtype=state_dtype)),
+                       model=dict(type=model_type or llama3_8b, checkpoint=True, chunked_loss=True)))
+
+
+def llama3_8b_on_meta():
+    from model_zoo.llama import llama3_8b
+
+    with torch.device("meta"):
+        return llama3_8b(checkpoint=True, chunked_loss=True)
+
+
+def test_llama3_8b_with_fp32_moments_is_refused_and_bf16_moments_fit(monkeypatch):
+    """8.03B params x 16 bytes (2 bf16 param + 2 bf16 grad + 4 master + 8 fp32 Adam) = 119.7 GiB of host RAM: more
+    than a 128 GB host's MemAvailable; with bf16 moments, 12 bytes = 89.7 GiB, fits. The shape comes from the
+    LlamaConfig (duck-typed) and the fewer-layers fix names its key."""
+    monkeypatch.setattr(preflight_memory, "available_host_bytes", lambda: (115 * GIB, "MemAvailable"))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(PreflightError) as e:
+        preflight_memory.check_memory(llama3_8b_config(), 1, llama3_8b_on_meta, on_gpu=True)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "needs at least 119.7 GiB" in msg and "8.03B params per rank" in msg and "(fp32 moments)" in msg, msg
+    assert "--set zero.offload_optimizer.state_dtype=bf16" in msg and "--set model.num_hidden_layers=" in msg, msg
+    fit = int(msg.split("model.num_hidden_layers=")[1].split()[0])
+    assert 20 < fit < 32
+    need, _ = preflight_memory.check_memory(llama3_8b_config("bf16"), 1, llama3_8b_on_meta, on_gpu=True)["host"]
+    assert need == 12 * 8_030_261_248  # the host holds model state only: the chunk buffers are on the GPU
+
+
+def test_a_hugging_face_checkpoints_depth_is_not_offered_as_a_fix(monkeypatch):
+    """model = dict(type="hf", path=DIR): the checkpoint fixes the layer count, so fewer layers is no fix."""
+    monkeypatch.setattr(preflight_memory, "available_host_bytes", lambda: (100 * GIB, "MemAvailable"))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = llama3_8b_config(model_type="hf")
+    cfg.model["path"] = "checkpoints/Meta-Llama-3.1-8B"
+    with pytest.raises(PreflightError) as e:
+        preflight_memory.check_memory(cfg, 1, llama3_8b_on_meta, on_gpu=True)
+    assert "needs at least 119.7 GiB" in str(e.value) and "num_hidden_layers" not in str(e.value)
+    assert "state_dtype=bf16" in str(e.value)
+
+
+def test_llama_activations_count_on_a_cpu_run(monkeypatch):
+    """On the CPU the activations are host RAM too: a Llama's (SwiGLU, GQA) from memory_model, with the config's
+    checkpointing and chunked loss."""
+    from model_zoo.llama import Llama, LlamaConfig
+    from zerogpt.memory_model import ModelShape, activation_bytes
+
+    monkeypatch.setattr(preflight_memory, "available_host_bytes", lambda: (2**50, "MemAvailable"))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    llama = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, checkpoint=True, chunked_loss=True,
+                        loss_chunk_size=16)
+
+    def need(batch: int) -> int:
+        cfg = Config(dict(BATCH_SIZE=batch, SEQ_LEN=64, precision="fp32", zero=dict(stage=2)))
+
+        def build():
+            with torch.device("meta"):
+                return Llama(llama)
+        return preflight_memory.check_memory(cfg, 1, build, on_gpu=False)["host"][0]
+
+    shape = ModelShape.from_config(llama)
+    acts = {b: activation_bytes(shape, 64, b, "fp32", checkpoint=True, loss_chunk=16)["total"] for b in (1, 2)}
+    assert need(2) - need(1) == acts[2] - acts[1] > 0

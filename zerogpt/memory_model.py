@@ -9,28 +9,96 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from zerogpt.zero.strategy import BucketTensorShardStrategy, TensorShardStrategy
 
-__all__ = ["HOMES", "CATEGORIES", "PRECISIONS", "ModelShape", "model_state_bytes", "zero_paper_bytes",
+__all__ = ["HOMES", "CATEGORIES", "PRECISIONS", "FAMILIES", "ModelShape", "model_state_bytes", "zero_paper_bytes",
            "activation_bytes", "chunk_of_params", "gather_peak", "buffer_bytes", "estimate",
-           "grad_crosses_once"]
+           "grad_crosses_once", "step_grad_itemsize"]
 
 HOMES = ("device", "host", "disk")
 CATEGORIES = ("params", "grads", "master", "optimizer")
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of params/activations in compute dtype
+FAMILIES = ("gpt2", "llama")  # the decoder blocks ModelShape describes
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A GPT-2-style decoder (tied wte/lm_head, learned positions, 4h MLP, biases, pre-LN)."""
+    """A decoder's shape, as ints, in one of two families.
+
+    "gpt2" (the default): GPT-2's block as model_zoo/gpt.py builds it: tied wte/lm_head, `positions` learned position
+    rows, pre-LayerNorm (weight and bias), a 4h GELU MLP, biases on every Linear.
+    "llama": the Llama family as model_zoo/llama.py builds it (Llama 2/3, Qwen2/2.5/3, Mistral): RMSNorm (one
+    vector per norm), grouped-query attention (`kv_heads` k/v heads of `head_dim`), a SwiGLU MLP of width `ffn` (three
+    matrices), no biases but the optional q/k/v ones (`qkv_bias`), optional per-head q/k RMSNorm (`qk_norm`), RoPE (no
+    position table), a head tied to the embedding or not (`tied`).
+    The options default (None) to the family's own: kv_heads = heads, head_dim = hidden / heads, ffn = 4h (a Llama
+    has no default width: give it), positions = 1024 (GPT-2) or none (Llama). `from_config` reads either model's
+    config.
+    """
 
     layers: int
     hidden: int
     heads: int
     vocab: int = 50257
-    positions: int = 1024
+    positions: int | None = None
     pad_vocab_multiple: int = 64  # model_zoo pads the embedding rows to a multiple of 64
+    family: str = "gpt2"
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn: int | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tied: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("family", self.family, FAMILIES)
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}), or give head_dim")
+        if self.family == "llama":
+            if self.ffn is None:
+                raise ValueError("a llama-family ModelShape needs ffn, the SwiGLU width (intermediate_size)")
+            if self.positions:
+                raise ValueError(f"a llama-family decoder has no position table (RoPE), got positions="
+                                 f"{self.positions}; leave positions unset")
+        else:
+            gpt2 = dict(kv_heads=(self.kv_heads, None, self.heads), head_dim=(self.head_dim, None,
+                        self.hidden // self.heads), ffn=(self.ffn, None, 4 * self.hidden),
+                        qkv_bias=(self.qkv_bias, False), qk_norm=(self.qk_norm, False), tied=(self.tied, True))
+            for name, (value, *allowed) in gpt2.items():
+                if value not in allowed:
+                    raise ValueError(f"{name}={value!r} is a llama-family option; GPT-2's block has "
+                                     f"{name}={allowed[-1]!r} (pass family='llama' for a Llama-family shape)")
+        if self.heads % self.n_kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}): each k/v head "
+                             f"serves a group of q heads")
+
+    # -- the widths the formulas use ---------------------------------------------------------------------
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def q_width(self) -> int:
+        """q_proj's (and o_proj's input) width: heads x head_dim (GPT-2: hidden)."""
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def kv_width(self) -> int:
+        """k_proj's and v_proj's width: kv_heads x head_dim (narrower than q under grouped-query attention)."""
+        return self.n_kv_heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's hidden width: 4h (GPT-2), intermediate_size (Llama's SwiGLU)."""
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def position_rows(self) -> int:
+        """Learned position-embedding rows: GPT-2's wpe (1024 unless given); none under RoPE."""
+        return 0 if self.family == "llama" else (1024 if self.positions is None else self.positions)
 
     @property
     def padded_vocab(self) -> int:
@@ -38,28 +106,99 @@ class ModelShape:
         return (self.vocab + m - 1) // m * m
 
     @property
+    def layer_params(self) -> int:
+        """Parameters of one block: GPT-2 12h^2 + 13h; Llama 2h (norms) + h(2q + 2kv) (q, k, v, o) + 3hf (SwiGLU)
+        [+ q + 2kv biases] [+ 2 head_dim qk-norms]."""
+        return sum(n for _, n in self._block())
+
+    @property
     def num_params(self) -> int:
-        """wte (tied with lm_head) + wpe + L x (12h^2 + 13h) + final LayerNorm (2h)."""
-        h = self.hidden
-        return self.padded_vocab * h + self.positions * h + self.layers * (12 * h * h + 13 * h) + 2 * h
+        """Parameters counted once: the embedding (padded rows), an untied head, the positions, the blocks, the final
+        norm (GPT-2: wte + wpe + L x (12h^2 + 13h) + 2h)."""
+        return sum(n for _, n in self.param_numels())
 
     @property
     def largest_param(self) -> int:
-        return max(self.padded_vocab * self.hidden, 4 * self.hidden * self.hidden)
+        return max(self.padded_vocab * self.hidden, self.ffn_width * self.hidden, self.q_width * self.hidden)
+
+    def _block(self) -> list[tuple[str, int]]:
+        """(owning module within a block, numel) of each parameter of one block, in registration order."""
+        h, q, kv, f = self.hidden, self.q_width, self.kv_width, self.ffn_width
+        if self.family == "gpt2":
+            return [("ln_1", h), ("ln_1", h), ("attn.c_attn", 3 * h * h), ("attn.c_attn", 3 * h),
+                    ("attn.c_proj", h * h), ("attn.c_proj", h), ("ln_2", h), ("ln_2", h),
+                    ("mlp.c_fc", f * h), ("mlp.c_fc", f), ("mlp.c_proj", f * h), ("mlp.c_proj", h)]
+        out = [("input_layernorm", h)]
+        for proj, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out += [(f"self_attn.{proj}", width * h)] + ([(f"self_attn.{proj}", width)] if self.qkv_bias else [])
+        out += [("self_attn.o_proj", h * q)]
+        if self.qk_norm:
+            d = q // self.heads
+            out += [("self_attn.q_norm", d), ("self_attn.k_norm", d)]
+        return out + [("post_attention_layernorm", h), ("mlp.gate_proj", f * h), ("mlp.up_proj", f * h),
+                      ("mlp.down_proj", h * f)]
+
+    @property
+    def embedding(self) -> str:
+        """The token embedding's module name, whose weight a tied head reads."""
+        return "wte" if self.family == "gpt2" else "model.embed_tokens"
+
+    def block_name(self, i: int) -> str:
+        return f"h.{i}" if self.family == "gpt2" else f"model.layers.{i}"
 
     def param_numels(self) -> list[tuple[str, int]]:
-        """(owning module, numel) of each parameter in model_zoo's (and HF GPT-2's) registration order, the
-        order chunks are packed in and the order the modules run: wte, wpe, the 12 of each block `h.i` (owned by
-        `h.i.ln_1`, `h.i.attn.c_attn`, `h.i.attn.c_proj`, `h.i.ln_2`, `h.i.mlp.c_fc`, `h.i.mlp.c_proj`, a
-        weight and a bias each), ln_f's 2 (the head is wte's weight)."""
-        h, inner = self.hidden, 4 * self.hidden
-        block = [("ln_1", h), ("ln_1", h), ("attn.c_attn", 3 * h * h), ("attn.c_attn", 3 * h),
-                 ("attn.c_proj", h * h), ("attn.c_proj", h), ("ln_2", h), ("ln_2", h),
-                 ("mlp.c_fc", inner * h), ("mlp.c_fc", inner), ("mlp.c_proj", inner * h), ("mlp.c_proj", h)]
-        out = [("wte", self.padded_vocab * h), ("wpe", self.positions * h)]
+        """(owning module, numel) of each parameter in model_zoo's (and Hugging Face's) registration order, the
+        order chunks are packed in. GPT-2: wte, wpe, the 12 of each block `h.i` (owned by `h.i.ln_1`,
+        `h.i.attn.c_attn`, `h.i.attn.c_proj`, `h.i.ln_2`, `h.i.mlp.c_fc`, `h.i.mlp.c_proj`, a weight and a bias
+        each), ln_f's 2 (the head is wte's weight). Llama: model.embed_tokens, each block `model.layers.i`'s
+        input_layernorm, self_attn.{q,k,v}_proj (weight, then a bias with qkv_bias), self_attn.o_proj,
+        self_attn.{q,k}_norm (qk_norm), post_attention_layernorm, mlp.{gate,up,down}_proj, then model.norm and,
+        untied, lm_head (tied, the head owns the embedding's weight and registers nothing)."""
+        h = self.hidden
+        if self.family == "gpt2":
+            out = [("wte", self.padded_vocab * h), ("wpe", self.position_rows * h)]
+        else:
+            out = [("model.embed_tokens", self.padded_vocab * h)]
+        block = self._block()
         for i in range(self.layers):
-            out += [(f"h.{i}.{module}", n) for module, n in block]
-        return out + [("ln_f", h), ("ln_f", h)]
+            out += [(f"{self.block_name(i)}.{module}", n) for module, n in block]
+        if self.family == "gpt2":
+            return out + [("ln_f", h), ("ln_f", h)]
+        return out + [("model.norm", h)] + ([] if self.tied else [("lm_head", self.padded_vocab * h)])
+
+    def forward_modules(self) -> list[str]:
+        """The modules owning parameters in the order their forwards run, each once, then the head: registration
+        order but for a Llama block's q_norm/k_norm, which run inside self_attn before o_proj. A tied head is
+        listed as "lm_head" though it registers no parameter of its own."""
+        order = list(dict.fromkeys(owner for owner, _ in self.param_numels()))
+        if self.family == "llama" and self.qk_norm:
+            for i in range(self.layers):
+                o_proj = f"{self.block_name(i)}.self_attn.o_proj"
+                order.remove(o_proj)
+                order.insert(order.index(f"{self.block_name(i)}.self_attn.k_norm") + 1, o_proj)
+        return order + (["lm_head"] if self.tied else [])
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape | None:
+        """The shape of a model_zoo GPTConfig (n_layer, n_embd, ...) or LlamaConfig (Hugging Face's field names:
+        num_hidden_layers, hidden_size, num_key_value_heads, ...), read by duck typing; None for any other config."""
+        c = config
+        if all(hasattr(c, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size")):
+            return cls(layers=c.n_layer, hidden=c.n_embd, heads=c.n_head, vocab=c.vocab_size,
+                       positions=getattr(c, "max_position_embeddings", 1024),
+                       pad_vocab_multiple=getattr(c, "pad_vocab_multiple", 1))
+        if not all(hasattr(c, k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                           "intermediate_size", "vocab_size")):
+            return None
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None)
+        return cls(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=heads, vocab=c.vocab_size,
+                   pad_vocab_multiple=getattr(c, "pad_vocab_multiple", 1), family="llama",
+                   kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                   head_dim=None if head_dim is None or heads * head_dim == c.hidden_size else head_dim,
+                   ffn=c.intermediate_size, qkv_bias=bool(getattr(c, "qkv_bias", False)),
+                   qk_norm=bool(getattr(c, "qk_norm", False)),
+                   tied=bool(getattr(c, "tie_word_embeddings", False)))
 
 
 def _check_choice(name: str, value: str, valid) -> None:
@@ -71,6 +210,13 @@ def grad_crosses_once(stage: int, accumulation: int) -> bool:
     """Whether an offloaded step's gradient reaches the host in one crossing per chunk, the reduced shard as it
     is: stages 0-1 reduce once per step, stages 2-3 every micro-step (so once at accumulation 1)."""
     return stage <= 1 or accumulation == 1
+
+
+def step_grad_itemsize(stage: int, accumulation: int, compute_itemsize: int, kept_as_crossed: bool = True) -> int:
+    """Bytes per element of an offloaded chunk's reduced gradient shard held on the host from backward to the step:
+    the compute dtype's when its one crossing (`grad_crosses_once`) is kept as it crossed (zero/grad_path.py,
+    GradPath.keeps_as_crossed), else an fp32 shard's. `model_state_bytes` and `Engine.host_bytes` both read it."""
+    return compute_itemsize if kept_as_crossed and grad_crosses_once(stage, accumulation) else 4
 
 
 def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precision: str = "bf16",
@@ -140,9 +286,8 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
     if grad_home == "device":
         out["grads"]["device"] = max(full_grads, shard_grads)
     else:
-        # the step's one crossing is kept on the host as it crossed, in the compute dtype
-        # (ChunkState.keeps_as_crossed); a sum over micro-steps: fp32
-        crossed = c if grad_crosses_once(stage, accumulation) else 4
+        # the step's one crossing is kept on the host as it crossed, in the compute dtype; a sum over micro-steps: fp32
+        crossed = step_grad_itemsize(stage, accumulation, c)
         out["grads"]["device"], out["grads"]["host"] = full_grads, per_rank(crossed, n_opt)
         if stage >= 2 and param_home == "device" and accumulation > 1:  # the device-side sum (issue 29)
             out["grads"]["device"] = shard_grads
@@ -162,28 +307,60 @@ def zero_paper_bytes(num_params: int, stage: int, world_size: int) -> tuple[str,
 
 
 def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str = "bf16",
-                     checkpoint: bool = False, flash: bool = True, dropout: bool = False) -> dict[str, int]:
+                     checkpoint: bool = False, flash: bool = True, dropout: bool = False,
+                     loss_chunk: int = 0) -> dict[str, int]:
     """Activation bytes saved for backward on one rank (no tensor/sequence parallelism).
 
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4.1:
+    GPT-2: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4.1:
     per layer s*b*h*(34 + 5*a*s/h) bytes with 2-byte activations and 1-byte dropout masks, i.e.
     16e*sbh + (2e)*a*s^2*b + masks (2sbh + a*s^2*b) for element size e. SDPA/flash attention saves no
     s x s scores (only a tiny logsumexp), so the s^2 term drops (`flash=True`, what model_zoo uses);
-    with dropout 0 (model_zoo's default) there are no masks. Full per-block checkpointing keeps only
-    each block's input (e*sbh per layer) plus one block's activations while it is recomputed.
-    The loss head keeps compute-dtype logits, their fp32 copy and fp32 log-probs: s*b*V*(e + 8) (e + 4 in fp32).
+    with dropout 0 (model_zoo's default) there are no masks.
+
+    Llama: the same count (every tensor autograd keeps for backward) over model_zoo/llama.py's DecoderLayer, with
+    q = heads x head_dim, kv = kv_heads x head_dim, f = ffn, a = heads, g = kv_heads:
+      - each of the 2 RMSNorms, computed unfused in fp32 as Hugging Face's: its input in fp32 (4 B per element
+        even in bf16), the normalized value and the output (the next projections' input) in the compute dtype,
+        (4 + 2e)*sbh, and the fp32 rsqrt, 4sb;
+      - attention: the rotated q, e*sbq; k and v at the kv width, 2e*sb*kv (grouped-query attention keeps the
+        g heads: SDPA takes them as they are, enable_gqa); the output, o_proj's input, e*sbq; the logsumexp,
+        4sba; with qk_norm, the per-head norms' (4 + e)*sb*(q + kv) + 4sb*(a + g);
+      - SwiGLU: gate's output (silu's input), silu's and up's outputs (the product's), the product (down's input),
+        4e*sbf, where GPT-2's 4h GELU MLP keeps 9e*sbh.
+    Llama-3-8B in bf16 (q = h, kv = h/4, f = 3.5h): 16 + 5 + 28 = 49 sbh per layer, GPT-2's 32. Eager
+    attention (`flash=False`) adds the s x s softmax (and its dropout mask) as for GPT-2; with flash the
+    attention dropout keeps no mask (the kernel redraws it), and a Llama has no other dropout.
+
+    Full per-block checkpointing keeps only each block's input (e*sbh per layer) plus one block's activations
+    while it is recomputed. Outside the blocks: GPT-2's embedding output, e*sbh; a Llama's RoPE cos and sin,
+    2e*s*head_dim (shared by the blocks; the embedding keeps only the ids). The loss head keeps compute-dtype
+    logits, their fp32 copy and fp32 log-probs: s*b*V*(e + 8) (e + 4 in fp32), plus a Llama's final RMSNorm;
+    with the chunked loss (`loss_chunk` tokens at a time, model_zoo.loss.chunked_cross_entropy) only one chunk's
+    logits exist at a time.
 
     Returns: dict(per_layer, layers, embeddings, logits, total) in bytes.
     """
     e = PRECISIONS[precision]
     s, b, h, a, L = seq_len, batch, shape.hidden, shape.heads, shape.layers
-    sbh = s * b * h
-    per_layer = 16 * e * sbh + (2 * sbh if dropout else 0)
+    sb, sbh = s * b, s * b * shape.hidden
+    if shape.family == "gpt2":
+        per_layer = 16 * e * sbh + (2 * sbh if dropout else 0)
+        embeddings = e * sbh + (sbh if dropout else 0)
+        head = 0
+    else:
+        q, kv, f, g = shape.q_width, shape.kv_width, shape.ffn_width, shape.n_kv_heads
+        norms = 2 * ((4 + 2 * e) * sbh + 4 * sb)
+        attention = e * sb * q + 2 * e * sb * kv + e * sb * q + 4 * sb * a
+        if shape.qk_norm:
+            attention += (4 + e) * sb * (q + kv) + 4 * sb * (a + g)
+        per_layer = norms + attention + 4 * e * sb * f
+        embeddings = 2 * e * s * (q // a)
+        head = (4 + 2 * e) * sbh + 4 * sb  # the final norm
     if not flash:
         per_layer += (2 * e + (1 if dropout else 0)) * a * s * s * b
     layers = L * e * sbh + per_layer if checkpoint else L * per_layer
-    embeddings = e * sbh + (sbh if dropout else 0)
-    logits = s * b * shape.vocab * (e + (4 if e == 4 else 8))
+    tokens = min(sb, loss_chunk) if loss_chunk > 0 else sb
+    logits = head + tokens * shape.vocab * (e + (4 if e == 4 else 8))
     return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits,
                 total=layers + embeddings + logits)
 
@@ -211,9 +388,11 @@ def gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: flo
     Packs the shape's parameters into chunks as the engine does (`chunk_of_params`: one param group, so a chunk
     may hold parameters of several modules, or the end of one block and the start of the next), then walks the
     hooked modules as zero/gather_hooks.py's Stage3GatherHooks does, forward and backward (the reverse). The
-    hooked modules are those owning parameters (wte, wpe, each block's ln_1, attn c_attn, attn c_proj, ln_2,
-    mlp c_fc, mlp c_proj, then ln_f and the head, which owns wte's weight), or with `per_block`
-    (`compile = True`, `gather_per_block`) each block whole in place of its six. A module gathers its chunks and
+    hooked modules are those owning parameters in the order they run (`ModelShape.forward_modules`; GPT-2: wte,
+    wpe, each block's ln_1, attn c_attn, attn c_proj, ln_2, mlp c_fc, mlp c_proj, then ln_f and the head, which
+    owns wte's weight; Llama: embed_tokens, each block's norms and projections, the final norm, the head, tied or
+    not), or with `per_block` (`compile = True`, `gather_per_block`) each block whole in place of its modules. A
+    module gathers its chunks and
     the next `prefetch` gather units of the recorded order. A unit is one chunk in eager runs (listed once per
     module that gathers it, so a prefetch may land on a chunk held already) and one module's chunks per block.
     Backward records a chunk at its first use only, and a module with no new chunk gathers nothing. A chunk stays
@@ -235,12 +414,19 @@ def gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: flo
     for (_, n), chunk in zip(params, chunk_of):
         sizes[chunk] = sizes.get(chunk, 0) + n
     padded = {chunk: math.ceil(n / world_size) * world_size for chunk, n in sizes.items()}
-    owners: dict[str, set[int]] = {}  # the hooked modules in forward order, each with its chunks
+    owners: dict[str, set[int]] = {}  # each module owning parameters, with its chunks
     for (module, _), chunk in zip(params, chunk_of):
-        if per_block and module.startswith("h."):
-            module = ".".join(module.split(".")[:2])  # h.3.attn.c_attn -> h.3
         owners.setdefault(module, set()).add(chunk)
-    forward = [sorted(chunks) for chunks in owners.values()] + [sorted(owners["wte"])]  # the head: wte's weight
+    if shape.tied:
+        owners["lm_head"] = owners[shape.embedding]  # the head reads the embedding's weight
+    blocks = shape.block_name(0).rpartition(".")[0] + "."  # "h." or "model.layers."
+    hooked: dict[str, set[int]] = {}  # the hooked modules in forward order, each with its chunks
+    for module in shape.forward_modules():
+        unit = module
+        if per_block and module.startswith(blocks):  # h.3.attn.c_attn -> h.3
+            unit = blocks + module[len(blocks):].split(".")[0]
+        hooked.setdefault(unit, set()).update(owners[module])
+    forward = [sorted(chunks) for chunks in hooked.values()]
     backward = forward[::-1]
     # what each module gathers and records: forward, all of its chunks; backward, those not gathered yet in it
     seen: set[int] = set()
@@ -305,15 +491,16 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
              offload_optimizer: str = "none", offload_param: str = "none", seq_len: int = 1024,
              batch: int = 1, checkpoint: bool = False, flash: bool = True, dropout: bool = False,
              prefetch: int = 2, bucket_mb: float = 25.0, gpu_overhead: int = 2**30, accumulation: int = 1,
-             optimizer_bytes_per_param: int = 8, gather_per_block: bool = False) -> dict:
+             optimizer_bytes_per_param: int = 8, gather_per_block: bool = False, loss_chunk: int = 0) -> dict:
     """Everything on one rank: model states, activations, buffers, totals per home (bytes).
 
     `optimizer_bytes_per_param`: 8 for Adam's moments in fp32, 4 in bf16 (zero.offload_optimizer.state_dtype).
     `gather_per_block`: stage 3 gathers each block whole (`compile = True`; see `buffer_bytes`).
+    `loss_chunk`: tokens per chunk of the chunked loss (`chunked_loss = True`, `loss_chunk_size`); 0: the plain loss.
     """
     states = model_state_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, offload_param,
                                optimizer_bytes_per_param, accumulation)
-    acts = activation_bytes(shape, seq_len, batch, precision, checkpoint, flash, dropout)
+    acts = activation_bytes(shape, seq_len, batch, precision, checkpoint, flash, dropout, loss_chunk)
     buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb,
                            gather_per_block)
     totals = {h: sum(states[cat][h] for cat in CATEGORIES) + buffers[h] for h in HOMES}

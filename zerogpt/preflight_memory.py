@@ -75,6 +75,11 @@ def _bucket_mb(strategy: Any) -> float:
     return 0.0 if isinstance(strategy, TensorShardStrategy) else getattr(strategy, "bucket_mb", 25.0)
 
 
+def _model_type(cfg: Any) -> Any:
+    """The config's model.type ("hf" for a Hugging Face checkpoint), None when it has no model section."""
+    return dict(cfg["model"]).get("type") if "model" in cfg else None
+
+
 def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bool | None = None) -> dict:
     """Refuse (PreflightError, one line) a run whose model state needs more host RAM or disk than is available.
 
@@ -101,7 +106,8 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
     except Exception:  # a model that does not build on meta (a local HF model): its shape is unknown here
         return {"host": None, "disk": None}
     params = {id(p): p for p in built.parameters() if p.requires_grad}  # tied weights once
-    psi = math.ceil(sum(p.numel() for p in params.values()) / (dims.tp * dims.pp))  # this rank's part
+    total = sum(p.numel() for p in params.values())
+    psi = math.ceil(total / (dims.tp * dims.pp))  # this rank's part
     moment_bytes = 4 if zero.offload_optimizer.state_dtype == "bf16" else 8  # Adam's two moments per param
     states = model_state_bytes(psi, zero.stage, dims.dp, precision, zero.offload_optimizer.device,
                                zero.offload_param.device, optimizer_bytes_per_param=moment_bytes,
@@ -110,18 +116,19 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
     per_rank = {h: sum(states[c][h] for c in CATEGORIES) for h in ("device", "host", "disk")}
     host_rank = sum(per_rank[h] for h in homes)
     config = getattr(built, "config", None)
-    shape = None
-    if all(hasattr(config, k) for k in ("n_layer", "n_embd", "n_head", "padded_vocab_size")):
-        shape = ModelShape(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head,
-                           vocab=config.padded_vocab_size, positions=config.max_position_embeddings,
-                           pad_vocab_multiple=1)
+    shape = ModelShape.from_config(config)  # a model_zoo GPT or Llama-family config (duck-typed); else None
+    if shape is not None and shape.num_params != total:
+        shape = None  # a config that reads alike but builds another model: its chunks are not these
+    if shape is not None:
         # compile = True gathers each block whole at stage 3 (zerogpt/compile.py)
         buffers = buffer_bytes(shape, zero.stage, dims.dp, precision, zero.offload_optimizer.device,
                                zero.prefetch, _bucket_mb(zero.shard_strategy), gather_per_block=ecfg.compile)
         host_rank += sum(buffers[h] for h in homes)
         if not on_gpu:  # the activations live on the host too
+            chunked = bool(getattr(config, "chunked_loss", False))
             host_rank += activation_bytes(shape, cfg.SEQ_LEN, cfg.BATCH_SIZE, precision,
-                                          checkpoint=bool(getattr(config, "checkpoint", False)))["total"]
+                                          checkpoint=bool(getattr(config, "checkpoint", False)),
+                                          loss_chunk=getattr(config, "loss_chunk_size", 0) if chunked else 0)["total"]
     ranks = _local_ranks(world_size)
     need, (available, source) = host_rank * ranks, available_host_bytes()
     what = (f"{psi / 1e9:.2f}B params per rank x {ranks} rank{'s' if ranks > 1 else ''}, stage {zero.stage}, "
@@ -138,11 +145,12 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
                          "--set zero.offload_optimizer.path=/nvme/dir)")
         if zero.stage < 3 and dims.dp > 1:
             fixes.append("shard more (--set zero.stage=3)")
-        if shape is not None and shape.layers > 1:
-            per_layer = need * (12 * shape.hidden ** 2 + 13 * shape.hidden) / max(psi * dims.tp * dims.pp, 1)
+        if shape is not None and shape.layers > 1 and _model_type(cfg) != "hf":  # a checkpoint's depth is fixed
+            per_layer = need * shape.layer_params / max(psi * dims.tp * dims.pp, 1)
             fit = shape.layers - math.ceil((need - available) / max(per_layer, 1))
             if fit >= 1:
-                fixes.append(f"fewer layers (--set model.n_layer={fit} fits)")
+                key = "n_layer" if shape.family == "gpt2" else "num_hidden_layers"
+                fixes.append(f"fewer layers (--set model.{key}={fit} fits)")
         fixes.append("more hosts")
         raise PreflightError(f"host memory: this run needs at least {need / GIB:.1f} GiB of host RAM for model "
                              f"state{'' if on_gpu else ', activations'} and buffers ({what}) but {available / GIB:.1f} "

@@ -1,6 +1,10 @@
-"""Will it fit? Bytes per rank on GPU, host and disk for a GPT trained with zerogpt, before you launch.
+"""Will it fit? Bytes per rank on GPU, host and disk for a model trained with zerogpt, before you launch.
 
     python -m zerogpt_tools.estimate --model gpt2_xl --stage 3 --offload cpu --world 1 --gpu-mem 80GiB
+    python -m zerogpt_tools.estimate --model llama3_8b --offload cpu --offload-param cpu --state-dtype bf16 \
+        --seq-len 8192 --batch 8 --checkpoint --chunked-loss --gpu-mem 80GiB --host-mem 128GiB
+
+--model is any size of model_zoo's GPT-2 (gpt2_tiny ... gpt2_xl) or Llama families (llama3_8b, qwen2_5_7b, ...).
 
 With --compile (the config's `compile = True`) stage 3 gathers each transformer block whole and --prefetch counts
 whole modules ahead, so the chunk buffers are those of a block and the next --prefetch modules.
@@ -18,6 +22,8 @@ from dataclasses import asdict
 
 from data_pipeline.cli_args import parse_size
 from model_zoo.gpt import SIZES, GPTConfig
+from model_zoo.llama import SIZES as LLAMA_SIZES
+from model_zoo.llama import LlamaConfig
 from zerogpt.cli import HelpFormatter
 from zerogpt.memory_model import (CATEGORIES, HOMES, PRECISIONS, ModelShape, activation_bytes, buffer_bytes, estimate,
                                   model_state_bytes, zero_paper_bytes)
@@ -25,14 +31,11 @@ from zerogpt.memory_model import (CATEGORIES, HOMES, PRECISIONS, ModelShape, act
 __all__ = ["MODELS", "ModelShape", "model_state_bytes", "activation_bytes", "buffer_bytes", "estimate", "main"]
 
 
-def _shape(size: dict) -> ModelShape:
-    c = GPTConfig(**size)
-    return ModelShape(layers=c.n_layer, hidden=c.n_embd, heads=c.n_head, vocab=c.vocab_size,
-                      positions=c.max_position_embeddings, pad_vocab_multiple=c.pad_vocab_multiple)
-
-
-MODELS: dict[str, ModelShape] = {name: _shape(size) for name, size in SIZES.items()}
-"""model_zoo's GPT sizes (gpt2_tiny ... gpt2_xl) as shapes."""
+MODELS: dict[str, ModelShape] = {
+    **{name: ModelShape.from_config(GPTConfig(**size)) for name, size in SIZES.items()},
+    **{name: ModelShape.from_config(LlamaConfig(**size)) for name, size in LLAMA_SIZES.items()}}
+"""model_zoo's GPT sizes (gpt2_tiny ... gpt2_xl) and Llama-family sizes (llama_tiny, llama3_8b, qwen2_5_7b, ...)
+as shapes."""
 
 
 # -- CLI -------------------------------------------------------------------------------------------
@@ -43,16 +46,49 @@ def _fmt(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.2f} MiB"
 
 
+def _describe(shape: ModelShape) -> str:
+    """The shape in a few words: GPT-2's layers, width, heads, vocab; a Llama's also kv heads, SwiGLU width, options."""
+    if shape.family == "gpt2":
+        return f"{shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, vocab {shape.vocab}"
+    head_dim = shape.q_width // shape.heads
+    options = [o for o, on in (("qkv bias", shape.qkv_bias), ("qk-norm", shape.qk_norm)) if on]
+    return (f"{shape.layers} layers, hidden {shape.hidden}, {shape.heads} q / {shape.n_kv_heads} kv heads of "
+            f"{head_dim}, SwiGLU {shape.ffn_width}, {'tied' if shape.tied else 'untied'} vocab {shape.vocab}"
+            + "".join(f", {o}" for o in options))
+
+
+def _dominant(est: dict, home: str) -> tuple[str, int]:
+    """The largest term of one home's total: a model-state category, the activations, buffers or CUDA context."""
+    terms = {cat: est["model_states"][cat][home] for cat in CATEGORIES}
+    terms["optimizer state"] = terms.pop("optimizer")
+    terms["chunk buffers"] = est["buffers"][home]
+    if home == "device":
+        terms["activations"], terms["CUDA ctx/workspace"] = est["activations"]["total"], est["gpu_overhead"]
+    return max(terms.items(), key=lambda kv: kv[1])
+
+
+def run_estimate(shape: ModelShape, args: argparse.Namespace, state_dtype: str | None = None) -> dict:
+    """`memory_model.estimate` with the CLI's arguments (`state_dtype` replaces --state-dtype)."""
+    moments = 4 if (state_dtype or args.state_dtype) == "bf16" else 8  # Adam's two moments per param
+    return estimate(shape, args.stage, args.world, args.precision, args.offload, args.offload_param,
+                    args.seq_len, args.batch, args.checkpoint, not args.eager_attention, args.dropout,
+                    args.prefetch, args.bucket_mb, args.gpu_overhead, args.grad_accum,
+                    optimizer_bytes_per_param=moments, gather_per_block=args.compile,
+                    loss_chunk=args.loss_chunk_size if args.chunked_loss else 0)
+
+
 def format_report(est: dict, shape: ModelShape, args: argparse.Namespace) -> str:
     """The human-readable table printed by the CLI."""
     psi = est["num_params"]
-    lines = [f"zerogpt estimate: {args.model_name} = {psi / 1e9:.3f}B params ({shape.layers} layers, hidden "
-             f"{shape.hidden}, {shape.heads} heads, vocab {shape.vocab}); stage {args.stage}, world {args.world}, "
-             f"{args.precision}, offload optimizer={args.offload} param={args.offload_param}"
+    moments = f" ({args.state_dtype} moments)" if args.offload != "none" else ""
+    lines = [f"zerogpt estimate: {args.model_name} = {psi / 1e9:.3f}B params ({_describe(shape)}); stage "
+             f"{args.stage}, world {args.world}, {args.precision}, offload optimizer={args.offload}{moments} "
+             f"param={args.offload_param}"
              f"{'; compiled: blocks gathered whole' if args.compile and args.stage == 3 else ''}",
              f"per rank; seq {args.seq_len} x micro-batch {args.batch} x accumulation {args.grad_accum} = "
              f"{args.seq_len * args.batch * args.grad_accum:,} tokens/rank/step; activation checkpointing "
-             f"{'on' if args.checkpoint else 'off'}; attention {'SDPA/flash' if not args.eager_attention else 'eager'}",
+             f"{'on' if args.checkpoint else 'off'}; attention {'SDPA/flash' if not args.eager_attention else 'eager'}"
+             f"{f'; loss chunked by {args.loss_chunk_size} tokens' if args.chunked_loss else ''}",
              "", f"{'':24}{'GPU':>13}{'host':>13}{'disk':>13}"]
     row = lambda name, d: lines.append(f"{name:24}" + "".join(f"{_fmt(d.get(h, 0)):>13}" for h in HOMES))
     for cat in CATEGORIES:
@@ -71,19 +107,30 @@ def format_report(est: dict, shape: ModelShape, args: argparse.Namespace) -> str
               f"ZeRO paper (mixed precision, Adam): stage {args.stage} = {name} = {_fmt(paper)} per rank; "
               f"ours: {_fmt(sum(states_total.values()))} (fp32 grad shards on the device: +2 B/param/N; offloaded, "
               f"a step's one crossing stays in the compute dtype; fp32 precision aliases master and param)"]
+    dominant = [f"{'GPU' if h == 'device' else h} {what} {_fmt(n)} ({100 * n / est['totals'][h]:.0f}%)"
+                for h in HOMES if est["totals"][h] for what, n in [_dominant(est, h)]]
+    lines.append("dominated by: " + "; ".join(dominant))
     for home, cap, flag in (("device", args.gpu_mem, "--gpu-mem"), ("host", args.host_mem, "--host-mem"),
                             ("disk", args.disk_space, "--disk")):
-        need = est["totals"][home] * (args.world // args.nodes if home != "device" else 1)
         ranks = args.world // args.nodes
+        need = est["totals"][home] * (ranks if home != "device" else 1)
         scope = "per GPU" if home == "device" else f"per node ({ranks} rank{'s' if ranks > 1 else ''})"
         if cap is None and need == 0:
             continue
         if cap is None:
             lines.append(f"{home:6}: needs {_fmt(need)} {scope} (pass {flag} to check the fit)")
-        else:
-            verdict = "FITS" if need <= cap else "DOES NOT FIT"
-            lines.append(f"{home:6}: needs {_fmt(need)} {scope} of {_fmt(cap)} -> {verdict} "
-                         f"({100 * need / cap:.0f}%)")
+            continue
+        verdict = "FITS" if need <= cap else "DOES NOT FIT"
+        # host RAM also holds what the model does not count: the OS, each process (CUDA context, pinned
+        # staging), the data loader; say how much is left for them when it is little
+        left = f", {_fmt(cap - need)} left for the OS, processes and data" if home == "host" and need <= cap else ""
+        lines.append(f"{home:6}: needs {_fmt(need)} {scope} of {_fmt(cap)} -> {verdict} "
+                     f"({100 * need / cap:.0f}%{left})")
+        if need > 0.9 * cap and home != "device" and args.offload != "none" and args.state_dtype == "fp32":
+            less = run_estimate(shape, args, state_dtype="bf16")["totals"][home] * (ranks if home != "device" else 1)
+            lines.append(f"{'':8}with --state-dtype bf16 (Adam's moments in bf16, "
+                         f"zero.offload_optimizer.state_dtype=bf16): {_fmt(less)} -> "
+                         f"{'FITS' if less <= cap else 'DOES NOT FIT'} ({100 * less / cap:.0f}%)")
     return "\n".join(lines)
 
 
@@ -104,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, help="custom: width n_embd")
     p.add_argument("--heads", type=int, help="custom: attention heads")
     p.add_argument("--vocab", type=int, help="custom: vocabulary size")
+    p.add_argument("--kv-heads", type=int, help="custom (Llama family): k/v heads, grouped-query attention")
+    p.add_argument("--head-dim", type=int, help="custom (Llama family): width of one head (default hidden/heads)")
+    p.add_argument("--ffn", type=int, help="custom (Llama family): SwiGLU width (intermediate_size)")
     # ZeRO
     p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage")
     p.add_argument("--world", type=int, default=1, help="data-parallel ranks (GPUs)")
@@ -124,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1, help="accumulation steps (stages 2-3 with the optimizer offloaded: an fp32 gradient shard sums on the GPU)")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
     p.add_argument("--eager-attention", action="store_true", help="attention that stores s x s scores")
+    p.add_argument("--chunked-loss", action="store_true",
+                   help="the model's chunked_loss = True: one chunk's logits at a time, not (seq x batch x vocab)")
+    p.add_argument("--loss-chunk-size", type=int, default=256, help="tokens per chunk of the chunked loss")
     p.add_argument("--dropout", action="store_true", help="dropout > 0 (1-byte masks are stored)")
     # capacities
     p.add_argument("--gpu-mem", type=_capacity, help="e.g. 80GiB or 80G (2**30), 80GB (10**9)")
@@ -137,20 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     shape = MODELS[args.model]
-    custom = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab") if getattr(args, k)}
+    custom = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "kv_heads", "head_dim", "ffn")
+              if getattr(args, k)}
     args.model_name = args.model if not custom else "custom"
-    if custom:
-        shape = ModelShape(**{**asdict(shape), **custom})
-        if shape.hidden % shape.heads:
-            raise SystemExit(f"--hidden {shape.hidden} must be divisible by --heads {shape.heads}")
     if args.world % args.nodes:
         raise SystemExit(f"--world {args.world} must be a multiple of --nodes {args.nodes}")
     try:
-        est = estimate(shape, args.stage, args.world, args.precision, args.offload, args.offload_param,
-                       args.seq_len, args.batch, args.checkpoint, not args.eager_attention, args.dropout,
-                       args.prefetch, args.bucket_mb, args.gpu_overhead, args.grad_accum,
-                       optimizer_bytes_per_param=4 if args.state_dtype == "bf16" else 8,
-                       gather_per_block=args.compile)
+        if custom:  # kv_heads, head_dim and ffn left unset follow the new hidden/heads (their family's defaults)
+            shape = ModelShape(**{**asdict(shape), **custom})
+        est = run_estimate(shape, args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     if args.json:

@@ -66,12 +66,15 @@ def test_param_offload_and_errors():
 
 
 def test_model_table_matches_model_zoo():
-    from model_zoo import gpt
+    from model_zoo import gpt, llama
 
-    for name in ("gpt2_tiny", "gpt2_small", "gpt2_xl"):
-        with torch.device("meta"):
-            model = getattr(gpt, name)()
-        assert MODELS[name].num_params == sum(p.numel() for p in model.parameters()), name
+    for family, names in ((gpt, ("gpt2_tiny", "gpt2_small", "gpt2_xl")),
+                          (llama, ("llama_tiny", "llama3_8b", "qwen2_5_7b", "qwen3_0_6b", "mistral_7b"))):
+        for name in names:
+            with torch.device("meta"):
+                model = getattr(family, name)()
+            assert MODELS[name].num_params == sum(p.numel() for p in model.parameters()), name
+    assert set(MODELS) == set(gpt.SIZES) | set(llama.SIZES)
 
 
 def test_activations_korthikanti():
@@ -208,3 +211,50 @@ def test_cli_compile_counts_blocks_gathered_whole(capsys):
     assert plans[True]["buffers"]["device"] > plans[False]["buffers"]["device"]
     assert main(args[:-1] + ["--compile"]) == 0
     assert "blocks gathered whole" in capsys.readouterr().out
+
+
+LLAMA3_8B = ["--model", "llama3_8b", "--offload", "cpu", "--offload-param", "cpu", "--gpu-mem", "80GiB"]
+
+
+def test_cli_llama3_8b_on_one_gpu_fits_128gb_with_bf16_moments_only(capsys):
+    """Llama-3.1-8B (8.03B) at stage 3 with params and optimizer on the host: 16 B/param = 119.66 GiB of host RAM
+    with fp32 Adam moments, more than 128 GB (119.21 GiB), and the report says what bf16 moments need instead;
+    with them 12 B/param = 89.75 GiB fits. The optimizer state dominates the host."""
+    psi = 8_030_261_248
+    assert main(LLAMA3_8B + ["--host-mem", "128GB"]) == 1
+    out = capsys.readouterr().out
+    assert "llama3_8b = 8.030B params (32 layers, hidden 4096, 32 q / 8 kv heads of 128, SwiGLU 14336, untied " \
+           "vocab 128256)" in out
+    assert f"host  : needs {16 * psi / 2**30:.2f} GiB per node (1 rank) of 119.21 GiB -> DOES NOT FIT" in out, out
+    assert f"host optimizer state {8 * psi / 2**30:.2f} GiB (50%)" in out, out
+    assert f"with --state-dtype bf16 (Adam's moments in bf16, zero.offload_optimizer.state_dtype=bf16): " \
+           f"{12 * psi / 2**30:.2f} GiB -> FITS (75%)" in out, out
+    assert main(LLAMA3_8B + ["--host-mem", "128GB", "--state-dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "(bf16 moments)" in out and f"needs {12 * psi / 2**30:.2f} GiB per node (1 rank) of 119.21 GiB -> " \
+        f"FITS (75%" in out, out
+    # 128 GiB holds the fp32 moments on paper, leaving 8 GiB for everything else: the bf16 line is shown too
+    assert main(LLAMA3_8B + ["--host-mem", "128GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "FITS (93%, 8.34 GiB left for the OS, processes and data)" in out and "--state-dtype bf16" in out, out
+
+
+def test_cli_chunked_loss_and_llama_custom_shapes(capsys):
+    """--chunked-loss keeps one chunk's logits (128k vocab: 2.4 GiB less at 8192 tokens); custom flags change a
+    Llama shape and are refused on a GPT-2 one."""
+    base = LLAMA3_8B + ["--seq-len", "8192", "--checkpoint", "--json"]
+    plans = {}
+    for extra in ([], ["--chunked-loss", "--loss-chunk-size", "256"]):
+        assert main(base + extra) == 0
+        plans[bool(extra)] = json.loads(capsys.readouterr().out)
+    saved = plans[False]["activations"]["logits"] - plans[True]["activations"]["logits"]
+    assert saved == (8192 - 256) * 128256 * (2 + 8)
+    assert main(["--model", "llama3_8b", "--layers", "16", "--kv-heads", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"] == "custom" and plan["shape"]["family"] == "llama"
+    assert plan["num_params"] == ModelShape(16, 4096, 32, 128256, family="llama", kv_heads=4, ffn=14336,
+                                            tied=False).num_params
+    with pytest.raises(SystemExit, match="kv_heads=4 is a llama-family option"):
+        main(["--model", "gpt2_xl", "--kv-heads", "4"])
+    with pytest.raises(SystemExit, match=r"hidden \(64\) must be divisible by heads \(3\)"):
+        main(["--layers", "2", "--hidden", "64", "--heads", "3"])
