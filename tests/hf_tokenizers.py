@@ -33,6 +33,18 @@ def sample_texts(n: int = 300) -> list[str]:
     return texts
 
 
+_OTHER_WORDS = ("zebra xylophone quantum glacier harbor violin orchestra telescope galaxy nebula comet asteroid "
+                "saxophone volcano").split()
+NEW_WORDS = "The zebra plays a xylophone by the glacier"  # other_texts()'s words: B's tokens encode them, A's do not
+
+
+def other_texts(n: int = 300) -> list[str]:
+    """`n` deterministic lines on other words than `sample_texts`: train the second tokenizer of a merge on them, and
+    its whole-word tokens ("Ġzebra", "▁xylophone", ...) are ones a tokenizer trained on `sample_texts` lacks."""
+    return [" ".join(_OTHER_WORDS[(i * 5 + j * 2) % len(_OTHER_WORDS)] for j in range(5 + i % 7)).capitalize()
+            + f" {i % 100}." for i in range(n)]
+
+
 def _byte_level_bpe(texts: list[str], base_size: int, split_regex: str | None):
     """A byte-level BPE `tokenizers.Tokenizer` with exactly `base_size` ids (256 bytes + merges), no specials."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -1,5 +1,7 @@
 """Tests for zerogpt_tools/extend_vocab.py: a GPT-2 grown to a merge-tokenizers vocabulary keeps its old outputs exactly,
-new rows start at the mean (or zeros), files load with transformers, and the result trains as gpt2_tiny(pretrained=).
+new rows start at the mean (or zeros), files load with transformers, and the result trains as gpt2_tiny(pretrained=);
+an untied Llama and a tied Qwen2 grown to merged Llama-3, Llama-2 (sentencepiece) and Qwen2 tokenizers keep their old
+logits under transformers and model_zoo.from_pretrained.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from data_pipeline.__main__ import main as pipeline  # noqa: E402
 from data_pipeline.tokenizer import save_tokenizer_dir  # noqa: E402
 from data_pipeline.train_tokenizer import train_byte_level_bpe  # noqa: E402
 from tests.corpus import prose_and_code  # noqa: E402
-from zerogpt_tools.extend_vocab import extend_vocab, main  # noqa: E402
+from tests.hf_tokenizers import NEW_WORDS  # noqa: E402
+from zerogpt_tools.extend_vocab import extend_vocab, grow_rows, main  # noqa: E402
 from zerogpt.context import DistContext
 
 pytestmark = pytest.mark.timeout(180)
@@ -130,3 +133,103 @@ def test_errors_name_the_fix(setup, tmp_path):
     with pytest.raises(SystemExit, match="--tokenizer .*no such file"):
         main(["--model", str(root / "model"), "--tokenizer", str(tmp_path / "nope"), "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()  # nothing half-written
+
+
+# ------------------------------------------------------------------------------------------------
+# the Llama family: a Llama-3-style and a Llama-2-style tokenizer pair, an untied Llama and a tied Qwen2
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    """{style: (A, A+B)}: tokenizer A of the model and A merged with B (trained on other words)."""
+    from data_pipeline.merge_tokenizers import merge_tokenizers
+    from tests.hf_tokenizers import llama2_tokenizer_dir, llama3_tokenizer_dir, other_texts, qwen2_tokenizer_dir
+
+    root = tmp_path_factory.mktemp("merged")
+    pairs = {}
+    for style, make in (("llama3", llama3_tokenizer_dir), ("llama2", llama2_tokenizer_dir),
+                        ("qwen2", qwen2_tokenizer_dir)):
+        a, b = make(root / f"{style}_a"), make(root / f"{style}_b", texts=other_texts())
+        merge_tokenizers(a, b, str(root / f"{style}_ab"))
+        pairs[style] = a, str(root / f"{style}_ab")
+    return pairs
+
+
+@pytest.mark.parametrize("family, style", [("llama", "llama3"), ("llama", "llama2"), ("qwen2", "qwen2")])
+def test_llama_family_keeps_old_logits(merged, tmp_path, family, style):
+    """Untied Llama and tied Qwen2 (with Qwen2.5-style padding rows past its tokenizer): the old vocabulary's
+    logits are unchanged under transformers and model_zoo, new rows are the old tokens' mean, new words get new ids.
+
+    Qwen2 gets its own byte-level BPE style (added specials, no BOS): transformers 5 loads any tokenizer in a
+    model_type=qwen2 directory as Qwen2Tokenizer, so a Llama-3 one there is not the tokenizer it was given."""
+    import shutil
+
+    from data_pipeline.tokenizer import load_tokenizer
+    from model_zoo import from_pretrained
+    from tests.model_zoo.hf_families import make_hf_model
+
+    a_dir, ab_dir = merged[style]
+    a, ab = load_tokenizer(a_dir), load_tokenizer(ab_dir)
+    n_old = len(a)
+    old_rows = n_old if family == "llama" else n_old + 48  # Qwen2.5 ships 151936 rows for 151665 tokens
+    model_bos = 7  # the tokenizer of qwen2 style names no BOS: the model's stays
+    old = make_hf_model(family, tmp_path / "model", vocab_size=old_rows, eos_token_id=a.eos_token_id,
+                        bos_token_id=a.bos_token_id if a.bos_token_id is not None else model_bos)
+    shutil.copytree(a_dir, tmp_path / "model", dirs_exist_ok=True)  # the model ships tokenizer A
+
+    stats = extend_vocab(str(tmp_path / "model"), ab_dir, str(tmp_path / "out"))
+    rows = -(-len(ab) // 128) * 128
+    tied = family == "qwen2"
+    assert stats["grown"] == (["model.embed_tokens.weight"] if tied else ["lm_head.weight",
+                                                                           "model.embed_tokens.weight"])
+    assert (stats["vocab_size"], stats["new_tokens"]) == (rows, len(ab) - n_old)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["vocab_size"], config["eos_token_id"]) == (rows, a.eos_token_id)
+    assert config["bos_token_id"] == (a.bos_token_id if a.bos_token_id is not None else model_bos)
+
+    new = load(tmp_path / "out")
+    native = from_pretrained(str(tmp_path / "out"), device="cpu").eval()
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        w_old, w_new = getattr(old, get)().weight, getattr(new, get)().weight
+        assert w_new.shape == (rows, 64) and torch.equal(w_new[:n_old], w_old[:n_old])
+        assert torch.equal(w_new[n_old:], w_old[:n_old].mean(0).expand(rows - n_old, -1))  # padding rows too
+    if tied:
+        assert new.get_output_embeddings().weight.data_ptr() == new.get_input_embeddings().weight.data_ptr()
+
+    x = torch.randint(0, n_old, (2, 24), generator=torch.Generator().manual_seed(0))  # old tokens only
+    with torch.no_grad():
+        want, got, got_native = old(x).logits[..., :n_old], new(x).logits, native(x)
+    assert got.shape[-1] == got_native.shape[-1] == rows
+    assert (got[..., :n_old] - want).abs().max() <= 1e-6 and (got_native[..., :n_old] - want).abs().max() <= 1e-6
+
+    tok = load_tokenizer(str(tmp_path / "out"))
+    assert tok.get_vocab() == ab.get_vocab()
+    ids = tok(NEW_WORDS)["input_ids"]
+    assert ids == ab(NEW_WORDS)["input_ids"] and n_old <= max(ids) < len(ab)
+    assert tok.decode(ids, skip_special_tokens=True) == NEW_WORDS
+
+
+def test_grow_rows_reuses_padding_rows_for_new_tokens():
+    w = torch.arange(12.0).view(6, 2)  # 4 tokens + 2 padding rows
+    mean = w[:4].mean(0)
+    grown = grow_rows(w, 8, "mean", mean_of=4, taken=5)  # one new token takes padding row 4; row 5 stays padding
+    assert torch.equal(grown[:4], w[:4]) and torch.equal(grown[4], mean) and torch.equal(grown[5], w[5])
+    assert torch.equal(grown[6:], mean.expand(2, -1))
+    assert torch.equal(grow_rows(w, 7, "zeros", mean_of=4, taken=7)[4:], torch.zeros(3, 2))
+
+
+def test_llama_errors_name_the_fix(merged, tmp_path):
+    import shutil
+
+    from tests.model_zoo.hf_families import make_hf_model
+
+    ab_dir = merged["llama2"][1]
+    make_hf_model("llama", tmp_path / "model", vocab_size=384)
+    shutil.copytree(merged["llama3"][0], tmp_path / "model", dirs_exist_ok=True)  # a tokenizer of other ids
+    with pytest.raises(ValueError, match="changes or drops .* merge-tokenizers"):
+        extend_vocab(str(tmp_path / "model"), ab_dir, str(tmp_path / "x"))
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
+    with pytest.raises(SystemExit, match="'BertForMaskedLM' model; extend_vocab grows .*LlamaForCausalLM"):
+        main(["--model", str(tmp_path / "model"), "--tokenizer", ab_dir, "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
