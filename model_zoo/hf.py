@@ -56,9 +56,10 @@ def hf_config(config: GPTConfig | dict[str, Any]) -> Any:
                       n_layer=c.n_layer, n_head=c.n_head, n_inner=c.n_inner, activation_function=c.activation,
                       resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout,
                       layer_norm_epsilon=c.layer_norm_epsilon, tie_word_embeddings=True,
-                      # GPT-2's <|endoftext|> is 50256; a smaller (own-tokenizer) vocab has no such id.
-                      bos_token_id=50256 if c.vocab_size > 50256 else None,
-                      eos_token_id=50256 if c.vocab_size > 50256 else None)
+                      # GPT-2's <|endoftext|> is 50256 in GPT-2's own 50,257-token vocabulary only; any other
+                      # tokenizer's ids are its own (zerogpt_tools.export sets them from the tokenizer it ships).
+                      bos_token_id=50256 if c.vocab_size == 50257 else None,
+                      eos_token_id=50256 if c.vocab_size == 50257 else None)
 
 
 def to_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:

@@ -7,6 +7,7 @@ import torch
 
 import train_gpt
 from model_zoo import build_model
+from tests.model_zoo.hf_families import make_hf_model
 from zerogpt.config import Config, data_config, engine_config, lr_scheduler_config, parallel_config, train_config
 from zerogpt.parallel import ParallelDims
 from zerogpt.preflight import PreflightError, check_parallel
@@ -15,14 +16,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
 SHIPPED = ["demo_cpu.py", "gpt2_medium_ddp.py", "gpt2_medium_pp2.py", "gpt2_medium_tp2.py", "gpt2_small_zero2.py",
            "gpt2_small_zero3_offload.py", "gpt2_xl_zero3_offload.py", "gpt2_zero3.py", "llama3_8b_zero3_offload.py",
-           "qwen2_5_7b_zero3.py"]
+           "llama_continue_cpu.py", "llama_tiny_cpu.py", "qwen2_5_7b_zero3.py"]
 # name -> (zero stage, gradient accumulation at the world size of the header's command, param offload, world);
 # the accumulation divides GLOBAL_BATCH_SIZE by BATCH_SIZE x the data-parallel size, world / (T x P)
 EXPECTED = {"demo_cpu.py": (2, 1, "none", 2), "gpt2_medium_ddp.py": (0, 8, "none", 8),
             "gpt2_medium_pp2.py": (1, 2, "none", 2), "gpt2_medium_tp2.py": (1, 2, "none", 2),
             "gpt2_small_zero2.py": (2, 4, "none", 8), "gpt2_small_zero3_offload.py": (3, 4, "cpu", 4),
             "gpt2_xl_zero3_offload.py": (3, 1, "none", 1), "gpt2_zero3.py": (3, 1, "cpu", 4),
-            "llama3_8b_zero3_offload.py": (3, 1, "cpu", 1), "qwen2_5_7b_zero3.py": (3, 2, "none", 8)}
+            "llama3_8b_zero3_offload.py": (3, 1, "cpu", 1), "qwen2_5_7b_zero3.py": (3, 2, "none", 8),
+            "llama_tiny_cpu.py": (2, 1, "none", 2), "llama_continue_cpu.py": (3, 1, "none", 2)}
 
 
 def test_every_shipped_config_is_tested():
@@ -30,7 +32,7 @@ def test_every_shipped_config_is_tested():
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_config_loads_and_resolves(name):
+def test_config_loads_and_resolves(name, tmp_path):
     path = os.path.join(ROOT, "configs", name)
     cfg = Config.from_file(path)
     stage, accum, param_offload, world = EXPECTED[name]
@@ -45,8 +47,12 @@ def test_config_loads_and_resolves(name):
     assert re.search(rf"(torchrun|python) .*train_gpt\.py --config configs/{name}", text)
     # the model section builds (on the meta device: shapes only, no memory even for XL; a checkpoint to continue
     # is the user's, as train_gpt.model_on_meta builds it for preflight: the factory's shape, nothing read)
+    model_cfg = {k: v for k, v in dict(cfg.model).items() if k != "pretrained"}
+    if model_cfg["type"] == "hf":  # the checkpoint the demo exports first: one of the same family stands in
+        model_cfg["path"] = str(tmp_path)
+        make_hf_model("llama", tmp_path)
     with torch.device("meta"):
-        model = build_model({k: v for k, v in dict(cfg.model).items() if k != "pretrained"}, vocab_size=50257)
+        model = build_model(model_cfg, vocab_size=None if model_cfg["type"] == "hf" else 50257)
     assert model.num_params() > 0
 
 

@@ -2,10 +2,13 @@
 
     python -m zerogpt_tools.export runs/demo_cpu --out exports/demo_cpu [--dtype bf16] [--tokenizer DIR]
 
-The output loads with `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`.
-Peak memory is one safetensors shard plus one tensor. The conversion is found through the model class the
-checkpoint records: a transformers class is written as is; any other "pkg.mod.Cls" plugs in through
-`hf_config`, `to_hf_tensor` and `model_from_config` in "pkg.mod" (model_zoo/gpt.py has them; see ModelPlugin).
+The output loads with `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`:
+GPT2LMHeadModel for model_zoo's GPT, LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM
+for its Llama family. Peak memory is one safetensors shard plus one tensor. The conversion is found through the
+model class the checkpoint records: a transformers class is written as is; any other "pkg.mod.Cls" plugs in
+through `hf_config`, `to_hf_tensor` and `model_from_config` in "pkg.mod" (model_zoo/gpt.py and model_zoo/llama.py
+have them; see ModelPlugin). The weights' dtype defaults to the one the model's source checkpoint was stored in
+(fp32 for a model trained from scratch); bos/eos ids come from the shipped tokenizer.
 """
 from __future__ import annotations
 
@@ -26,9 +29,11 @@ from model_zoo.hf import check_safetensors
 from zerogpt.cli import HelpFormatter
 
 __all__ = ["export_checkpoint", "ShardWriter", "iter_hf_weights", "ModelPlugin", "find_tokenizer",
-           "save_tokenizer", "atomic_output_dir", "main"]
+           "save_tokenizer", "atomic_output_dir", "resolve_dtype", "set_special_ids", "main"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+AUTO = "auto"  # --dtype default: the source checkpoint's dtype (ModelPlugin.source_dtype), else fp32
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # config.json's spelling -> ours
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _TOKENIZER_HINT = ("pass --tokenizer DIR (the tokenizer the model was trained with, e.g. the run's data.tokenizer "
@@ -173,13 +178,26 @@ class ModelPlugin:
     def _hook(self, name: str) -> Callable:
         if not hasattr(self.module, name):
             raise ValueError(f"model class {self.class_path} has no Hugging Face conversion: its module "
-                             f"{self.module.__name__} defines no {name}() (see the plugin protocol in zerogpt/export.py)")
+                             f"{self.module.__name__} defines no {name}() (see ModelPlugin in zerogpt_tools/export.py)")
         return getattr(self.module, name)
 
     def hf_config(self) -> Any:
         if self.is_transformers:
             return self.cls.config_class.from_dict(dict(self.config))
         return self._hook("hf_config")(self.config)
+
+    def source_dtype(self) -> str | None:
+        """The dtype config.json gave for the weights this model was loaded from ("bfloat16"), or None.
+
+        A Llama-family model built from a Hugging Face checkpoint keeps config.json's torch_dtype / dtype in its
+        config's `extra`; a transformers config holds it itself; a model trained from scratch has none.
+        """
+        extra = self.config.get("extra")
+        for where in (extra if isinstance(extra, dict) else {}, self.config):
+            for key in ("dtype", "torch_dtype"):
+                if isinstance(where.get(key), str):
+                    return where[key].removeprefix("torch.")
+        return None
 
     def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         return (name, tensor) if self.is_transformers else self._hook("to_hf_tensor")(name, tensor, self.config)
@@ -237,12 +255,33 @@ def save_tokenizer(tok: Any, out_dir: str, model_max_length: int | None = None) 
         json.dump(config, f, indent=2)
 
 
-def _set_special_ids(hf_config: Any, tok: Any) -> None:
-    """bos/eos/pad in config.json from the tokenizer, so HF generate stops where ours does."""
-    eos = tok.eos_token_id
-    if eos is not None:
-        hf_config.eos_token_id = eos
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def set_special_ids(hf_config: Any, tok: Any) -> list[str]:
+    """bos/eos in config.json from the tokenizer, so HF generate stops where ours does; returns notes to print.
+
+    eos is the tokenizer's (where the source config.json listed several stop ids that include it, as
+    Llama-3.1-Instruct's [128001, 128008, 128009], the list stays); bos is the tokenizer's, else its eos (one
+    token for both, as GPT-2 and Qwen do). Without a tokenizer (tok None) the recorded ids stay. Either way an id
+    outside the vocabulary is dropped with a note: transformers warns about it and generation never stops there.
+    """
+    if tok is not None and tok.eos_token_id is not None:
+        eos, recorded = tok.eos_token_id, hf_config.eos_token_id
+        hf_config.eos_token_id = recorded if isinstance(recorded, list) and eos in recorded else eos
         hf_config.bos_token_id = tok.bos_token_id if tok.bos_token_id is not None else eos
+    notes = []
+    vocab = hf_config.vocab_size
+    for key in SPECIAL_IDS:
+        value = getattr(hf_config, key, None)
+        ids = value if isinstance(value, list) else [value]
+        kept = [i for i in ids if i is not None and 0 <= i < vocab]
+        outside = [i for i in ids if i is not None and not 0 <= i < vocab]
+        if outside:
+            notes.append(f"{key} {', '.join(map(str, outside))} is outside the {vocab:,}-token vocabulary: "
+                         + (f"kept {kept}" if kept else "left unset") + " (a --tokenizer with that token sets it)")
+            setattr(hf_config, key, (kept if isinstance(value, list) else kept[0]) if kept else None)
+    return notes
 
 
 def write_configs(hf_config: Any, out_dir: str, dtype: torch.dtype) -> None:
@@ -253,8 +292,9 @@ def write_configs(hf_config: Any, out_dir: str, dtype: torch.dtype) -> None:
     setattr(hf_config, "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype", dtype)
     hf_config.save_pretrained(out_dir)
     generation = transformers.GenerationConfig.from_model_config(hf_config)
-    if generation.pad_token_id is None and generation.eos_token_id is not None:
-        generation.pad_token_id = generation.eos_token_id
+    eos = generation.eos_token_id
+    if generation.pad_token_id is None and eos is not None:
+        generation.pad_token_id = eos[0] if isinstance(eos, list) else eos
     generation.save_pretrained(out_dir)
 
 
@@ -262,19 +302,39 @@ def write_configs(hf_config: Any, out_dir: str, dtype: torch.dtype) -> None:
 # export
 
 
-def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: str | None = None,
+def resolve_dtype(dtype: str, plugin: ModelPlugin) -> tuple[str, str | None]:
+    """(the DTYPES key to write, a note saying why when --dtype auto chose it from the source checkpoint).
+
+    auto writes what the model's Hugging Face source was stored in, so a continued bf16 Llama exports as the
+    bf16 files it came as (half the bytes of fp32, and what transformers' dtype="auto" loads); a model trained
+    from scratch has no source and exports its fp32 masters exactly.
+    """
+    if dtype != AUTO:
+        return dtype, None
+    source = plugin.source_dtype()
+    chosen = _DTYPE_NAMES.get(source, "fp32")
+    if chosen != "fp32":
+        return chosen, f"the source checkpoint's {source}; --dtype fp32 writes the fp32 masters"
+    if source is not None and source not in _DTYPE_NAMES:
+        return "fp32", f"the source checkpoint's {source} is not one of {', '.join(DTYPES)}; wrote the fp32 masters"
+    return "fp32", None
+
+
+def export_checkpoint(path: str, out_dir: str, dtype: str = AUTO, tokenizer: str | None = None,
                       max_shard_bytes: int = 10**9, with_tokenizer: bool = True) -> dict:
     """Write checkpoint (or run dir) `path` as a Hugging Face model directory at `out_dir`, atomically.
 
     Args:
         path: a run directory (its checkpoints/latest is used) or a checkpoint directory.
         out_dir: output directory; replaced only once the export is complete.
-        dtype: "fp32", "bf16" or "fp16" for the saved weights (the checkpoint's fp32 masters are cast).
+        dtype: "fp32", "bf16" or "fp16" for the saved weights (the checkpoint's fp32 masters are cast); "auto":
+            the dtype of the Hugging Face checkpoint the model was loaded from, fp32 for one trained from scratch.
         tokenizer: tokenizer dir/file to ship; default the run config's data.tokenizer.
         max_shard_bytes: safetensors shard size limit (also the writer's memory bound).
         with_tokenizer: False exports weights and configs only.
     Returns:
-        dict(checkpoint, out, files, shards, tensors, total_bytes, peak_shard_bytes, vocab_size).
+        dict(checkpoint, out, files, shards, tensors, total_bytes, peak_shard_bytes, vocab_size, dtype, notes):
+        dtype is the DTYPES key written, notes the lines worth printing (why that dtype, ids left unset).
     Example:
         >>> export_checkpoint("runs/demo_cpu", "exports/demo")["files"]          # doctest: +SKIP
         ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', ...]
@@ -282,10 +342,11 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
     from zerogpt.checkpoint import CheckpointReader, resolve_checkpoint
     from zerogpt.preflight import check_vocab, run_data_vocab
 
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype != AUTO and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose one of {AUTO}, {', '.join(DTYPES)}")
     reader = CheckpointReader(resolve_checkpoint(path))
     plugin = ModelPlugin(reader.meta["model"])
+    dtype, why = resolve_dtype(dtype, plugin)
     hf_config = plugin.hf_config()
     tok = None
     if with_tokenizer:
@@ -296,7 +357,7 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
         tok = load_tokenizer(tok_path)
         check_vocab(tokenizer=(len(tok), f"tokenizer {tok_path}"), dataset=run_data_vocab(reader.config_path),
                     model=(hf_config.vocab_size, f"vocab_size of {reader.directory}"))
-        _set_special_ids(hf_config, tok)
+    notes = ([f"dtype {dtype}: {why}"] if why else []) + set_special_ids(hf_config, tok)
 
     with atomic_output_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
@@ -308,6 +369,8 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
             if converted is not None:
                 hf_name, tensor = converted
                 writer.add(hf_name, tensor.to(DTYPES[dtype]))
+                del tensor
+            del converted  # before the next read: one tensor in flight besides the pending shard, not two
         writer.close()
         write_configs(hf_config, tmp, DTYPES[dtype])
         if tok is not None:
@@ -315,7 +378,7 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = "fp32", tokenizer: s
     out_dir = os.path.abspath(out_dir)
     return dict(checkpoint=reader.directory, out=out_dir, files=sorted(os.listdir(out_dir)), shards=len(writer.shards),
                 tensors=sum(len(s) for s in writer.shards), total_bytes=writer.total_bytes,
-                peak_shard_bytes=writer.peak_bytes, vocab_size=hf_config.vocab_size)
+                peak_shard_bytes=writer.peak_bytes, vocab_size=hf_config.vocab_size, dtype=dtype, notes=notes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("checkpoint", help="run directory (uses checkpoints/latest) or checkpoint directory")
     p.add_argument("--out", required=True, help="output directory (Hugging Face layout); replaced atomically")
-    p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="dtype of the saved weights")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES],
+                   help="dtype of the saved weights; auto: the Hugging Face checkpoint's the model was loaded from "
+                        "(config.json's torch_dtype), fp32 (the masters, exactly) for a model trained from scratch")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir/file to ship (default: the run's data.tokenizer)")
     p.add_argument("--no-tokenizer", action="store_true", help="export weights and configs only")
     p.add_argument("--max-shard-size", default="1GB", help="largest safetensors file, e.g. 500MB, 2GB (default 1GB)")
@@ -339,8 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError) as e:  # CheckpointError is a ValueError
         raise SystemExit(f"error: {e}")
     print(f"[export] {stats['checkpoint']} -> {stats['out']}: {stats['tensors']} tensors, "
-          f"{stats['total_bytes'] / 2**20:.1f} MiB {args.dtype} in {stats['shards']} shard(s), "
+          f"{stats['total_bytes'] / 2**20:.1f} MiB {stats['dtype']} in {stats['shards']} shard(s), "
           f"vocab {stats['vocab_size']}; files: {', '.join(stats['files'])}")
+    for note in stats["notes"]:
+        print(f"[export] note: {note}")
     return 0
 
 

@@ -1,12 +1,14 @@
 """Tests for zerogpt_tools/export.py: a real engine checkpoint (gpt2_tiny trained through zerogpt.initialize on 1 process
 and on 2 gloo ranks at stage 3) exports to a Hugging Face directory that transformers loads with the trained
 logits; generation from the checkpoint equals transformers' generate on the export; sharding, bf16, the memory
-bound (one shard, no model built), HF-class checkpoints, and errors.
+bound (one shard, no model built), HF-class checkpoints, errors, and bos/eos ids from the tokenizer (the demo's
+2,048-token one: no id outside the vocabulary). The Llama family's export: test_export_llama.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 import pytest
@@ -292,3 +294,79 @@ def test_export_refuses_a_tokenizer_other_than_the_datas(run1, tmp_path, tok_dir
                                          r"tokens but the tokenizer has 300 \(tokenizer .*tok\)"):
         main([str(copy), "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+class _HFLog(logging.Handler):
+    """What transformers logs (its loggers print through their own handler, not to the caplog root)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("transformers").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("transformers").removeHandler(self)
+
+
+def _load_and_generate(path) -> list[str]:
+    """transformers' messages while loading `path` and generating from it, warnings included."""
+    import warnings
+
+    with _HFLog() as log, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf = load_hf(path)
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        hf.generate(**tok("The json module", return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    return log.lines + [str(w.message) for w in caught]
+
+
+def test_gpt2_export_with_the_demos_tokenizer_takes_its_special_ids(tmp_path):
+    """Issue 39.3: a GPT-2 export with the demo's 2,048-token tokenizer said eos 50256, and transformers warned the
+    id is outside the vocabulary. bos/eos come from the tokenizer, in config.json and generation_config.json."""
+    import shutil
+
+    import zerogpt
+    from data_pipeline.__main__ import main as pipeline
+    from model_zoo.gpt import gpt2_tiny
+    from train_gpt import SAMPLE_CORPUS, SAMPLE_VOCAB
+
+    tok_dir = tmp_path / "tokenizer"
+    assert pipeline(["train-tokenizer", SAMPLE_CORPUS, "--output", str(tok_dir), "--vocab-size",
+                     str(SAMPLE_VOCAB)]) == 0  # the demo's own: train_gpt.prepare_sample runs the same stage
+    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    assert len(tok) == SAMPLE_VOCAB == 2048 and tok.eos_token_id is not None and tok.eos_token_id < 2048
+    model = gpt2_tiny(vocab_size=SAMPLE_VOCAB)
+    engine = zerogpt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                config=zerogpt.Config(dict(zero=dict(stage=0), data=dict(tokenizer=str(tok_dir)))),
+                                ctx=DistContext.current())
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.close()
+    out = tmp_path / "hf"
+    assert main([str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert config["eos_token_id"] == generation["eos_token_id"] == tok.eos_token_id
+    assert config["bos_token_id"] == generation["bos_token_id"] == tok.bos_token_id
+    assert config["vocab_size"] == 2048
+    assert not [line for line in _load_and_generate(out) if "within the vocabulary" in line]
+
+    # the check sees the warning when there is one: GPT-2's 50256 in this vocabulary
+    shutil.copytree(out, tmp_path / "bad")
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({**config, "eos_token_id": 50256}))
+    assert [line for line in _load_and_generate(tmp_path / "bad") if "within the vocabulary" in line]
+
+
+def test_gpt2_hf_config_guesses_50256_for_gpt2s_own_vocabulary_only():
+    from model_zoo.gpt import GPTConfig
+    from model_zoo.hf import hf_config
+
+    assert hf_config(GPTConfig(vocab_size=50257)).eos_token_id == 50256
+    for vocab in (2048, 50304, 128256):  # another tokenizer's ids are its own: the export takes them from it
+        config = hf_config(GPTConfig(vocab_size=vocab))
+        assert config.eos_token_id is None and config.bos_token_id is None, vocab
