@@ -1,43 +1,47 @@
 """One measurement of bench/gpu_check.py, in its own process: build a system (zerogpt, DeepSpeed or plain
 PyTorch) on one device, train a few steps, report tokens/s, TFLOPS, MFU, the training steps' peak GPU
 memory and host RSS, build seconds, the first step's seconds (torch.compile's time when compiling), CPU
-user/sys seconds per step and (time_step) the optimizer-step call's wall time, and optionally profile one
-more step.
+user/sys seconds per step, (time_step) the optimizer-step call's wall time, zerogpt's own host-step seconds,
+(count_syncs) the device syncs per step, and optionally profile one more step. The model is model_zoo's GPT
+or, with model="llama3_8b", its Llama at Llama-3.1-8B's widths and any depth.
 
     python bench/gpu_measure.py SPECS_JSON RESULT_PATH    # run by gpu_check.py; SPECS_JSON: a list of Specs
 
 The specs run in turn under one world-1 process group (NCCL on CUDA, gloo otherwise); RESULT_PATH is rewritten
-after each, so a process killed by gpu_check's watchdog keeps the results before the kill.
+after each, so a process killed by gpu_check's watchdog keeps the results before the kill, and
+RESULT_PATH.progress names the spec and the part (build, train) running now, so the kill's row says where.
 """
 from __future__ import annotations
 
 import os
 import sys
 
-# bench/ holds tokenize.py, which would shadow the stdlib module of that name (imported by dataclasses via
-# inspect): take bench/ off the path before any other import.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+if __name__ == "__main__":  # run as gpu_check's worker: this checkout's packages first (bench/ is sys.path[0])
+    sys.path.insert(0, os.path.dirname(_HERE))
 
+import collections  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 
 import torch  # noqa: E402
-from zerogpt.context import DistContext
 
-VOCAB = 50257
+from zerogpt.context import DistContext  # noqa: E402
+
+VOCAB = 50257  # GPT-2's; Llama-3's is 128256 (LLAMA3_VOCAB)
+LLAMA3_VOCAB = 128256
 
 @dataclass
 class Spec:
     """One measurement: system x model shape x ZeRO setting x batch."""
 
     system: str  # zerogpt | deepspeed | torch
-    shape: tuple  # (n_layer, n_head, n_embd)
+    shape: tuple  # (n_layer, n_head, n_embd); llama3_8b: (num_hidden_layers, num_attention_heads, hidden_size)
     stage: int = 3
     offload: str = "none"  # none | cpu | cpu+param | disk | disk+param (disk: the optimizer state, zerogpt only)
     batch: int = 8  # micro-batch (sequences)
@@ -46,7 +50,7 @@ class Spec:
     warmup: int = 2  # untimed optimizer steps first (the first one's time is first_step_s)
     checkpoint: bool = False  # activation checkpointing
     vocab: int = VOCAB
-    meta_init: bool = False  # build under ZeroInitContext / deepspeed.zero.Init (models too big to build whole)
+    meta_init: bool = False  # zerogpt: build on the meta device (as train_gpt.py); DeepSpeed: under zero.Init
     profile_to: str | None = None  # write the profile of one more step here (zerogpt only)
     label: str = ""
     accum: int = 1  # micro-batches per optimizer step (GRADIENT_ACCUMULATION / gradient_accumulation_steps)
@@ -59,6 +63,8 @@ class Spec:
     time_step: bool = False  # time the optimizer-step call of each timed step (one more device sync per step)
     chunked_loss: bool = False  # GPTConfig.chunked_loss: the loss from model(x, labels=y), no whole-batch logits
     loss_chunk_size: int | None = None  # GPTConfig.loss_chunk_size, tokens (None: its default, 256)
+    model: str = "gpt"  # gpt (model_zoo.gpt) | llama3_8b (model_zoo.llama: Llama-3.1-8B's widths, shape's depth)
+    count_syncs: int = 0  # steps after the timed ones run under torch.cuda.set_sync_debug_mode("warn"), counted
 
 
 def _reset_host_peak() -> None:
@@ -74,12 +80,25 @@ def _host_peak_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def _build_model(spec: Spec, device: torch.device) -> torch.nn.Module:
-    from model_zoo.gpt import gpt2_small
-
+def build_model(spec: Spec, device: torch.device) -> torch.nn.Module:
+    """The spec's model, built under whatever device or init context the caller holds."""
     n_layer, n_head, n_embd = spec.shape
     chunk = {} if spec.loss_chunk_size is None else dict(loss_chunk_size=spec.loss_chunk_size)
     torch.manual_seed(0)
+    if spec.model == "llama3_8b":
+        from model_zoo.llama import SIZES, llama3_8b
+
+        widths = {}
+        if (n_head, n_embd) != (SIZES["llama3_8b"]["num_attention_heads"], SIZES["llama3_8b"]["hidden_size"]):
+            # a narrower Llama-3 (the tiny CPU form): SwiGLU 3.5x as the 8B's 14336 / 4096, 4 q heads per k/v head
+            widths = dict(num_attention_heads=n_head, hidden_size=n_embd, intermediate_size=7 * n_embd // 2,
+                          num_key_value_heads=max(1, n_head // 4))
+        return llama3_8b(num_hidden_layers=n_layer, vocab_size=spec.vocab, checkpoint=spec.checkpoint,
+                         chunked_loss=spec.chunked_loss, **widths, **chunk)
+    if spec.model != "gpt":
+        raise ValueError(f"Spec.model={spec.model!r}: valid are 'gpt' and 'llama3_8b'")
+    from model_zoo.gpt import gpt2_small
+
     return gpt2_small(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=spec.vocab, dropout=0.0,
                       max_position_embeddings=spec.seq, checkpoint=spec.checkpoint, chunked_loss=spec.chunked_loss,
                       **chunk)
@@ -113,16 +132,18 @@ def _make_zerogpt(spec: Spec, device: torch.device, precision: str):
     from zerogpt.optim import HybridAdam
 
     cfg = zerogpt.Config(zerogpt_config(spec, precision))
-    if spec.meta_init:
-        with zerogpt.ZeroInitContext(cfg):
-            model = _build_model(spec, device)
+    if spec.meta_init:  # as train_gpt.py builds: no storage; initialize fills each shard from init_param_range
+        with torch.device("meta"):
+            model = build_model(spec, device)
+        engine = zerogpt.initialize(model, dict(type=HybridAdam, lr=1e-4, weight_decay=0.0), config=cfg,
+                                    ctx=DistContext.current())
     else:
         with device:
-            model = _build_model(spec, device)
-    optimizer = HybridAdam(model.parameters(), lr=1e-4, weight_decay=0.0)
-    engine = zerogpt.initialize(model, optimizer, config=cfg, ctx=DistContext.current())
+            model = build_model(spec, device)
+        engine = zerogpt.initialize(model, HybridAdam(model.parameters(), lr=1e-4, weight_decay=0.0), config=cfg,
+                                    ctx=DistContext.current())
     engine.logger.setLevel("WARNING")
-    return engine, engine.backward, lambda: (engine.step(), engine.zero_grad()), optimizer, engine.close
+    return engine, engine.backward, lambda: (engine.step(), engine.zero_grad()), engine.optimizer, engine.close
 
 
 def _make_deepspeed(spec: Spec, device: torch.device, precision: str):
@@ -148,10 +169,10 @@ def _make_deepspeed(spec: Spec, device: torch.device, precision: str):
     if spec.meta_init:
         with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu" if spec.offload == "cpu+param"
                                  else None, pin_memory=pin):
-            model = _build_model(spec, device)
+            model = build_model(spec, device)
     else:
         with device:
-            model = _build_model(spec, device)
+            model = build_model(spec, device)
     # On the device: torch's fused AdamW, as zerogpt's HybridAdam uses there (no FusedAdam JIT build)
     client = None if spec.offload != "none" else torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
                                                                   fused=device.type == "cuda")
@@ -168,7 +189,7 @@ def _make_torch(spec: Spec, device: torch.device, precision: str):
         raise ValueError(f"plain torch runs without offload in bf16/fp32; got offload={spec.offload}, "
                          f"precision={spec.precision}")
     with device:
-        model = _build_model(spec, device)
+        model = build_model(spec, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     run = torch.compile(model) if spec.compile else model
@@ -195,10 +216,12 @@ def _cpu_seconds() -> tuple[float, float]:
     return r.ru_utime, r.ru_stime
 
 
-def measure(spec: Spec) -> dict:
+def measure(spec: Spec, on_built=lambda: None) -> dict:
     """Train `spec` for warmup + steps optimizer steps of `accum` micro-batches each; tokens/s, TFLOPS, MFU, peak
     GPU memory and host RSS of the steps, build seconds and the build's host peak, the first step's seconds,
-    CPU user/sys seconds per timed step, and with `time_step` the optimizer-step call's mean wall seconds.
+    CPU user/sys seconds per timed step, with `time_step` the optimizer-step call's mean wall seconds, zerogpt's
+    own host-step seconds (engine.last_host_step_s) and with `count_syncs` the device syncs per step after them.
+    `on_built` is called once the system is built, before the first step.
     With `chunked_loss` the loss is the model's own (`model(x, labels=y).loss`, GPTConfig.chunked_loss);
     `chunked_loss_ran` says every micro-batch's output came without logits (the chunked path ran)."""
     from torch.profiler import record_function
@@ -211,7 +234,7 @@ def measure(spec: Spec) -> dict:
     precision = spec.precision or ("bf16" if cuda else "fp32")
     make = dict(zerogpt=_make_zerogpt, deepspeed=_make_deepspeed, torch=_make_torch)[spec.system]
     with torch.device("meta"):
-        meta_model = _build_model(spec, device)
+        meta_model = build_model(spec, device)
         num_params = sum(p.numel() for p in meta_model.parameters())  # tied head counted once
         flops_per_token = meta_model.flops_per_token(spec.seq)
     t_build = time.perf_counter()
@@ -219,6 +242,7 @@ def measure(spec: Spec) -> dict:
     if cuda:
         torch.cuda.synchronize()
     build_s = time.perf_counter() - t_build
+    on_built()
     build_peak_host = _host_peak_bytes()  # the build's peak (the process's, since start-up)
     # peaks from here on: the training steps, not the model's construction
     if cuda:
@@ -271,12 +295,18 @@ def measure(spec: Spec) -> dict:
     sync()
     cpu0 = _cpu_seconds()
     t0 = time.perf_counter()
+    engine_host_s = []  # zerogpt: the seconds its chunk steps took, as the engine reports them after each step
     for i in range(spec.steps):
         loss = train_step(i, time_step=spec.time_step)
+        engine_host_s.append(getattr(forward, "last_host_step_s", None))
     sync()
     seconds = time.perf_counter() - t0
     cpu1 = _cpu_seconds()
     losses.append(loss.item())
+    # the engine's figure right after a step may be the one before (the host step behind the next forward): the
+    # last timed step's is read once every step has finished
+    engine_host_s = engine_host_s[1:] + [getattr(forward, "last_host_step_s", None)]
+    engine_host_s = [s for s in engine_host_s if s is not None]
     tokens_per_step = spec.batch * spec.seq * spec.accum
     tokens_per_s = tokens_per_step * spec.steps / seconds
     tflops = tokens_per_s * flops_per_token / 1e12
@@ -292,11 +322,37 @@ def measure(spec: Spec) -> dict:
                host_step_s=sum(step_call_s) / len(step_call_s) if step_call_s else None,
                h2d_bytes=traffic.h2d_bytes if traffic is not None else None,
                d2h_bytes=traffic.d2h_bytes if traffic is not None else None,
+               engine_host_step_s=sum(engine_host_s) / len(engine_host_s) if engine_host_s else None,
                chunked_loss_ran=bool(without_logits) and all(without_logits))
+    if spec.count_syncs:
+        out.update(count_syncs(lambda: [train_step(i) for i in range(spec.count_syncs)], spec.count_syncs, cuda))
+        sync()
     if spec.profile_to:
         out["profile"] = profile_step(train_step, optimizer, spec, sync, cuda)
     close()
     return out
+
+
+def count_syncs(run_steps, steps: int, cuda: bool) -> dict:
+    """Host<->device synchronizations while `run_steps` runs `steps` optimizer steps with no logging in them
+    (the steps between two log steps of a training loop): torch.cuda.set_sync_debug_mode("warn") makes every
+    synchronizing CUDA call (a blocking copy to the host, .item(), a stream or device synchronize) warn, and the
+    warnings are counted by the Python line that made the call. None on the CPU, where nothing is a device sync."""
+    if not cuda:
+        return dict(syncs_per_step=None, sync_sites={})
+    sites: collections.Counter = collections.Counter()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_steps()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites[f"{os.path.relpath(w.filename, os.path.dirname(_HERE))}:{w.lineno}"] += 1
+    return dict(syncs_per_step=sum(sites.values()) / steps, sync_sites=dict(sites.most_common(12)))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -381,10 +437,16 @@ def worker_main(specs_json: str, result_path: str) -> int:
     rdzv = tempfile.mkdtemp(prefix="gpu_check_pg_")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rdzv}/rdzv", rank=0, world_size=1)
     results = []
+    progress = result_path + ".progress"  # which spec and part runs now: a kill's row says where it stopped
+
+    def mark(index: int, part: str) -> None:
+        with open(progress, "w") as f:
+            json.dump(dict(index=index, part=part, since=time.time()), f)
     try:
-        for spec in specs:
+        for index, spec in enumerate(specs):
+            mark(index, "build")
             try:
-                results.append(measure(spec))
+                results.append(measure(spec, on_built=lambda: mark(index, "train")))
             except torch.cuda.OutOfMemoryError as e:
                 results.append(dict(spec=asdict(spec), error="gpu_oom", detail=str(e).splitlines()[0]))
             except Exception as e:

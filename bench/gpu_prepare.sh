@@ -1,38 +1,83 @@
 #!/usr/bin/env bash
-# Prepare what bench/gpu_check.py needs on the lent GPU machine (Python 3.12, torch 2.11 + CUDA 13, no network):
-# DeepSpeed (an sdist: it builds there against that torch, its ops JIT-compile at first use) and those of its
-# pure-Python dependencies the image lacks, downloaded here into the ignored folder .carry/.
+# Gather here, on the CPU machine, what bench/gpu_check.py needs on a lent GPU machine (Python 3.12, torch 2.11 +
+# CUDA 13, nvcc and ninja, no network, no DeepSpeed): into the ignored folder .carry/ (.gitignore lists /.carry/),
+# which the device call carries. gpu_check.py installs it there itself, inside its 9-minute budget.
 #
-#   bash bench/gpu_prepare.sh            # once, on this machine; then pass carry=[".carry"] to the device tool
+#   bash bench/gpu_prepare.sh     # before each device call: downloads once, then only refreshes .carry/COMMIT
 #
-# On the device machine, start every command with the line this script prints last (the install, then the
-# PYTHONPATH that puts this checkout and the installed packages first). The image already holds torch, numpy,
-# transformers, safetensors, tensorboard, psutil, ninja, einops, msgpack, py-cpuinfo, tqdm, pytest, pytest-timeout;
-# not torchao, which this script adds.
-# Versions follow this machine's pins, so both sides run the same DeepSpeed.
+# .carry/ holds: DeepSpeed's sdist (it builds there, ops not prebuilt, against the device's torch; its CPU Adam op
+# JIT-builds at first use, which gpu_check does before measuring), the pure-Python wheels it needs that the image
+# lacks (hjson, pydantic and its three, typing_extensions for pydantic), torchao (precision="fp8" in the compute
+# slice), and COMMIT: the commit and the count of tracked files changed since (the device's copy of the tree has no
+# .git). Versions follow this machine's .venv, so both sides run the same DeepSpeed. Files of other versions are
+# removed: two versions of one package stop the whole install there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=.carry
-# .gitignore lists /.carry/: the device tool sends it only when a call names it in `carry`.
-rm -rf "$DEST" && mkdir -p "$DEST"
+LIMIT_MB=48  # the device tool carries 64 MiB in all, the tree included
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+mkdir -p "$DEST"
 
-version() { python -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
-pin() { local v; v=$(version "$1"); if [ -n "$v" ]; then echo "$1==$v"; else echo "$1"; fi; }
+version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
+# file names of a package: "-" or "_" between its words, any case; then "-VERSION" and "-" or "."
+name_re() { echo "$1" | sed 's/[-_]/[-_]/g'; }
+have() {  # the file of package $1 at version $2 already in $DEST, if any
+    local f
+    for f in "$DEST"/*; do
+        f=$(basename "$f")
+        if echo "$f" | grep -qiE "^$(name_re "$1")-${2//./\\.}[-.]"; then echo "$f"; fi
+    done
+}
+drop_others() {  # remove files of package $1 at any version but $2
+    local f
+    for f in "$DEST"/*; do
+        f=$(basename "$f")
+        if echo "$f" | grep -qiE "^$(name_re "$1")-[0-9]" && ! echo "$f" | grep -qiE -- "-${2//./\\.}[-.]"; then
+            rm -f "$DEST/$f"
+            echo "removed $f (another version)"
+        fi
+    done
+}
 
-# DeepSpeed as source: its setup.py imports the torch it is installed against (the device's 2.11).
-python -m pip download -q --no-deps --no-binary :all: -d "$DEST" "$(pin deepspeed)"
-# Its dependencies missing from the image, as wheels for CPython 3.12 on x86-64 Linux.
-WHEEL_OPTS=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
-            --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
-            --platform any -d "$DEST")
-# torchao: precision="fp8" (float8 training) in gpu_check's no_offload rows; the image lacks it (~3.4 MB). Its
-# compiled extensions may not load against the device's torch (torchao then warns); float8 training is Python on
-# torch._scaled_mm and should not need them: not yet checked on a GPU (a failure is an error row).
-for pkg in hjson pydantic pydantic_core annotated_types typing_inspection torchao; do
-    python -m pip download -q "${WHEEL_OPTS[@]}" "$(pin "$pkg")"
+fetch() {  # fetch NAME KIND: KIND sdist (DeepSpeed) or wheel (CPython 3.12, x86-64 Linux, or pure Python)
+    local name=$1 kind=$2 ver
+    ver=$(version "$name")
+    if [ -z "$ver" ]; then
+        echo "$name is not installed in $PY's environment: install it (pip install $name) first" >&2
+        exit 1
+    fi
+    drop_others "$name" "$ver"
+    if [ -n "$(have "$name" "$ver")" ]; then return; fi
+    if [ "$kind" = sdist ]; then
+        "$PY" -m pip download -q --no-deps --no-binary :all: -d "$DEST" "$name==$ver"
+    else
+        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 --platform any -d "$DEST" "$name==$ver"
+    fi
+    [ -n "$(have "$name" "$ver")" ] || { echo "pip left no file for $name==$ver in $DEST" >&2; exit 1; }
+}
+
+fetch deepspeed sdist
+for pkg in hjson pydantic pydantic_core annotated_types typing_inspection typing_extensions torchao; do
+    fetch "$pkg" wheel
 done
-du -sh "$DEST"
-ls "$DEST"
+
+# the commit measured: .carry/COMMIT (gpu_check.py reads it where git is missing)
+dirty=$(git status --porcelain --untracked-files=no | wc -l)
+printf '{"commit": "%s", "dirty_files": %d, "prepared_at": "%s"}\n' "$(git rev-parse HEAD)" "$dirty" \
+    "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$DEST/COMMIT"
+
+size_kb=$(du -sk "$DEST" | cut -f1)
+ls -l "$DEST"
+echo "$DEST: $((size_kb / 1024)) MiB ($size_kb KiB); COMMIT: $(cat "$DEST/COMMIT")"
+if [ "$size_kb" -gt $((LIMIT_MB * 1024)) ]; then
+    echo "$DEST is over $LIMIT_MB MiB: the device call carries 64 MiB with the tree; remove what is not needed" >&2
+    exit 1
+fi
+[ "$dirty" -eq 0 ] || echo "note: $dirty tracked files differ from HEAD; they travel and are measured too"
 echo
-echo "device command prefix:"
-echo '[ -d /tmp/site/deepspeed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/*.whl && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site .carry/deepspeed-*.tar.gz; } || exit 1; export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1;'
+echo "device call: run(command=\"PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --next --out \$OUT\","
+echo "                carry=[\".carry\"], timeout_s=600), then give_back; afterwards, here:"
+echo "  python bench/gpu_check.py --record <files_at>/gpu_<device>_<date>_<slice>.json"
