@@ -17,6 +17,7 @@ import torch
 
 import zerogpt
 from model_zoo.gpt import gpt2_tiny
+from model_zoo.llama import llama_tiny
 from tests.zero.reference import cpu_ctx, train_losses
 from zerogpt.compile import compile_blocks, find_blocks
 from zerogpt.config import engine_config
@@ -40,12 +41,13 @@ class CountingBackend:
 
 
 def build_engine(stage: int, *, compile_with=None, checkpoint: bool = False, offload: str = "none",
-                 offload_param: bool = False, config_compile: bool = False, logger=None):
-    """The tiny GPT on a world-1 engine; `compile_with` a backend compiles its blocks as initialize does."""
+                 offload_param: bool = False, config_compile: bool = False, logger=None, factory=gpt2_tiny):
+    """The tiny GPT (or `factory`'s model) on a world-1 engine; `compile_with` a backend compiles its blocks as
+    initialize does."""
     from zerogpt.zero import BucketTensorShardStrategy
 
     torch.manual_seed(0)
-    model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, checkpoint=checkpoint)
+    model = factory(vocab_size=VOCAB, max_position_embeddings=SEQ, checkpoint=checkpoint)
     zero = dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02),
                 offload_optimizer=dict(device=offload), offload_param=dict(device="cpu" if offload_param else "none"))
     cfg = zerogpt.Config(dict(zero=zero, precision="fp32", compile=config_compile))
@@ -83,6 +85,30 @@ def test_find_blocks_is_the_gpt_blocks():
     assert compile_blocks(model, backend="aot_eager") == 2
     assert all("forward" in vars(block) for block in model.transformer.h)  # the bound forward, not _call_impl
     assert "forward" not in vars(model.transformer.ln_f)
+
+
+def test_find_blocks_is_the_llama_layers():
+    model = llama_tiny(qk_norm=True)
+    assert find_blocks(model) == list(model.model.layers)
+    assert compile_blocks(model, backend="aot_eager") == 2
+    assert "forward" not in vars(model.model.norm) and "forward" not in vars(model.model.layers[0].mlp)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_llama_same_losses_as_eager_and_one_graph(stage):
+    """The Llama family (tiny: GQA, Llama-3 RoPE scaling) with Qwen3's qk-norm: its layers share one graph."""
+    def qwen3_like(**kwargs):
+        return llama_tiny(qk_norm=True, **kwargs)
+
+    eager = build_engine(stage, factory=qwen3_like)
+    expected = train_losses(eager, batches())
+    eager.close()
+    backend = CountingBackend()
+    compiled = build_engine(stage, compile_with=backend, factory=qwen3_like)
+    torch.testing.assert_close(train_losses(compiled, batches()), expected, rtol=1e-5, atol=1e-6)
+    assert backend.graphs == 1 and "graph_break" not in torch._dynamo.utils.counters
+    compiled.close()
 
 
 @pytest.mark.timeout(120)
@@ -255,10 +281,11 @@ def test_pipeline_stages_compile_their_blocks():
         assert run[True]["blocks"] == 2 and run[True]["graphs"] == 1, (rank, run[True])  # tiny_gpt4: 2 per stage
 
 
-def _tensor_parallel_fit(rank: int, world: int, stage: int, dropout: float, sequence_parallel: bool) -> dict:
-    """A 10-block GPT under TP2 (x DP2 on 4 ranks), trained by the Trainer as tests/parallel/test_tp_pp.py trains it:
+def _tensor_parallel_fit(rank: int, world: int, stage: int, sequence_parallel: bool, model: dict) -> dict:
+    """A model under TP2 (x DP2 on 4 ranks), trained by the Trainer as tests/parallel/test_tp_pp.py trains it:
     eager, then with its blocks compiled (stage 3 with DP2: gathered whole per block, rebound at every gather).
-    The same dropout stream on every rank; the graphs are counted after each step."""
+    `model`: test_tp_pp.build's factory and overrides. The same dropout stream on every rank; the graphs are
+    counted after each step."""
     from tests.parallel.test_pipeline import STEPS, Record, _trainer_data
     from tests.parallel.test_tp_pp import build
     from zerogpt.trainer import Trainer
@@ -266,7 +293,7 @@ def _tensor_parallel_fit(rank: int, world: int, stage: int, dropout: float, sequ
     out = {}
     for compiled in (False, True):
         torch._dynamo.reset()
-        engine, _ = build(2, 1, stage, sequence_parallel=sequence_parallel, dropout=dropout, n_layer=10)
+        engine, _ = build(2, 1, stage, sequence_parallel=sequence_parallel, **model)
         backend = CountingBackend()
         blocks = compile_blocks(engine.module, backend=backend, gather_hooks=engine.gather_hooks) if compiled else 0
         train_data, _ = _trainer_data(engine.ctx.dp_size)
@@ -296,7 +323,8 @@ def test_tensor_parallel_blocks_compile_once_and_train_as_eager(world, stage, dr
     aot_eager draws the other masks as eager does, so the runs match."""
     from tests.dist_utils import run_distributed
 
-    runs = run_distributed(_tensor_parallel_fit, world, stage, dropout, sequence_parallel, timeout=280)
+    runs = run_distributed(_tensor_parallel_fit, world, stage, sequence_parallel, dict(dropout=dropout, n_layer=10),
+                           timeout=280)
     for rank, run in enumerate(runs):
         for key in ("losses", "norms"):
             torch.testing.assert_close(run[True][key], run[False][key], rtol=1e-5, atol=1e-6, msg=key)
@@ -306,3 +334,18 @@ def test_tensor_parallel_blocks_compile_once_and_train_as_eager(world, stage, dr
         # each splits the block's graph, and a split may resume in the module that called it
         own = 0 if dropout == 0 else 3 if sequence_parallel else 1
         assert graphs[0] == 1 if own == 0 else 1 < graphs[0] <= 2 * (own + 1) < 10, (rank, graphs)
+
+
+@pytest.mark.timeout(200)
+def test_llama_tensor_parallel_layers_compile_once_and_train_as_eager():
+    """The Qwen3-like tiny Llama (2 layers) under TP2 + SP at ZeRO-1: the compiled layers hold DTensor projections,
+    qk-norms on head-sharded inputs and sequence-parallel RMSNorms, share one graph, and train as eagerly. The first
+    layer takes the embedding's output still in flight (compile.py, `_waited_inputs`)."""
+    from tests.dist_utils import run_distributed
+    from tests.parallel.test_tp_pp_llama import tiny_qwen3
+
+    model = dict(factory=tiny_qwen3, num_hidden_layers=2)
+    for rank, run in enumerate(run_distributed(_tensor_parallel_fit, 2, 1, True, model, timeout=180)):
+        for key in ("losses", "norms"):
+            torch.testing.assert_close(run[True][key], run[False][key], rtol=1e-5, atol=1e-6, msg=key)
+        assert run[True]["blocks"] == 2 and set(run[True]["graphs"]) == {1}, (rank, run[True])

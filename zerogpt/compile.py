@@ -16,7 +16,9 @@ each wrapper's storage offset its slot's, which dynamo checks); with dropout on,
 own stream run eagerly between compiled graphs (parallel/rng.py). There AOTAutograd's cache is turned off for the
 process: in torch 2.13 a graph of DTensors split by such a module, loaded from that cache, computes wrong gradients
 for the parameters before the split under sequence parallelism (the same loss; tests/parallel/test_rng.py), while
-the graph compiled afresh is right. Pipeline stages compile their own blocks.
+the graph compiled afresh is right. A block's arguments that are still in flight from an asynchronous DTensor
+redistribution (AsyncCollectiveTensor, e.g. a Llama's embedding output) are waited on before the compiled code
+runs (`_waited_inputs`). Pipeline stages compile their own blocks.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ __all__ = ["compile_blocks", "find_blocks"]
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the entries of the largest nn.ModuleList (or ModuleDict, a pipeline stage's
-    `h`) whose entries all have one class; model_zoo GPT's `transformer.h`, HF GPT-2's `transformer.h`."""
+    `h`) whose entries all have one class; model_zoo GPT's `transformer.h`, HF GPT-2's `transformer.h`, the Llama
+    family's `model.layers`."""
     best: list[nn.Module] = []
     for sub in model.modules():
         if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):
@@ -68,10 +71,31 @@ def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor",
     if gather_hooks is not None:
         gather_hooks.gather_per_block(blocks)
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend)
+        block.forward = _waited_inputs(torch.compile(block.forward, backend=backend))
     if logger is not None and blocks:
         _log_first_step(model, len(blocks), logger)
     return len(blocks)
+
+
+def _waited_inputs(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled` called with its AsyncCollectiveTensor arguments waited on first.
+
+    Under tensor parallelism DTensor's redistributions are asynchronous: a module's output may be torch's
+    AsyncCollectiveTensor, which waits at its first use. Into a compiled block straight from one (a Llama's first
+    layer takes the vocab-parallel embedding's all-reduced or reduce-scattered output as it is; GPT adds the
+    positions first, which waits), dynamo compiles a second graph for that block (a tensor-subclass input), whose
+    backward hands the redistribution a plain gradient where it needs a DTensor (torch 2.13: "'Tensor' object
+    has no attribute '_local_tensor'"). Waiting here, eagerly, is what the block's first op would do: the same
+    values, and every block then shares one graph."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        # wait_tensor on the wrapper itself, not AsyncCollectiveTensor.wait() (on its inner tensor, which autograd
+        # does not track: the gradient would stop here): an autograd op whose backward is the identity
+        args = tuple(wait_tensor(a) if isinstance(a, AsyncCollectiveTensor) else a for a in args)
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def _log_first_step(model: nn.Module, count: int, logger: Any) -> None:

@@ -301,8 +301,8 @@ def known_vocab_size(data: Any) -> int | None:
 def check_parallel(cfg: Any, world_size: int, model: Callable[[], Any]) -> ParallelDims:
     """The `parallel` section fits the world, the batch and the model: T x P divides the world size,
     GLOBAL_BATCH_SIZE divides by BATCH_SIZE x D (D = world / (T x P), the ranks ZeRO shards over), ZeRO-3
-    is not asked to run with a pipeline, and the model's heads, MLP width and padded vocabulary divide by T
-    and its layers by P.
+    is not asked to run with a pipeline, and the model's heads (a Llama's k/v heads too), MLP width and padded
+    vocabulary divide by T and its layers by P.
 
     Args:
         cfg: the run's Config; world_size: the ranks torchrun will start (env_world_size()).
@@ -334,10 +334,12 @@ def check_parallel(cfg: Any, world_size: int, model: Callable[[], Any]) -> Paral
         built = model()
         config = getattr(built, "config", None)
         if not hasattr(config, "padded_vocab_size"):
-            raise PreflightError(f"parallel.tensor.size={t} / parallel.pipeline={p} split a model_zoo GPT "
-                                 f"(model = dict(type=gpt2_medium, ...)); {type(built).__name__} cannot be split")
+            raise PreflightError(f"parallel.tensor.size={t} / parallel.pipeline={p} split a model_zoo GPT or "
+                                 f"Llama-family model (model = dict(type=gpt2_medium, ...), dict(type=llama3_8b, "
+                                 f"...) or a Llama-family dict(type='hf', ...)); {type(built).__name__} cannot be "
+                                 f"split")
         try:
-            dims.check_gpt(config, where=f"model ({type(built).__name__}, vocab {config.vocab_size:,} padded to "
+            dims.check_config(config, where=f"model ({type(built).__name__}, vocab {config.vocab_size:,} padded to "
                                          f"{config.padded_vocab_size:,})")
         except ValueError as e:
             raise PreflightError(str(e)) from None

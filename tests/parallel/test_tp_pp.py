@@ -6,6 +6,8 @@ global batch is the reference (tests/parallel/test_pipeline.py's data and settin
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -18,10 +20,11 @@ from zerogpt.trainer import Trainer
 from zerogpt.zero.chunk import to_local
 
 
-def build(tp: int, pp: int, stage: int, meta: bool = False, sequence_parallel: bool = False, **model):
+def build(tp: int, pp: int, stage: int, meta: bool = False, sequence_parallel: bool = False,
+          factory: Callable[..., torch.nn.Module] = tiny_gpt4, **model):
     """(engine, pipeline) for this rank of a (pp, dp, tp) mesh over every rank; `meta`: the model is built on the
-    meta device, as train_gpt builds it, and `initialize` fills each rank's shards; `model`: tiny_gpt4's
-    overrides."""
+    meta device, as train_gpt builds it, and `initialize` fills each rank's shards; `factory` builds the model
+    (seeded alike on every rank), `model` its overrides."""
     import contextlib
 
     from zerogpt.parallel import ParallelDims
@@ -29,13 +32,13 @@ def build(tp: int, pp: int, stage: int, meta: bool = False, sequence_parallel: b
     torch.set_num_threads(1)
     dims = ParallelDims(tp=tp, pp=pp, dp=torch.distributed.get_world_size() // (tp * pp))
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model = tiny_gpt4(**model)
+        model = factory(**model)
     return parallel_engine(model, dims, _config(stage), adamw, criterion, sequence_parallel)
 
 
 def _fit(rank: int, world: int, tp: int, pp: int, stage: int, meta: bool = False,
-         sequence_parallel: bool = False) -> dict:
-    engine, pipeline = build(tp, pp, stage, meta, sequence_parallel)
+         sequence_parallel: bool = False, factory: Callable[..., torch.nn.Module] = tiny_gpt4) -> dict:
+    engine, pipeline = build(tp, pp, stage, meta, sequence_parallel, factory)
     dp, dp_rank = engine.ctx.dp_size, engine.ctx.dp_rank
     train_data, eval_data = _trainer_data(dp)
     record = Record()
@@ -50,12 +53,12 @@ def _fit(rank: int, world: int, tp: int, pp: int, stage: int, meta: bool = False
             "memory": memory, "num_chunks": len(engine.chunks)}
 
 
-def reference(dp: int) -> dict:
+def reference(dp: int, factory: Callable[..., torch.nn.Module] = tiny_gpt4) -> dict:
     """One process, the data-parallel ranks' micro-batches side by side, through the same Trainer."""
     import zerogpt
 
     with single_thread():
-        model = tiny_gpt4()
+        model = factory()
         engine = zerogpt.initialize(model, adamw(model), criterion=criterion, config=_config(1), ctx=cpu_ctx())
         train_data, eval_data = (_whole_batches(b) for b in _trainer_data(dp))
         record = Record()

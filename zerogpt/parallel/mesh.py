@@ -70,6 +70,31 @@ class ParallelDims:
         self.check_model(n_head=config.n_head, n_layer=config.n_layer, padded_vocab_size=config.padded_vocab_size,
                          n_inner=config.n_inner or 4 * config.n_embd, where=where)
 
+    def check_llama(self, config: Any, where: str = "model") -> None:
+        """`check_model` on a model_zoo LlamaConfig, whose k/v heads split by T too: rank r of T holds query heads
+        [r*nh/T, (r+1)*nh/T) and k/v heads [r*nkv/T, (r+1)*nkv/T), the groups those query heads use. (Fewer k/v
+        heads than T would need each replicated over several ranks, as Megatron does; not implemented.)"""
+        t, p = self.tp, self.pp
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(config, key) % t:
+                raise ValueError(f"{where}: {key}={getattr(config, key)} is not divisible by parallel.tensor.size="
+                                 f"{t}; each tensor-parallel rank holds whole query and k/v heads (its query heads' "
+                                 f"groups), so T must divide both num_attention_heads={config.num_attention_heads} "
+                                 f"and num_key_value_heads={config.num_key_value_heads}")
+        if config.num_hidden_layers % p:
+            raise ValueError(f"{where}: num_hidden_layers={config.num_hidden_layers} is not divisible by "
+                             f"parallel.pipeline={p}; every stage holds the same number of layers")
+        self.check_model(n_head=config.num_attention_heads, n_layer=config.num_hidden_layers,
+                         padded_vocab_size=config.padded_vocab_size, n_inner=config.intermediate_size, where=where)
+
+    def check_config(self, config: Any, where: str = "model") -> None:
+        """The shape check of a model_zoo config, by its class: GPTConfig (check_gpt) or LlamaConfig (check_llama)."""
+        check = {"GPTConfig": self.check_gpt, "LlamaConfig": self.check_llama}.get(type(config).__name__)
+        if check is None:
+            raise ValueError(f"{where}: parallel.tensor.size / parallel.pipeline split model_zoo's GPT and "
+                             f"Llama-family models; a {type(config).__name__} has no plan")
+        check(config, where)
+
     def build_mesh(self, device_type: str) -> Any:
         """The run's DeviceMesh over the default process group, dims ("pp", "dp", "tp")."""
         from torch.distributed.device_mesh import init_device_mesh

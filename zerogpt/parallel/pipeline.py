@@ -1,13 +1,15 @@
-"""Pipeline parallelism: a GPT split into contiguous stages, run by torch's 1F1B schedule around a ZeRO engine.
+"""Pipeline parallelism: a model_zoo GPT or Llama-family model split into contiguous stages, run by torch's 1F1B
+schedule around a ZeRO engine.
 
-`split_stage` cuts model_zoo's GPT from outside: stage r of P keeps blocks [r*L/P, (r+1)*L/P) in a ModuleDict
-keyed by layer index (parameter names stay those of the whole model, which checkpoints and HF export are keyed
-by), the embeddings on the first stage and ln_f + lm_head on the last. The last stage's head becomes its own
-Parameter with wte's values; after every backward the two gradients are summed over a two-rank "tied" group,
-so both copies take the same update and stay equal. `Pipeline` runs one optimizer step's micro-batches
-(GRADIENT_ACCUMULATION of them) through `torch.distributed.pipelining.Schedule1F1B` inside the engine's
-`scheduled_backward`, which reduces each chunk once after the last micro-batch; `engine.step()` follows as at P=1.
-The Trainer takes it as its schedule (`Trainer(engine, pipeline=...)`). ZeRO-3 is refused by
+`split_stage` cuts the model from outside (its family's module names, families.py): stage r of P keeps blocks
+[r*L/P, (r+1)*L/P) in a ModuleDict keyed by layer index (parameter names stay those of the whole model, which
+checkpoints and HF export are keyed by), the embeddings on the first stage and the final norm + lm_head on the
+last. A tied head (GPT's; a Llama with tie_word_embeddings) becomes on the last stage its own Parameter with the
+embedding's values; after every backward the two gradients are summed over a two-rank "tied" group, so both
+copies take the same update and stay equal. An untied head is the last stage's own. `Pipeline` runs one optimizer
+step's micro-batches (GRADIENT_ACCUMULATION of them) through `torch.distributed.pipelining.Schedule1F1B` inside
+the engine's `scheduled_backward`, which reduces each chunk once after the last micro-batch; `engine.step()`
+follows as at P=1. The Trainer takes it as its schedule (`Trainer(engine, pipeline=...)`). ZeRO-3 is refused by
 ParallelDims.check_zero_stage.
 """
 from __future__ import annotations
@@ -19,10 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from zerogpt.parallel.families import HEAD, family_of
 from zerogpt.parallel.mesh import ParallelDims
-
-HEAD = "lm_head.weight"
-EMBEDDING = "transformer.wte.weight"
 
 
 def stage_layers(n_layer: int, stage: int, stages: int) -> range:
@@ -32,25 +32,49 @@ def stage_layers(n_layer: int, stage: int, stages: int) -> range:
 
 
 def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
-    """Keep, in place, the modules of pipeline stage `stage` of `stages` of a model_zoo GPT; return it.
+    """Keep, in place, the modules of pipeline stage `stage` of `stages` of a model_zoo GPT or Llama-family
+    model; return it.
 
-    stages == 1 leaves the model untouched. Build the whole model with the same seed on every rank first:
-    the stages then start from the values one process would have, and the last stage's head from wte's.
+    stages == 1 leaves the model untouched. Build the whole model with the same seed on every rank first (or
+    on meta): the stages then start from the values one process would have, and a tied head from the
+    embedding's.
     """
     if stages == 1:
         return model
-    c = model.config
-    ParallelDims(pp=stages).check_gpt(c)
-    t = model.transformer
-    t["h"] = nn.ModuleDict({str(i): t.h[i] for i in stage_layers(c.n_layer, stage, stages)})
-    if stage == stages - 1:  # untie: the head is its own Parameter, kept equal to wte by summing the gradients
-        model.lm_head.weight = nn.Parameter(t.wte.weight.detach().clone())
+    family = family_of(model)
+    ParallelDims(pp=stages).check_config(model.config)
+    layers = model.get_submodule(family.layers)
+    _replace(model, family.layers, nn.ModuleDict({str(i): layers[i]
+                                                  for i in stage_layers(len(layers), stage, stages)}))
+    if stage == stages - 1:
+        if family.tied(model.config):  # untie: its own Parameter, kept equal to the embedding by summing the grads
+            embedding = model.get_submodule(family.embedding)
+            model.lm_head.weight = nn.Parameter(embedding.weight.detach().clone())
     else:
-        del t["ln_f"]
+        _replace(model, family.final_norm, None)
         model.lm_head = None
     if stage > 0:
-        del t["wte"], t["wpe"], t["drop"]
+        for path in family.first_stage:
+            _replace(model, path, None)
     return model
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module | None) -> None:
+    """Set submodule `path` to `module`; None deletes it (the model's forward skips what a stage lacks)."""
+    parent, _, name = path.rpartition(".")
+    owner = model.get_submodule(parent)
+    if module is None:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, module)
+
+
+def tied_copies(model: nn.Module, stage: int, stages: int) -> dict[str, str]:
+    """alias -> canonical: the last stage's own copy of a tied head (ParallelModel.tied_copies); {} otherwise."""
+    family = family_of(model)
+    if stages > 1 and stage == stages - 1 and family.tied(model.config):
+        return {HEAD: family.embedding_weight}
+    return {}
 
 
 def tied_group(mesh: Any) -> dist.ProcessGroup | None:
@@ -89,9 +113,12 @@ class Pipeline:
         self.stage, self.stages, self.group = pp.get_local_rank(), pp.size(), pp.get_group()
         self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
         self.device = engine.ctx.device
-        self.tied_group = tied_group(mesh)
+        family = family_of(engine.module)
+        tied = family.tied(engine.module.config)  # an untied head needs no group: nothing to keep equal
+        self.tied_group = tied_group(mesh) if tied else None
         params = dict(engine.module.named_parameters())
-        self.tied_param = params.get(EMBEDDING if self.is_first else HEAD) if (self.is_first or self.is_last) else None
+        ends = tied and (self.is_first or self.is_last)
+        self.tied_param = params.get(family.embedding_weight if self.is_first else HEAD) if ends else None
         self._micro_losses: list[torch.Tensor] = []
         stage = PipelineStage(engine.module, self.stage, self.stages, self.device, group=self.group)
         # The engine scales the loss (1/accumulation, fp16's scale) so gradients mean what they mean at P=1.
@@ -122,7 +149,8 @@ class Pipeline:
         return self._mean(self._micro_losses[-len(micro_batches):])
 
     def _sum_tied_grads(self) -> None:
-        """wte's gradient (first stage) and the head's (last stage) summed: the tied weight's whole gradient."""
+        """The embedding's gradient (first stage) and the tied head's (last stage) summed: the tied weight's whole
+        gradient."""
         if self.tied_param is not None:
             dist.all_reduce(self.engine.local_grad(self.tied_param), group=self.tied_group)
 

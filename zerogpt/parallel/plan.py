@@ -1,11 +1,13 @@
-"""Tensor and pipeline parallelism applied to a model_zoo GPT in one call, and what the engine then needs to know.
+"""Tensor and pipeline parallelism applied to a model_zoo GPT or Llama-family model in one call, and what the
+engine then needs to know.
 
 `parallelize(model, mesh)` is the one place the plans meet: Megatron's tensor-parallel plan over "tp" first
-(tensor.py), then the stage split over "pp" (pipeline.py: it keeps this stage's blocks; the last stage's head
-copy is cut from the already vocab-parallel wte). What comes back records what the engine cannot see in the
-module: which parameters another rank of the model-parallel group also holds (left out of the grad norm),
-where each local tensor lies in the unsharded parameter (`layouts`, taken here because ZeRO-3 releases the
-parameters' storage once the engine owns them), the tied copy a last stage holds, and the loss's context.
+(tensor.py), then the stage split over "pp" (pipeline.py: it keeps this stage's blocks; a tied head's last-stage
+copy is cut from the already vocab-parallel embedding); each family's names and block plan are in families.py.
+What comes back records what the engine cannot see in the module: which parameters another rank of the
+model-parallel group also holds (left out of the grad norm), where each local tensor lies in the unsharded
+parameter (`layouts`, taken here because ZeRO-3 releases the parameters' storage once the engine owns them),
+the tied copy a last stage holds, and the loss's context.
 `initialize` takes it in place of the module, so the engine is complete when it returns:
 
     ctx = ctx.with_mesh(dims.build_mesh(device_type))
@@ -19,10 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerogpt.parallel.families import HEAD, family_of
 from zerogpt.parallel.layout import ParamLayout, global_runs
 from zerogpt.parallel.mesh import ParallelDims
 from zerogpt.parallel.parallel_model import ParallelModel
-from zerogpt.parallel.pipeline import EMBEDDING, HEAD, split_stage
+from zerogpt.parallel.pipeline import split_stage, tied_copies
 from zerogpt.parallel.tensor import apply_tensor_parallel, tensor_parallel_layout
 
 __all__ = ["ParallelModel", "parallelize", "init_local_ranges"]
@@ -31,11 +34,12 @@ __all__ = ["ParallelModel", "parallelize", "init_local_ranges"]
 def parallelize(model: nn.Module, mesh: Any, sequence_parallel: bool = False) -> ParallelModel:
     """Apply the tensor-parallel plan, then keep this rank's pipeline stage, in place (every rank calls).
 
-    `model` is a model_zoo GPT built with the same seed on every rank, whole or on the meta device (then
-    `initialize` fills each rank's shards, and no rank ever holds the whole model); `mesh` the
-    ("pp", "dp", "tp") DeviceMesh from `ParallelDims.build_mesh`.
+    `model` is a model_zoo GPT or Llama-family model built with the same seed on every rank, whole or on the
+    meta device (then `initialize` fills each rank's shards from `init_param_range`, the fresh init or a
+    pretrained model's files, and no rank ever holds the whole model); `mesh` the ("pp", "dp", "tp")
+    DeviceMesh from `ParallelDims.build_mesh`.
     """
-    tp, pp = mesh["tp"], mesh["pp"]
+    family, tp, pp = family_of(model), mesh["tp"], mesh["pp"]
     duplicates: set[str] = set()
     layouts: dict[str, ParamLayout] = {}
     if tp.size() > 1:
@@ -44,12 +48,14 @@ def parallelize(model: nn.Module, mesh: Any, sequence_parallel: bool = False) ->
         if tp.get_local_rank() != 0:
             duplicates |= replicated
     stage, stages = pp.get_local_rank(), pp.size()
+    tied = tied_copies(model, stage, stages)  # a tied head's last-stage copy of the embedding
     split_stage(model, stage, stages)
-    tied = {HEAD: EMBEDDING} if stages > 1 and stage == stages - 1 else {}  # the last stage's copy of wte
+    if sequence_parallel and tp.size() > 1 and stage > 0 and family.later_stage_sp is not None:
+        family.later_stage_sp(model, tp.size())
     duplicates |= set(tied)
     names = {n for n, _ in model.named_parameters()}
-    if HEAD in names and EMBEDDING in layouts and HEAD not in layouts:  # the last stage's copy of wte
-        layouts[HEAD] = layouts[EMBEDDING]
+    if tied and family.embedding_weight in layouts:  # the copy is split as the vocab-parallel embedding is
+        layouts[HEAD] = layouts[family.embedding_weight]
     layouts = {n: lay for n, lay in layouts.items() if n in names}
     if layouts and any(p.is_meta for p in model.parameters()):
         init_local_ranges(model, layouts)
