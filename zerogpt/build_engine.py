@@ -5,7 +5,8 @@ engine config at this data-parallel size, the compute dtype, where parameters an
 plans and the disk the state needs. Nothing is built yet, and the plan is checked to be the same on every rank.
 Then the build runs in named steps that only read the plan: pack the parameters into chunks (a meta model: each
 rank fills only its shards), place the buffers, register the hooks (after packing: they refer to chunk slots),
-build the sharded optimizer. The Engine is complete when initialize returns; nothing is set on it afterwards.
+build the sharded optimizer, then the gradient's path to it. The Engine is complete when initialize returns;
+nothing is set on it afterwards.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from zerogpt.zero.chunk import Chunk, ChunkPlan, plan_chunks, to_local
 from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
+from zerogpt.zero.grad_path import GradPath
 from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
 from zerogpt.zero.meta_init import range_init
 from zerogpt.zero.offload import Placement, Traffic, check_disk_path
@@ -67,6 +69,14 @@ class EnginePlan:
     by its device_budget, accumulation > 1, and room on the device)."""
     grad_accum_bytes: int = 0
     """The device memory that accumulation needs (fp32 gradient shards), whether or not it was granted."""
+    # What a GPU computing changes (False on a CPU run, where host and device are one memory and share the cores):
+    hand_over_at_launch: bool = False
+    """Offloaded gradients: each chunk's reduced shard is handed over right after its reduction is launched, its
+    copy to the host on a copy stream under the rest of backward (zero/grad_path.py)."""
+    host_step_overlaps: bool = False
+    """Host masters stepped by CPUAdam run their step behind the next forward (zero/host_step.py)."""
+    stages_compute_copies: bool = False
+    """Host masters' compute copies bound for param shards on the device go through pinned staging buffers."""
 
     @property
     def stage(self) -> int:
@@ -107,8 +117,11 @@ def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]
                   and config.gradient_accumulation > 1)
     resident_bytes = sum(p.shard_numel for p in chunks if p.index in resident) * element_size
     fits = device_free_bytes is None or grad_accum_bytes + resident_bytes <= device_free_bytes
+    gpu = ctx.device.type == "cuda"
     return EnginePlan(config, host, dtype, param_home, optim_home, tuple(chunks), disk_bytes, no_decay,
-                      resident, accumulate and fits, grad_accum_bytes if accumulate else 0)
+                      resident, accumulate and fits, grad_accum_bytes if accumulate else 0,
+                      hand_over_at_launch=gpu and optim_home != "device", host_step_overlaps=gpu,
+                      stages_compute_copies=gpu)
 
 
 def _resident_chunks(chunks: list[ChunkPlan], element_size: int, budget: int | None) -> frozenset[int]:
@@ -183,15 +196,19 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
         from zerogpt.compile import compile_blocks
 
         compile_blocks(module, gather_hooks=gather_hooks, logger=ctx.logger)
-    sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, transport, traffic)
+    step_waits = None
     if plan.stage in (1, 2) and plan.optim_home == "host":  # the host step may run behind the next forward
-        sharded_optim.step_waits = StepWaitHooks(module, chunks, grad_hooks.param_to_chunk, find_blocks(module))
+        step_waits = StepWaitHooks(module, chunks, grad_hooks.param_to_chunk, find_blocks(module))
+    sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, traffic, step_waits)
+    grad_path = GradPath(sharded_optim.states, placement, traffic, hand_over_at_launch=plan.hand_over_at_launch,
+                         accumulate_on_device=plan.accumulate_on_device, stage=plan.stage,
+                         accumulation=ecfg.gradient_accumulation)
     if keeps_freed_memory:  # the build's own garbage goes; training's heap is kept from here on
         release_freed_host_memory()
-    engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, placement, ecfg, ctx,
+    engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, grad_path, placement, ecfg, ctx,
                     criterion=parallel.criterion(criterion), parallel=parallel, transport=transport,
                     run_config=run_config, keeps_freed_memory=keeps_freed_memory, traffic=traffic,
-                    accumulate_on_device=plan.accumulate_on_device)
+                    model_computes_loss=_model_computes_loss(module))
     ctx.logger.info(engine.describe())
     return engine
 
@@ -380,21 +397,29 @@ def _register_hooks(model: nn.Module, chunks: list[Chunk], plan: EnginePlan
 
 
 def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan: EnginePlan, ctx: DistContext,
-                     placement: Placement, parallel: ParallelModel, transport: Any,
-                     traffic: Traffic | None = None) -> ShardedOptimizer:
+                     placement: Placement, parallel: ParallelModel, traffic: Traffic,
+                     step_waits: StepWaitHooks | None) -> ShardedOptimizer:
     """One ChunkState per trainable chunk at its home, and the fp16 loss scaler."""
     _fused_on_the_device(optimizer, plan, ctx)
     zero = plan.config.zero
     loss_scaler = DynamicLossScaler(zero.loss_scale, enabled=plan.config.precision == "fp16")
     # On a GPU the host step runs behind the next forward (host masters); on a CPU run the two would share the
-    # same cores, so it runs in place.
+    # same cores, so it runs in place (the plan's host_step_overlaps).
     return ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=plan.optim_home,
                             precision=plan.config.precision, stage=plan.stage, group=ctx.dp_group,
                             loss_scaler=loss_scaler, clip_grad_norm=plan.config.clip_grad_norm,
                             no_decay=set(plan.no_decay), norm_duplicates=set(parallel.norm_duplicates),
                             model_parallel_group=ctx.model_parallel_group, traffic=traffic,
                             state_dtype=STATE_DTYPES[zero.offload_optimizer.state_dtype],
-                            overlap_next_forward=ctx.device.type == "cuda")
+                            overlap_next_forward=plan.host_step_overlaps,
+                            stage_compute_copies=plan.stages_compute_copies, step_waits=step_waits)
+
+
+def _model_computes_loss(module: nn.Module) -> bool:
+    """Whether the model computes its loss from the labels itself (`module(inputs, labels=labels).loss`): model_zoo's
+    GPTConfig and LlamaConfig declare it as `chunked_loss` (the (B, T, vocab) logits never exist). Read here once, at
+    build: the one place that knows this part of the model's interface (Engine.model_computes_loss carries it)."""
+    return bool(getattr(getattr(module, "config", None), "chunked_loss", False))
 
 
 def _fused_on_the_device(optimizer: torch.optim.Optimizer, plan: EnginePlan, ctx: DistContext) -> None:

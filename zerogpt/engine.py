@@ -1,13 +1,13 @@
 """The Engine: forward, backward, step and zero_grad over a ZeRO-sharded model.
 
-It owns the training-step protocol (gradient accumulation, loss scaling, when to reduce) and the
-accounting. The byte movement lives in `zero/` (chunks, hooks, sharded optimizer); checkpoint
+It owns the training-step protocol (gradient accumulation, loss scaling, when to reduce, when to step) and the
+accounting. The byte movement lives in `zero/` (chunks, hooks, the gradient's path, sharded optimizer); checkpoint
 files in `checkpoint.py`. Built by `zerogpt.initialize()`, never directly, and complete when built: every field
 is set in __init__ from what initialize resolved (the model's parallel layout included).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -15,15 +15,15 @@ from torch import nn
 
 from zerogpt.config import EngineConfig
 from zerogpt.context import DistContext
-from zerogpt.memory_model import grad_crosses_once
 from zerogpt.parallel.layout import ParamLayout
 from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk
 from zerogpt.zero.comm import all_gather_flat
-from zerogpt.zero.offload import HOMES, Placement, Traffic, start_d2h
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
-from zerogpt.zero.sharded_optim import ChunkState, ShardedOptimizer
+from zerogpt.zero.grad_path import GradPath
+from zerogpt.zero.offload import HOMES, Placement, Traffic
+from zerogpt.zero.sharded_optim import ShardedOptimizer
 
 CATEGORIES = ("params", "grads", "master", "optimizer")
 
@@ -32,17 +32,19 @@ class Engine:
     """A model trained with ZeRO. Call it like the model; then backward(loss), step(), zero_grad()."""
 
     def __init__(self, module: nn.Module, sharded_optim: ShardedOptimizer, chunks: list[Chunk],
-                 grad_hooks: GradReduceHooks, gather_hooks: Stage3GatherHooks | None, placement: Placement,
-                 config: EngineConfig, ctx: DistContext, *, criterion: Callable | None = None,
+                 grad_hooks: GradReduceHooks, gather_hooks: Stage3GatherHooks | None, grad_path: GradPath,
+                 placement: Placement, config: EngineConfig, ctx: DistContext, *, criterion: Callable | None = None,
                  parallel: ParallelModel | None = None, transport: Any = None, run_config: Any = None,
                  keeps_freed_memory: bool = False, traffic: Traffic | None = None,
-                 accumulate_on_device: bool = False) -> None:
+                 model_computes_loss: bool = False) -> None:
         parallel = parallel or ParallelModel(module)
         self.module = module
         self.sharded_optim = sharded_optim
         self.optimizer = sharded_optim.optimizer
         self.grad_hooks = grad_hooks
         self.gather_hooks = gather_hooks  # stage 3 only
+        self.grad_path = grad_path
+        """Reduced gradient shards on their way to the optimizer's chunk states (zero/grad_path.py)."""
         self.chunks = chunks
         self.placement = placement
         self.config = config
@@ -50,6 +52,9 @@ class Engine:
         self.logger = ctx.logger
         self.criterion = criterion
         """loss(logits, labels) as this rank computes it (under tensor parallelism: the local loss)."""
+        self.model_computes_loss = model_computes_loss
+        """The model computes its loss from the labels itself (`module(inputs, labels=labels).loss`; model_zoo's
+        chunked_loss, where the (B, T, vocab) logits never exist): the Trainer calls it so, not `criterion`."""
         self.run_config = run_config
         """The whole Config when built from one: checkpoints record it as config.py."""
         self.param_layouts: dict[str, ParamLayout] = dict(parallel.layouts)
@@ -68,19 +73,6 @@ class Engine:
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.last_step_skipped = False  # the last optimizer step was an fp16 overflow, skipped
         self._pending_backward = False
-        # Offloaded grads on CUDA: each chunk's reduced shard is copied to the host on a side stream as
-        # soon as its reduction is launched, so the copies run under the rest of backward.
-        offload_grads = placement.device.type == "cuda" and sharded_optim.grad_home != "device"
-        self._copy_stream = torch.cuda.Stream(placement.device) if offload_grads else None
-        self.hand_over_at_launch = offload_grads
-        # Reduced grad shards still being copied device->host: (fp32 host shard to add the copy into, or None when
-        # the copy is kept as the gradient; staging copy; event).
-        self._pending_d2h: list[tuple[torch.Tensor | None, torch.Tensor, torch.cuda.Event | None]] = []
-        self.accumulate_on_device = accumulate_on_device
-        """Offloaded gradients are summed over the micro-steps on the device and cross to the host once per step."""
-        # chunk index -> fp32 grad shard on the device, the sum of this step's micro-steps (accumulate_on_device)
-        self._device_grads: dict[int, torch.Tensor] = {}
-        self._last_reduce = True  # this backward's reduction is the step's last (its sum goes to the host)
         self.traffic = traffic or Traffic()
         """Host<->device bytes counted so far in the current step (zero/offload.py Traffic)."""
         self.last_step_traffic = Traffic()
@@ -108,6 +100,12 @@ class Engine:
         return (self.micro_step + 1) % self.gradient_accumulation == 0
 
     @property
+    def accumulate_on_device(self) -> bool:
+        """Offloaded gradients are summed over the micro-steps on the device and cross to the host once per step
+        (EnginePlan.accumulate_on_device)."""
+        return self.grad_path.accumulate_on_device
+
+    @property
     def loss_scale(self) -> float:
         """fp16's current dynamic loss scale (1.0 for fp32 and bf16)."""
         return self.sharded_optim.loss_scaler.scale
@@ -129,8 +127,8 @@ class Engine:
                              f"reduce it first (e.g. loss.mean())")
         self.sharded_optim.finish_step()  # the gradient buffers are an overlapped step's input until it ends
         reduce = self.stage >= 2 or self.is_accumulation_boundary
-        self._last_reduce = self.is_accumulation_boundary
-        self.grad_hooks.begin_backward(reduce, self._hand_over, at_launch=self.hand_over_at_launch)
+        self.grad_path.begin(last_reduce=self.is_accumulation_boundary)
+        self.grad_hooks.begin_backward(reduce, self.grad_path.hand_over, at_launch=self.grad_path.hand_over_at_launch)
         if self.gather_hooks is not None:
             self.gather_hooks.in_backward = True
         try:
@@ -159,15 +157,15 @@ class Engine:
         if self.micro_step != 0:
             raise RuntimeError(f"scheduled_backward() runs a whole optimizer step, but {self.micro_step} "
                                f"micro-step(s) of the current one were already taken with backward()")
-        self.grad_hooks.begin_backward(False, self._hand_over)
+        self.grad_hooks.begin_backward(False, self.grad_path.hand_over)
         try:
             yield
         finally:
             self.grad_hooks.end_backward()
         if before_reduce is not None:
             before_reduce()
-        self._last_reduce = True
-        self.grad_hooks.begin_backward(True, self._hand_over, at_launch=self.hand_over_at_launch)
+        self.grad_path.begin(last_reduce=True)
+        self.grad_hooks.begin_backward(True, self.grad_path.hand_over, at_launch=self.grad_path.hand_over_at_launch)
         self.grad_hooks.end_backward()  # every chunk reduced and handed over
         self.micro_step = self.gradient_accumulation
         self._pending_backward = True
@@ -177,61 +175,6 @@ class Engine:
         into its chunk, valid inside `scheduled_backward`'s `before_reduce` (zeros if it got none)."""
         index, slot_index = self.grad_hooks.param_to_chunk[id(param)]
         return self.chunks[index].local_grad(slot_index)
-
-    # -- reduce -> hand-over ----------------------------------------------------------------------
-
-    def _hand_over(self, chunk: Chunk) -> None:
-        """Finish a chunk's launched reduction and add the result into its fp32 grad shard.
-
-        Offloaded grads (`grad_home` host): with `accumulate_on_device` the reduced shard is added into an fp32 shard
-        on the device, which goes to the host once, at the step's last reduction; otherwise each reduced shard goes
-        to the host. On CUDA this runs on the copy stream: waiting for the collective makes that stream (not the
-        host) wait, and the device->host copy is queued behind it. The CPU runs the same code on no stream.
-        """
-        index = chunk.plan.index
-        state = self.sharded_optim.states[index]
-        stream = self._copy_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())  # grads written by backward (world 1)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            reduced = chunk.finish_reduce()
-            if stream is not None:
-                reduced.record_stream(stream)  # not reused by backward until this stream has read it
-            # (a step's only reduction, as a pipeline schedule makes, goes to the host as it is)
-            if self.accumulate_on_device and (index in self._device_grads or not self._last_reduce):
-                if index not in self._device_grads:  # allocated on this stream, which alone uses and frees it
-                    self._device_grads[index] = self.placement.empty(reduced.numel(), torch.float32, "device",
-                                                                     f"grad_acc{index}")
-                self._device_grads[index].add_(reduced)
-                if not self._last_reduce:
-                    return
-                reduced = self._device_grads.pop(index)  # the step's sum crosses once
-            self.traffic.copied("device", state.grad_home, reduced)
-            if self._last_reduce and state.keeps_as_crossed():  # the step's one crossing, kept as it lands
-                crossed, event = start_d2h(reduced)
-                state.take_crossed_grad(reduced, crossed)
-                if event is not None:
-                    self._pending_d2h.append((None, crossed, event))
-                return
-            grad = state.add_grad(reduced, self.placement)  # adds when on the same device (CPU; grads on device)
-            if reduced.device != grad.device:
-                # Start this chunk's device->host copy, then add the copies that have landed into their
-                # host shards, never blocking the host on one still in flight (backward keeps queueing
-                # work meanwhile). A plain non-blocking .to('cpu') then add_ would read the bytes too early.
-                self._pending_d2h.append((grad, *start_d2h(reduced)))
-                self._finish_d2h(landed_only=True)
-
-    def _finish_d2h(self, landed_only: bool = False) -> None:
-        """Add pending grad copies into their shards, in order: all of them (waiting), or those landed."""
-        while self._pending_d2h:
-            shard, staging, event = self._pending_d2h[0]
-            if event is not None:
-                if landed_only and not event.query():
-                    return
-                event.synchronize()
-            if shard is not None:  # None: the copy is the gradient itself (ChunkState.take_crossed_grad)
-                shard.add_(staging)
-            self._pending_d2h.pop(0)
 
     # -- step -----------------------------------------------------------------------------------
 
@@ -248,9 +191,7 @@ class Engine:
                                "gradient reduction)")
         if self.micro_step % self.gradient_accumulation != 0:
             return None
-        self._finish_d2h()
-        if self._copy_stream is not None:  # the norms taken on the copy stream (ChunkState.take_crossed_grad)
-            torch.cuda.current_stream(self.placement.device).wait_stream(self._copy_stream)
+        self.grad_path.finish()  # every gradient final, the norms taken at hand-over included
         grad_norm, self.last_step_skipped = self.sharded_optim.step()
         self.last_step_traffic = self.traffic.take()
         self.global_step += 1
@@ -286,8 +227,7 @@ class Engine:
             p.grad = None
         for chunk in self.chunks:
             chunk.reset_grads()
-        self._pending_d2h.clear()
-        self._device_grads.clear()
+        self.grad_path.clear()
         self.sharded_optim.zero_grad()
 
     # -- accounting ---------------------------------------------------------------------------
@@ -314,13 +254,10 @@ class Engine:
             add("params", chunk.full_buffer, "device")  # in-flight prefetches included
             add("params", chunk.shard, chunk.shard_home)
             add("grads", chunk.grad_full, "device")
-        for grad in self._device_grads.values():
+        for grad in self.grad_path.device_sums():
             add("grads", grad, "device")
-        for state in self.sharded_optim.states.values():
-            add("grads", state.grad, state.grad_home)
-            add("master", state.master, state.home)
-            for tensor in state.state_tensors().values():
-                add("optimizer", tensor, state.home)
+        for category, tensor, home in self.sharded_optim.held_tensors():
+            add(category, tensor, home)
         return stats
 
     def num_params(self) -> int:
@@ -330,7 +267,8 @@ class Engine:
         """Host RAM this rank holds while it trains, in bytes (what the build line states; issue 30 point 1).
 
         The model state in host memory now (`memory_stats()`; on a CPU run every home but disk is host memory),
-        the gradient shards each step holds there (fp32, or as they crossed: `_step_grad_itemsize`), and on a CPU
+        the gradient shards each step holds there not allocated now (fp32, or as they crossed:
+        `GradPath.unallocated_grad_bytes`), and on a CPU
         run the compute's own largest buffers.
         Sharded chunks: the largest chunk twice (its local gradient buffer, and a parameter's gradient as
         autograd makes it beside that buffer), at stage 3 once more (its gathered copy). One shard per chunk:
@@ -342,8 +280,7 @@ class Engine:
         stats = self.memory_stats()
         homes = ("device", "host") if self.ctx.device.type == "cpu" else ("host",)
         held = sum(stats[c][h] for c in CATEGORIES for h in homes)
-        held += sum(s.master.numel() * self._step_grad_itemsize(s) for s in self.sharded_optim.states.values()
-                    if s.grad is None and s.grad_home in homes)
+        held += self.grad_path.unallocated_grad_bytes(homes)
         if self.ctx.device.type == "cpu":
             if any(c.plan.num_shards > 1 for c in self.chunks):
                 largest = max(c.plan.padded_numel * c.dtype.itemsize for c in self.chunks)
@@ -352,12 +289,6 @@ class Engine:
                 held += max((s.numel * c.dtype.itemsize for c in self.chunks if len(c.plan.slots) > 1
                              for s in c.plan.slots), default=0)
         return held
-
-    def _step_grad_itemsize(self, state: ChunkState) -> int:
-        """Bytes per element of the gradient shard `state` holds at the step: the reduced shard as it crossed
-        (compute dtype) when that is the step's one crossing (`keeps_as_crossed`), else an fp32 shard."""
-        once = grad_crosses_once(self.stage, self.gradient_accumulation)
-        return state.chunk.dtype.itemsize if once and state.keeps_as_crossed() else 4
 
     def describe(self) -> str:
         """One startup line: stage, chunks, this rank's model-state bytes, and the process-wide host settings."""
@@ -382,8 +313,8 @@ class Engine:
 
         Every rank must call this (it all-gathers when the chunk is sharded).
         """
-        state = self.sharded_optim.states.get(chunk.plan.index)
-        shard = state.master if state is not None else chunk.shard
+        master = self.sharded_optim.master(chunk.plan.index)
+        shard = master if master is not None else chunk.shard
         shard = shard.to(self.ctx.device, torch.float32)
         if chunk.plan.num_shards == 1:
             full = shard

@@ -39,12 +39,19 @@ PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
     ("torch.distributed.tensor.DTensor", "_spec", "zero/chunk.py _match_wrapper_offset: the parameter's placement"),
     ("torch._functorch.config", "enable_autograd_cache", "compile.py compile_blocks: off under tensor parallelism, "
                                                          "where a cached graph of DTensors gave wrong gradients"),
+    # A Llama's first block under TP takes the embedding's output as an AsyncCollectiveTensor (a pending
+    # all-reduce); dynamo would trace a second graph for it, whose backward fails. There is no public wait.
+    ("torch.distributed._functional_collectives", "AsyncCollectiveTensor",
+     "compile.py: recognise a pending collective's result among a compiled block's inputs"),
+    ("torch.distributed._functional_collectives", "wait_tensor",
+     "compile.py: wait on it (on the wrapper itself, so autograd keeps the embedding's gradient)"),
     ("torch.utils._mode_utils", "no_dispatch", "zero/chunk.py _match_wrapper_offset: set_ the wrapper itself, "
                                                "not its local tensor"),
-    # Multi-tensor kernels, as torch.optim uses them (there is no public torch.foreach): sharded_optim.py's
-    # per-slot weight decay, and cpu_adam.py's Adam without bias correction (torch's Adam kernels always correct).
-    ("torch", "_foreach_mul_", "zero/sharded_optim.py, optim/cpu_adam.py: decoupled weight decay; Adam's v"),
-    ("torch", "_foreach_add_", "zero/sharded_optim.py, optim/cpu_adam.py: L2 weight decay; Adam's step counts"),
+    # Multi-tensor kernels, as torch.optim uses them (there is no public torch.foreach): cpu_adam.py's per-slot
+    # weight decay (decay_slices, which zero/chunk_state.py calls for any optimizer) and its Adam without bias
+    # correction (torch's Adam kernels always correct).
+    ("torch", "_foreach_mul_", "optim/cpu_adam.py: decoupled weight decay (decay_slices); Adam's v"),
+    ("torch", "_foreach_add_", "optim/cpu_adam.py: L2 weight decay (decay_slices); Adam's step counts"),
     ("torch", "_foreach_add", "optim/cpu_adam.py: L2-decayed gradients, Adam's denominator"),
     ("torch", "_foreach_lerp_", "optim/cpu_adam.py: Adam's m"),
     ("torch", "_foreach_addcmul_", "optim/cpu_adam.py: Adam's v"),

@@ -1,4 +1,5 @@
-"""A stand-in for zerogpt's engine with the same surface (DESIGN §3), over plain PyTorch on one process.
+"""A stand-in for zerogpt's engine with the same training surface (zerogpt/trainer/engine_surface.py's
+TrainingEngine, checked by test_engine_surface.py), over plain PyTorch on one process.
 
 Trainer and hook tests use it where the engine's sharding is not the subject (hook order, state,
 metrics files); the end-to-end test in tests/test_train_gpt.py runs the real engine.
@@ -41,6 +42,7 @@ class EngineDouble:
         self.module = model or TinyLM()
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=lr)
         self.criterion = lm_loss
+        self.model_computes_loss = False           # TinyLM returns logits
         self.gradient_accumulation = accumulation
         self.ctx = DistContext(0, 1, torch.device("cpu"), logger=logging.getLogger("zerogpt.test"))
         self.loss_context = contextlib.nullcontext

@@ -48,25 +48,18 @@ def attach_handover_probe(engine) -> None:
     engine._probe = {"ended": False, "calls": []}
 
     def log(reduced: torch.Tensor, shard: torch.Tensor) -> None:
-        copy_stream = engine._copy_stream
+        copy_stream = engine.grad_path.copy_stream
         on_copy = (reduced.is_cuda and copy_stream is not None
                    and torch.cuda.current_stream(reduced.device) == copy_stream)
         engine._probe["calls"].append((on_copy, not engine._probe["ended"], shard.device.type,
                                        shard.device.type != "cpu" or shard.is_pinned()))
 
-    def probe(state):
-        def add_grad(reduced, placement, original=state.add_grad):
-            shard = original(reduced, placement)  # where the fp32 grad shard lives (freed after the step)
-            log(reduced, shard)
-            return shard
+    def deliver(state, reduced, original=engine.grad_path.deliver):
+        landed = original(state, reduced)  # the fp32 grad shard (freed after the step), or the crossing kept
+        log(reduced, landed)
+        return landed
 
-        def take_crossed_grad(reduced, crossed, original=state.take_crossed_grad):
-            original(reduced, crossed)  # the step's one crossing, kept as it landed
-            log(reduced, crossed)
-        state.add_grad, state.take_crossed_grad = add_grad, take_crossed_grad
-
-    for state in engine.sharded_optim.states.values():
-        probe(state)
+    engine.grad_path.deliver = deliver
 
     def begin_backward(*args, original=hooks.begin_backward, **kwargs):
         engine._probe["ended"] = False
@@ -82,7 +75,7 @@ def attach_handover_probe(engine) -> None:
 def inspect_handover(engine, step: int) -> dict:
     calls, engine._probe["calls"] = engine._probe["calls"], []
     return dict(calls=len(calls), on_copy_stream=sum(c[0] for c in calls), during_backward=sum(c[1] for c in calls),
-                eager=engine.hand_over_at_launch, has_copy_stream=engine._copy_stream is not None,
+                eager=engine.grad_path.hand_over_at_launch, has_copy_stream=engine.grad_path.copy_stream is not None,
                 grad_devices=sorted({c[2] for c in calls}), grads_pinned=all(c[3] for c in calls))
 
 

@@ -1,5 +1,5 @@
 """An offloaded step's gradient is kept on the host as it crossed, in the compute dtype, when that crossing is the
-step's only one (ChunkState.keeps_as_crossed; issue 30 point 1): bf16 holds 2 bytes/param there from backward to
+step's only one (GradPath.keeps_as_crossed; issue 30 point 1): bf16 holds 2 bytes/param there from backward to
 the step instead of an fp32 shard's 4, and the pass that converted it goes. CPUAdam's host step reads it as it is;
 another optimizer gets one chunk's fp32 copy at the step.
 
@@ -15,7 +15,7 @@ import torch
 
 from model_zoo.gpt import GPTLMLoss
 from tests.zero.test_offload_traffic import SEQ, VOCAB, build as build_engine, max_param_diff, run_steps
-from zerogpt.zero.sharded_optim import ChunkState
+from zerogpt.zero.grad_path import GradPath
 
 
 def build(stage: int, *, param: bool = False, accum: int = 1, optimizer: str = "hybrid"):
@@ -50,7 +50,7 @@ def test_which_steps_keep_the_gradient_as_it_crossed(stage, param, accum, optimi
 def test_training_is_the_fp32_shard_path_bit_for_bit(stage, param, accum, optimizer):
     got = run_steps(build(stage, param=param, accum=accum, optimizer=optimizer), 3)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ChunkState, "keeps_as_crossed", lambda self: False)
+        mp.setattr(GradPath, "keeps_as_crossed", lambda self, state: False)
         ref = run_steps(build(stage, param=param, accum=accum, optimizer=optimizer), 3)
     assert got["losses"] == ref["losses"]
     assert max_param_diff(got["params"], ref["params"]) == 0.0
@@ -63,7 +63,7 @@ def test_the_build_line_counts_the_kept_dtype():
     held = engine.host_bytes()
     engine.close()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ChunkState, "keeps_as_crossed", lambda self: False)
+        mp.setattr(GradPath, "keeps_as_crossed", lambda self, state: False)
         ref = build(3, param=True)
         assert ref.host_bytes() - held == fp32_shards // 2  # 2 of the 4 bytes/param
         ref.close()

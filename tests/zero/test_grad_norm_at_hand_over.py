@@ -1,5 +1,5 @@
 """The clip norm of an offloaded step is taken from each gradient shard where it was reduced, before it crosses
-to the host (ChunkState.take_crossed_grad), so the host step reads the host gradients once, in the update, and
+to the host (GradPath.deliver), so the host step reads the host gradients once, in the update, and
 not a second time for the norm (issue 29 point 3). On a GPU that is a device-bandwidth pass on the copy stream;
 on this CPU the same code runs. Checked: the step reads no host gradient for the norm whenever each chunk's
 gradient arrived whole (accumulation 1, or summed on the device), the norm and the trained params equal the
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.zero.test_offload_traffic import build, max_param_diff, run_steps
-from zerogpt.zero.sharded_optim import ChunkState
+from zerogpt.zero.chunk_state import ChunkState
+from zerogpt.zero.grad_path import GradPath
 
 
 def count_norm_reads(monkeypatch) -> list[int]:
@@ -56,7 +57,7 @@ def test_the_norm_of_a_whole_gradient_is_taken_at_hand_over(stage, accum, monkey
 
 def read_from_host(mp) -> None:
     """The reference: every gradient added into a host shard (none kept as it crossed) and its norm read there."""
-    mp.setattr(ChunkState, "keeps_as_crossed", lambda self: False)
+    mp.setattr(GradPath, "keeps_as_crossed", lambda self, state: False)
 
 
 def test_the_trained_params_are_those_of_the_norm_read_from_the_host():

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
+from tests.zero.gpu_plan import planned
 from zerogpt.context import DistContext
 
 STEPS = 4
@@ -48,7 +49,7 @@ class Setting:
     precision: str = "fp32"
     accum: int = 2
     seed_form: bool = False  # Colossal-AI form: model_config.offload_config / optimizer_config.cpu_offload
-    eager: bool = False  # hand each chunk's reduced grads over right after launch (CUDA's path), forced on CPU
+    eager: bool = False  # hand each chunk's reduced grads over right after launch (CUDA's plan), taken on CPU
 
     def baseline(self) -> "Setting":
         return Setting(self.stage, precision=self.precision, accum=self.accum)
@@ -87,10 +88,9 @@ def build_engine(s: Setting, disk_path: str | None = None):
     import zerogpt
 
     model = tiny_model()
-    engine = zerogpt.initialize(model, make_optimizer(s.optimizer, model), config=make_config(s, disk_path),
-                                ctx=DistContext.current())
-    engine.hand_over_at_launch = s.eager
-    return engine
+    with planned(hand_over_at_launch=s.eager):
+        return zerogpt.initialize(model, make_optimizer(s.optimizer, model), config=make_config(s, disk_path),
+                                  ctx=DistContext.current())
 
 
 def batches(world: int, accum: int) -> torch.Tensor:
@@ -592,7 +592,7 @@ def test_offload_on_cuda_keeps_state_in_pinned_host_memory(tmp_path):
             loss = GPTLMLoss(shift=False)(engine(step[:, :-1]), step[:, 1:])
             engine.backward(loss)
             if s.offload != "none":
-                assert engine.hand_over_at_launch  # copies start while backward runs
+                assert engine.grad_path.hand_over_at_launch  # copies start while backward runs
                 assert all(s.grad.device.type == "cpu" for s in engine.sharded_optim.states.values()
                            if s.grad is not None)
             engine.step()

@@ -19,6 +19,7 @@ import torch
 
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
+from tests.zero.gpu_plan import planned
 from zerogpt.context import DistContext
 
 MICRO_BATCH = 2
@@ -42,9 +43,9 @@ def build(stage: int, *, offload: str = "cpu", param: bool = False, budget=0, ac
         zero["offload_param"] = dict(device="cpu", device_budget=budget)
     cfg = zerogpt.Config(dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=accum, clip_grad_norm=clip))
     optimizer = (HybridAdam if hybrid_adam else torch.optim.AdamW)(model.parameters(), lr=LR, weight_decay=0.1)
-    engine = zerogpt.initialize(model, optimizer, GPTLMLoss(shift=False), config=cfg, ctx=ctx or DistContext.current())
-    engine.hand_over_at_launch = eager  # CUDA's hand-over (each chunk right after its launch), forced on CPU
-    return engine
+    with planned(hand_over_at_launch=eager):  # CUDA's hand-over (each chunk right after its launch), taken on CPU
+        return zerogpt.initialize(model, optimizer, GPTLMLoss(shift=False), config=cfg,
+                                  ctx=ctx or DistContext.current())
 
 
 def run_steps(engine, steps: int, rank: int = 0, world: int = 1) -> dict:

@@ -2,9 +2,9 @@
 step runs on a worker thread and the next forward's first use of a chunk waits for that chunk alone (stage 3: its
 gather; stages 1-2: the pre-forward hook of a block or module that owns it, which also all-gathers it).
 
-The engine turns it on where the compute is a GPU; here it is forced on CPU, where the same code runs (the worker
-only computes on the host). It must be the plain step bit for bit: norm, clip factor and non-finite flag are
-computed before the chunks are queued.
+The build plans it where the compute is a GPU (EnginePlan.host_step_overlaps); here that plan is taken on CPU
+(tests/zero/gpu_plan.py), where the same code runs (the worker only computes on the host). It must be the plain
+step bit for bit: norm, clip factor and non-finite flag are computed before the chunks are queued.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 from tests.dist_utils import run_distributed
+from tests.zero.gpu_plan import planned
 from zerogpt.context import DistContext
 
 VOCAB, SEQ, MICRO, STEPS, ACCUM = 96, 16, 2, 4, 2
@@ -23,7 +24,7 @@ SETTINGS = [dict(precision="bf16", clip=1.0), dict(precision="bf16", clip=None),
             dict(precision="bf16", clip=0.05, stage=1),
             # the shipped single-GPU config's layout: stage 3 with the params on the device, the optimizer offloaded
             dict(precision="bf16", clip=1.0, offload_param=False),
-            # a GPU run's pinned staging of the compute copy, sent from the worker (forced here on the overlapped
+            # a GPU run's pinned staging of the compute copy, sent from the worker (planned here for the overlapped
             # run alone: the plain run, unstaged, is what it must equal)
             dict(precision="bf16", clip=1.0, offload_param=False, staged=True),
             dict(precision="bf16", clip=0.05, stage=2, staged=True)]
@@ -43,10 +44,11 @@ def make_engine(precision: str, clip: float | None, state_dtype: str = "fp32", s
         zero["offload_param"] = dict(device="cpu")
     cfg = zerogpt.Config(dict(zero=zero, precision=precision, clip_grad_norm=clip, GRADIENT_ACCUMULATION=ACCUM))
     ctx = DistContext.current(torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu")
-    engine = zerogpt.initialize(model, dict(type="HybridAdam", lr=3e-3, weight_decay=0.1), config=cfg, ctx=ctx)
-    engine.sharded_optim.overlap_next_forward = overlap  # what a GPU run gets; forced on CPU
-    engine.sharded_optim.force_staging = staged and overlap
-    return engine
+    # what a GPU run plans (the step behind the next forward, staged compute copies), taken on CPU; the plain run's
+    # plan keeps the step in place
+    staging = dict(stages_compute_copies=True) if staged and overlap else {}
+    with planned(host_step_overlaps=overlap, **staging):
+        return zerogpt.initialize(model, dict(type="HybridAdam", lr=3e-3, weight_decay=0.1), config=cfg, ctx=ctx)
 
 
 def batches(world: int) -> torch.Tensor:
@@ -82,7 +84,7 @@ def _compare(rank: int, world: int, device: str = "cpu") -> list[dict]:
             engine = make_engine(**setting, overlap=overlap, device=device)
             losses, deferred, host_s = train(engine, rank, world, device)
             run[overlap] = dict(losses=losses, deferred=deferred, host_s=host_s, params=engine.state_dict_full(),
-                                staged=engine.sharded_optim._staging is not None)
+                                staged=engine.sharded_optim.host_step.staging is not None)
             engine.close()
         out.append(run)
     return out
@@ -145,5 +147,5 @@ def test_checkpoint_and_consolidation_wait_for_the_step(tmp_path):
         engine.backward(GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:]))
     engine.step()
     engine.save_checkpoint(str(tmp_path / "ckpt"))
-    assert not engine.sharded_optim._pending and all(c.pending_step is None for c in engine.chunks)
+    assert not engine.sharded_optim.host_step.pending and all(c.pending_step is None for c in engine.chunks)
     engine.close()

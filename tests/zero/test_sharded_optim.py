@@ -115,7 +115,7 @@ def test_norm_duplicates_leave_a_parameters_gradient_out_of_the_norm_only():
 
 
 def test_host_staging_hands_out_its_two_buffers_in_turn():
-    from zerogpt.zero.sharded_optim import HostStaging
+    from zerogpt.zero.host_step import HostStaging
 
     staging = HostStaging(100, torch.bfloat16)
     first, second, third = staging.take(10), staging.take(100), staging.take(50)

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from zerogpt.parallel.parallel_model import plain_loss
+from zerogpt.trainer.engine_surface import TrainingEngine
 from zerogpt.trainer.hooks.base import Hook
 from zerogpt.trainer.hooks.lr import LRSchedulerHook
 from zerogpt.trainer.interrupt import StopOnSignal
@@ -111,18 +112,12 @@ def _iterate(loader: Iterable) -> Iterator[Any]:
         return iter(loader)
 
 
-def _computes_own_loss(engine: Any) -> bool:
-    """Whether the engine's model computes its loss from the labels itself (GPTConfig.chunked_loss): its output
-    then has no logits for `engine.criterion`."""
-    config = getattr(getattr(engine, "module", None), "config", None)
-    return bool(getattr(config, "chunked_loss", False))
-
-
 class Trainer:
     """Runs `engine` over a dataloader, steps the LR schedule and fires hook events; `trainer.state` is shared.
 
     Args:
-        engine: what `zerogpt.initialize` returns (forward, criterion, backward, step, zero_grad, ctx).
+        engine: what `zerogpt.initialize` returns, or anything with its training surface (TrainingEngine,
+            zerogpt/trainer/engine_surface.py).
         hooks: Hook instances; every event calls them in list order.
         lr_scheduler: stepped once per applied optimizer step (an fp16 step skipped on overflow does not
             advance it, as in DeepSpeed); an `LRSchedulerHook(lr_scheduler=...)` in `hooks` passes it too.
@@ -136,7 +131,7 @@ class Trainer:
         trainer.fit(train_dl, max_steps=100, eval_dataloader=valid_dl)
     """
 
-    def __init__(self, engine: Any, hooks: Iterable[Hook] = (), lr_scheduler: Any = None,
+    def __init__(self, engine: TrainingEngine, hooks: Iterable[Hook] = (), lr_scheduler: Any = None,
                  schedule_by_epoch: bool = False, logger: logging.Logger | None = None, pipeline: Any = None,
                  stop_on_signal: bool = False):
         self.engine = engine
@@ -149,7 +144,7 @@ class Trainer:
         self.world_size: int = ctx.world_size
         self.device = ctx.device
         self.group = ctx.dp_group
-        self._model_loss = _computes_own_loss(engine)
+        self._model_loss = engine.model_computes_loss  # the model returns its own loss (no logits for criterion)
         self.logger = logger or ctx.logger
         self.hooks: list[Hook] = list(hooks)
         for h in self.hooks:
@@ -282,7 +277,7 @@ class Trainer:
 
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The micro-batch's mean loss: `engine.criterion` on the model's logits, or, when the model computes its
-        loss from the labels itself (GPTConfig.chunked_loss: the (B, T, vocab) logits never exist), that loss."""
+        loss from the labels itself (`engine.model_computes_loss`: the (B, T, vocab) logits never exist), that loss."""
         if self._model_loss:
             return plain_loss(self.engine(inputs, labels=labels).loss)
         out = self.engine(inputs)

@@ -33,8 +33,7 @@ class EvalHook(Hook):
     def _run(self, trainer) -> None:
         if (self.eval_dataloader or trainer.eval_dataloader) is None:
             return
-        accumulation = getattr(trainer.engine, "gradient_accumulation", 1)
-        trainer.evaluate(self.eval_dataloader, num_batches=self.eval_iters * accumulation)
+        trainer.evaluate(self.eval_dataloader, num_batches=self.eval_iters * trainer.engine.gradient_accumulation)
         self._last_eval_step = trainer.state.step
 
     def before_train(self, trainer) -> None:

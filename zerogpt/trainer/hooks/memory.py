@@ -32,7 +32,7 @@ class MemoryHook(Hook):
         if not every(s.step, self.interval, s.max_steps):
             return
         mem: dict[str, float | None] = {}
-        stats = trainer.engine.memory_stats() if hasattr(trainer.engine, "memory_stats") else {}
+        stats = trainer.engine.memory_stats()
         for place in ("device", "host", "disk"):
             mem[f"states_{place}_mb"] = sum(kind.get(place, 0) for kind in stats.values()) / MIB
         mem["device_peak_mb"] = None

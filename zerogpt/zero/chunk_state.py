@@ -1,0 +1,258 @@
+"""One trainable chunk's optimizer side on this rank: its `ChunkState`, and the optimizer that steps it alone.
+
+A `ChunkState` holds the fp32 master shard, this step's reduced gradient shard (given by zero/grad_path.py), the
+optimizer state and where they live. Its step is an optimizer of the user's class built over that chunk's master
+alone (`chunk_optimizer`), so a step of one chunk reads and writes only that chunk's tensors. The user's
+optimizer's param groups are the one owner of the hyperparameters (LR schedulers write there): a chunk
+optimizer's param group is a view that reads them from its user group in place, nothing is copied. The step over
+all chunks (norm, clip, order) is zero/sharded_optim.py's; how gradients arrive is zero/grad_path.py's.
+"""
+from __future__ import annotations
+
+from collections import ChainMap
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerogpt.optim.cpu_adam import CPUAdam, decay_slices
+from zerogpt.optim.host_adam import HOST_ADAM_DTYPES
+from zerogpt.zero.chunk import Chunk
+
+
+def is_cpu_adam(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, CPUAdam)
+
+
+def is_adam_family(optimizer: torch.optim.Optimizer) -> bool:
+    names = {c.__name__ for c in type(optimizer).__mro__}
+    return bool(names & {"Adam", "AdamW", "CPUAdam", "HybridAdam"})
+
+
+def _decay_is_decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """AdamW-style decay (param *= 1 - lr * wd) rather than L2 added to the gradient."""
+    return bool(group.get("decoupled_weight_decay") or group.get("adamw_mode")
+                or isinstance(optimizer, torch.optim.AdamW))
+
+
+def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's own kernel skips a step on a device flag: CPUAdam / HybridAdam (`found_inf=`) and
+    torch's fused optimizers (the `found_inf` GradScaler sets on them for one step)."""
+    if is_cpu_adam(optimizer):
+        return True
+    return type(optimizer).__module__.startswith("torch.optim") and bool(optimizer.param_groups[0].get("fused"))
+
+
+def hyperparameters(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def chunk_optimizer(template: torch.optim.Optimizer, group: dict, master: torch.Tensor,
+                    decay_ranges: list[tuple[int, int]] | None = None,
+                    rounding_seed: int = 0) -> torch.optim.Optimizer:
+    """An optimizer of `template`'s class over `master` alone, reading its hyperparameters from `group`.
+
+    Its one param group is a ChainMap: its own `params` ([master]), then `group` itself, read at each lookup: an
+    LR scheduler's change is seen with no copy. Torch's optimizers only read their groups with `group[key]` while
+    stepping. When only `decay_ranges` of the shard take weight decay, CPUAdam is given them (`decay_ranges`: its
+    fused op decays in the update's own pass); any other optimizer gets weight_decay 0 and `ChunkState.step`
+    decays the ranges. CPUAdam reads `rounding_seed`, the seed of its bf16 moments' stochastic rounding,
+    distinct per chunk shard. A CPUAdam keeps the user's kernel choice through its constructor: "auto" (the fused
+    op may take a step that writes a compute copy), else the kernel the user named.
+    """
+    kwargs = {}
+    if isinstance(template, CPUAdam):  # "auto" resolves to the kernel the template resolved (chosen once per process)
+        kwargs = {"backend": "auto" if template.fuses_copies else template.backend}
+    try:
+        optimizer = type(template)([{"params": [master], **hyperparameters(group)}], **kwargs)
+    except TypeError as e:
+        raise TypeError(f"the engine steps each chunk with its own {type(template).__name__} built as "
+                        f"{type(template).__name__}([{{'params': [...], **param_group}}]), which failed ({e}); "
+                        f"give the optimizer's constructor defaults for every argument") from None
+    built = optimizer.param_groups[0]
+    own = {k: v for k, v in built.items() if k == "params" or k not in group}  # + defaults the user's group lacks
+    if decay_ranges is not None and isinstance(template, CPUAdam):
+        own["decay_ranges"] = decay_ranges
+    elif decay_ranges is not None:
+        own["weight_decay"] = 0.0
+    own["rounding_seed"] = rounding_seed
+    optimizer.param_groups[0] = ChainMap(own, group)
+    return optimizer
+
+
+@dataclass
+class ChunkState:
+    """Everything the optimizer side keeps for one trainable chunk on this rank."""
+
+    chunk: Chunk
+    master: torch.Tensor  # fp32 shard; `chunk.shard` itself when `master_is_param_shard`
+    optimizer: torch.optim.Optimizer  # the user's optimizer class over [master] alone
+    group_index: int  # the user's param group whose hyperparameters this chunk follows
+    home: str  # where master and optimizer state live: "device" | "host" | "disk"
+    grad_home: str  # where the reduced gradient shard lives: "device" | "host"
+    master_is_param_shard: bool
+    # Shard-local (start, end) ranges of the slots that take weight decay, when the chunk mixes decayed and
+    # undecayed slots (biases, LayerNorm); None when every slot follows the group's weight_decay.
+    decay_ranges: list[tuple[int, int]] | None = None
+    # Shard-local ranges of the slots counted in the global grad norm; None: the whole shard. A slot is left
+    # out where another rank holds the same gradient (a tensor-parallel replica, the tied head of the last
+    # pipeline stage), so the norm counts every distinct gradient once.
+    norm_ranges: list[tuple[int, int]] | None = None
+    # This step's reduced grad shard, from its first hand-over (zero/grad_path.py, the one writer; final once the
+    # path has finished): fp32, summed over micro-steps, or the step's one crossing as it crossed. None between steps.
+    grad: torch.Tensor | None = None
+    # The squared norm of `grad` (its norm ranges), taken from the gradient on the device before it crossed
+    # to the host, when that one hand-over was the step's whole gradient; None: the step reads `grad`.
+    grad_sumsq: torch.Tensor | None = None
+
+    @property
+    def index(self) -> int:
+        return self.chunk.plan.index
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The optimizer state of this chunk ("exp_avg", "exp_avg_sq", "step", ...)."""
+        return self.optimizer.state[self.master]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The shard-sized state tensors (scalars such as Adam's step excluded)."""
+        return {k: v for k, v in self.state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+    @property
+    def steps_on_host(self) -> bool:
+        """Whether this chunk's step is CPUAdam's host step (a host master): the one pass that takes the clip
+        factor as it reads and writes a compute copy, and the only step the overlap's worker runs."""
+        return is_cpu_adam(self.optimizer) and self.master.device.type == "cpu"
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Master and state: what a disk-offloaded step reads ahead and evicts."""
+        return [self.master, *self.state_tensors().values()]
+
+    def take_grad(self, grad: torch.Tensor, sumsq: torch.Tensor | None = None) -> None:
+        """This step's gradient shard, and its squared norm (`sumsq`) when it was taken before the shard crossed
+        to the host (zero/grad_path.py)."""
+        self.grad, self.grad_sumsq = grad, sumsq
+
+    def drop_grad(self) -> None:
+        """Between steps there is no gradient (an overlapped step holds its own reference to each it has yet to
+        read)."""
+        self.grad = self.grad_sumsq = None
+
+    def sumsq(self, grad: torch.Tensor) -> torch.Tensor:
+        """The squared L2 norm of this chunk's slots in the global grad norm (`norm_ranges`), as a 0-dim fp32
+        tensor on `grad`'s device: one pass, no squared temporary."""
+        total = torch.zeros((), dtype=torch.float32, device=grad.device)
+        for a, b in self.norm_ranges if self.norm_ranges is not None else [(0, grad.numel())]:
+            g = grad[a:b] if grad.dtype == torch.float32 else grad[a:b].float()
+            total += torch.dot(g, g)
+        return total
+
+    def step(self, group: dict, factor: torch.Tensor | None, found_inf: torch.Tensor | None = None,
+             grad: torch.Tensor | None = None, out: torch.Tensor | None = None) -> bool:
+        """Unscale/clip this chunk's gradient by `factor`, then one optimizer step of this chunk alone, with the
+        hyperparameters of `group` (the user's param group this chunk follows). Returns whether the step also
+        wrote the compute copy (then `write_back` has nothing to do).
+
+        A host master stepped by CPUAdam/HybridAdam goes through one pass (zerogpt/optim/host_adam.py): the
+        gradient is unscaled and clipped as it is read and the new master is written into the param shard when
+        that shard is host memory (param offload; every shard of a CPU run), so neither gets a pass of its own.
+
+        `found_inf` (bf16/fp32: a 0-dim device tensor, 1.0 when the global gradient norm is not finite) skips the
+        step: the master, the optimizer state and its step count stay bit for bit. torch's fused optimizers and
+        CPUAdam/HybridAdam take the flag into their kernel, on the device, with no host sync (initialize makes a
+        GPU run's torch Adam/AdamW/SGD fused when the user left the implementation to torch). Any other optimizer
+        has the flag read on the host first (ShardedOptimizer.step, once per step), as torch's GradScaler does for
+        it, and gets `found_inf` only when it is set: free when the step runs on the CPU, a sync on a GPU.
+        """
+        flag = None
+        if found_inf is not None:
+            if not takes_found_inf(self.optimizer):
+                return False
+            # to a host master: a blocking copy, since non_blocking would return pinned memory still being
+            # written (the host step waits for the gradients anyway); to the device: no wait
+            flag = found_inf.to(self.master.device, non_blocking=self.master.device.type != "cpu")
+        grad = grad if grad is not None else self.grad  # an overlapped step passes the one it captured
+        grad = grad if grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
+        host_step = self.steps_on_host
+        if grad.dtype != self.master.dtype:  # kept as it crossed (zero/grad_path.py, GradPath.keeps_as_crossed)
+            if host_step and grad.dtype in HOST_ADAM_DTYPES and _grad_dtype_settable():
+                self.master.grad_dtype = None  # CPUAdam reads it as it is, on the fp32 master
+            else:
+                grad = grad.to(self.master.dtype)  # one chunk's temporary, for the step alone
+        scale = 1.0
+        if factor is not None and host_step:  # read once; the update multiplies each gradient as it reads it
+            scale = float(factor)
+        elif factor is not None:  # to a host gradient: blocking, for the reason the flag's copy above is
+            grad.mul_(factor.to(grad.device, non_blocking=grad.device.type != "cpu"))
+        # Read `group` in place (chunk_optimizer): rebinding the view is not a copy, and follows a group dict that
+        # torch's own optimizer.load_state_dict replaced.
+        self.optimizer.param_groups[0].maps[-1] = group
+        if self.decay_ranges is not None and not is_cpu_adam(self.optimizer):  # its weight_decay is 0: here
+            decay_slices(self.master, grad, self.decay_ranges, lr=group["lr"],
+                         weight_decay=group.get("weight_decay", 0.0),
+                         decoupled=_decay_is_decoupled(self.optimizer, group), found_inf=flag)
+        self.master.grad = grad
+        if out is None and host_step:  # `out`: a staging buffer of the caller's, for a shard on the device
+            out = self._host_compute_copy()
+        if host_step:
+            self.optimizer.step(found_inf=flag, grad_scale=scale,
+                                copy_to=None if out is None else {self.master: out})
+        elif flag is None:
+            self.optimizer.step()
+        else:
+            _fused_step_skipping_on(self.optimizer, flag)
+        self.master.grad = None
+        return out is not None
+
+    def _host_compute_copy(self) -> torch.Tensor | None:
+        """The param shard, when the host step may write the new master straight into it (it is host memory)."""
+        shard = self.chunk.shard
+        return None if self.master_is_param_shard or shard.device.type != "cpu" else shard
+
+    def write_back(self) -> None:
+        """Cast the updated master into its param shard (compute dtype, the shard's home)."""
+        if not self.master_is_param_shard:
+            self.chunk.shard.copy_(self.master, non_blocking=True)
+
+
+def _fused_step_skipping_on(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+    """One step of a torch fused optimizer that changes nothing where `flag` is 1.0, on the device.
+
+    torch's fused kernels take the flag only as GradScaler hands it to them: an attribute `found_inf` on the
+    optimizer, read by its step() (torch/optim/adam.py, sgd.py, adagrad.py) and deleted after it, as
+    torch.amp.GradScaler.step does. No other public path reaches the kernel's flag; the attribute lives for
+    this one call and nowhere else in zerogpt.
+    """
+    optimizer.found_inf = flag
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
+def _grad_dtype_settable() -> bool:
+    """Whether this torch lets a gradient's dtype differ from its tensor's (`Tensor.grad_dtype`, torch 2.10+)."""
+    return hasattr(torch.Tensor, "grad_dtype")
+
+
+def slot_ranges(chunk: Chunk, excluded: set[str]) -> list[tuple[int, int]] | None:
+    """This rank's shard-local ranges of the slots not in `excluded`; None when no slot is excluded.
+
+    For weight decay (excluded: biases and norms) and the grad norm (excluded: gradients another rank holds).
+    """
+    plan = chunk.plan
+    skipped = [slot.name in excluded for slot in plan.slots]
+    if not any(skipped):
+        return None
+    lo, _ = plan.shard_range(chunk.shard_index)
+    ranges: list[tuple[int, int]] = []
+    for slot, skip in zip(plan.slots, skipped):
+        overlap = plan.slot_overlap(slot, chunk.shard_index)
+        if skip or overlap is None:
+            continue
+        start, end = overlap[0] - lo, overlap[1] - lo
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], end)  # adjacent decayed slots: one range
+        else:
+            ranges.append((start, end))
+    return ranges

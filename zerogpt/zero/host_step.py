@@ -1,0 +1,183 @@
+"""How the chunks' host steps run: their compute copies staged for the device, and the step behind the next forward.
+
+Two things a GPU run adds to the plain chunk-by-chunk step of zero/sharded_optim.py, fixed at build
+(`EnginePlan.stages_compute_copies`, `host_step_overlaps`). A host master whose param shard is on the device has
+its compute copy written by the host step into one of two pinned buffers (`HostStaging`), whose copy to the device
+overlaps the next chunk's step. Where every master is on the host and stepped by CPUAdam's host step, the chunks'
+steps run on a worker thread behind the next forward (`HostStep.launch`), each chunk's first use waiting for its
+own step. The update itself is ChunkState.step's (zero/chunk_state.py); norm, clip and flag are known before.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerogpt.optim.host_adam import HOST_ADAM_DTYPES
+from zerogpt.zero.chunk_state import ChunkState
+
+if TYPE_CHECKING:  # the wait hooks are given, and only removed at close: no import of the hooks
+    from zerogpt.zero.step_wait_hooks import StepWaitHooks
+
+
+class HostStaging:
+    """Two pinned host buffers, used in turn: the host step writes one chunk's compute copy into one while the
+    other's copy to the device may still be in flight; taking a buffer waits for its last copy (an event)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        pin = torch.cuda.is_available()
+        self.buffers = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self.events: list[Any] = [None, None]
+        self.turn = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        """The next buffer's first `numel` elements, once the copy that last read it has finished."""
+        self.turn ^= 1
+        if self.events[self.turn] is not None:
+            self.events[self.turn].synchronize()
+            self.events[self.turn] = None
+        return self.buffers[self.turn][:numel]
+
+    def sent(self) -> None:
+        """The copy out of the buffer last taken is queued: record when it will have read it."""
+        if torch.cuda.is_available():
+            self.events[self.turn] = torch.cuda.Event()
+            self.events[self.turn].record()
+
+
+class HostStep:
+    """The staging of compute copies, and the step behind the next forward over the chunks' `ChunkState`s.
+
+    Args:
+        states: the trainable chunks' states by chunk index (ShardedOptimizer's).
+        stage: the ZeRO stage (stage 3 gathers each chunk in forward, which waits for its step).
+        behind_forward: run the host step behind the next forward where it can (a GPU computing: on a CPU run
+            forward and host step would share the cores).
+        stage_copies: compute copies of host masters bound for param shards on the device go through pinned
+            staging (a GPU run).
+        step_waits: stages 1-2: the modules' pre-forward hooks that wait for their chunks' step (None: none).
+    """
+
+    def __init__(self, states: dict[int, ChunkState], *, stage: int, behind_forward: bool, stage_copies: bool,
+                 step_waits: StepWaitHooks | None = None) -> None:
+        self.states = states
+        self.stage_copies = stage_copies
+        self.step_waits = step_waits
+        # The worker only computes on the host (device copies and collectives stay on this thread, in the same order
+        # on every rank), and a chunk's first use in forward must wait for its own step: stage 3 gathers each chunk,
+        # stages 1-2 have `step_waits` hooks.
+        self.overlaps = behind_forward and (stage == 3 or step_waits is not None) and all(
+            s.home == "host" and s.steps_on_host for s in states.values())
+        """Whether each step runs behind the next forward (`launch`) rather than in place."""
+        self.staging: HostStaging | None = None  # made on first use (a GPU run, params on the device)
+        self.pending: dict[int, Future] = {}
+        """chunk index -> its overlapped step, still to be finished on this thread (`finish`)."""
+        self.last_step_s = 0.0
+        """Seconds the chunks' overlapped steps took in the last one that has finished."""
+        self._step_s = 0.0  # summed by the worker as an overlapped step's chunks finish
+        self._worker: ThreadPoolExecutor | None = None
+        self._h2d_stream: Any = None  # an overlapped step's compute copies to the device (the worker's stream)
+
+    # -- staging ----------------------------------------------------------------------------------------
+
+    def staging_for(self, state: ChunkState) -> torch.Tensor | None:
+        """A pinned buffer for the compute copy of a host master whose param shard is on the device (CUDA,
+        optimizer offloaded without the params): the host step writes the copy there in the compute dtype, so
+        2 bytes/param cross the bus instead of the fp32 master's 4, and the cast needs no pass of its own."""
+        shard = state.chunk.shard
+        if state.master_is_param_shard or not (self.stage_copies and state.chunk.shard_home == "device") \
+                or not state.steps_on_host or shard.dtype not in HOST_ADAM_DTYPES:
+            return None
+        if self.staging is None:
+            largest = max(s.master.numel() for s in self.states.values())
+            self.staging = HostStaging(largest, shard.dtype)
+        return self.staging.take(shard.numel())
+
+    def send(self, shard: torch.Tensor, staged: torch.Tensor, ready: Any = None) -> Any:
+        """Copy a staged compute copy into its param shard. With `ready` (an overlapped step on a GPU: the device
+        work queued at its launch), from the worker thread on the worker's own stream after it, returning the
+        copy's event; without, on the current stream (the plain step; a CPU run whose plan stages copies)."""
+        if ready is None:
+            shard.copy_(staged, non_blocking=True)
+            self.staging.sent()
+            return None
+        if self._h2d_stream is None:
+            self._h2d_stream = torch.cuda.Stream(shard.device)
+        with torch.cuda.device(shard.device), torch.cuda.stream(self._h2d_stream):  # both are per thread
+            self._h2d_stream.wait_event(ready)
+            shard.copy_(staged, non_blocking=True)
+            self.staging.sent()  # recorded on this stream: the buffer is free once the copy has read it
+            copied = torch.cuda.Event()
+            copied.record(self._h2d_stream)
+        return copied
+
+    # -- the step behind the next forward ------------------------------------------------------------------
+
+    def launch(self, param_groups: list[dict], factor: torch.Tensor | None, found_inf: torch.Tensor | None,
+               device: torch.device) -> None:
+        """Queue each chunk's step on a worker thread, in chunk (forward) order, and return.
+
+        The norm, the non-finite flag and the clip factor are known already (the caller computed them, and
+        they are read to the host here, which the host step needs anyway): the result is the plain step's bit for
+        bit. A chunk's first use in the next forward waits for its own step (`Chunk.pending_step`: stage 3's
+        gather, stages 1-2's StepWaitHooks), so the next forward's first blocks start while later chunks still
+        step; `finish()` waits for all. `param_groups`: the user's optimizer's, which the chunks follow.
+        """
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogpt-host-step")
+        factor = None if factor is None else factor.to("cpu")
+        found_inf = None if found_inf is None else found_inf.to("cpu")
+        # the device work queued so far (backward's last reads of the param shards) comes before their overwrite
+        ready = None
+        if device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        for state in self.states.values():
+            group = param_groups[state.group_index]
+            self.pending[state.index] = self._worker.submit(self._timed_step, state, group, factor, found_inf,
+                                                            state.grad, ready)
+            state.chunk.pending_step = lambda index=state.index: self._finish_chunk(index)
+
+    def _timed_step(self, state: ChunkState, group: dict, factor: torch.Tensor | None,
+                    found_inf: torch.Tensor | None, grad: torch.Tensor | None, ready: Any) -> tuple[bool, Any]:
+        """One chunk's step on the worker thread, its seconds added to this step's host time. Returns whether the
+        step wrote the compute copy, and the event of its copy to the device when it went through the staging
+        buffers (issued here, on the worker's own stream, so it overlaps the next chunk's step as in the plain
+        step; the main stream waits for it in `_finish_chunk`)."""
+        start = time.perf_counter()
+        staged = self.staging_for(state)
+        wrote = state.step(group, factor, found_inf, grad, out=staged)
+        copied = self.send(state.chunk.shard, staged, ready) if staged is not None and wrote else None
+        self._step_s += time.perf_counter() - start  # one worker thread: no other writer
+        return wrote, copied
+
+    def _finish_chunk(self, index: int) -> None:
+        """Wait for one chunk's overlapped step (re-raising its error here) and finish its write-back."""
+        state = self.states[index]
+        state.chunk.pending_step = None
+        wrote, copied = self.pending.pop(index).result()
+        if copied is not None:  # the new shard, copied on the worker's stream: the compute waits for it alone
+            torch.cuda.current_stream(state.chunk.shard.device).wait_event(copied)
+        elif not wrote:
+            state.write_back()
+        if state.chunk.persistent_full:  # stages 1-2: every rank's new shard into `full`
+            state.chunk.all_gather_full()
+        if not self.pending:  # the last chunk: the step is complete
+            self.last_step_s, self._step_s = self._step_s, 0.0
+
+    def finish(self) -> None:
+        """Wait for every chunk of an overlapped step; a no-op when none is pending."""
+        for index in list(self.pending):
+            self._finish_chunk(index)
+
+    def close(self) -> None:
+        """Finish a pending step, stop the worker thread and take the stages 1-2 wait hooks off."""
+        self.finish()
+        if self.step_waits is not None:
+            self.step_waits.remove()
+            self.step_waits = None
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
