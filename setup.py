@@ -62,6 +62,7 @@ setup(
             "zerogpt-export=zerogpt_tools.export:main",
             "zerogpt-generate=zerogpt_tools.generate:main",
             "zerogpt-extend-vocab=zerogpt_tools.extend_vocab:main",
+            "zerogpt-import-megatron=zerogpt_tools.import_megatron:main",
             "zerogpt-pipeline=data_pipeline.__main__:main",
         ]
     },

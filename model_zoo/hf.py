@@ -4,6 +4,8 @@ Conversion: HF GPT-2 uses Conv1D, whose weight is (in, out), the transpose of nn
 same on both sides (GPT-2's), so the rules are four small functions (configs both ways, one tensor at a time both
 ways) that from_hf / to_hf and zerogpt's checkpoint exporter share. The exporter reaches hf_config and
 to_hf_tensor through model_zoo/gpt.py (the module of the class a checkpoint records), which hands over to here.
+Megatron-LM: the same GPT-2 as Megatron's names and fused per-head qkv, and its args (section "GPT-2 conversion:
+Megatron-LM"; files and TP/PP splits are zerogpt_tools/megatron_layout.py's).
 Loading: nothing is downloaded; a directory must hold a `save_pretrained` model, and its safetensors files are
 checked before transformers reads them. transformers is imported inside the functions that need it.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -20,7 +22,8 @@ from torch import nn
 from model_zoo.gpt import GELU_APPROXIMATE, GPT, GPTConfig, as_gpt_config
 
 __all__ = ["from_hf", "to_hf", "hf_config", "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf",
-           "load_pretrained_gpt", "load_hf_causal_lm", "check_safetensors", "check_hf_dir"]
+           "load_pretrained_gpt", "load_hf_causal_lm", "check_safetensors", "check_hf_dir",
+           "config_from_megatron", "megatron_args", "to_megatron", "from_megatron"]
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # (padded_vocab_size, n_embd): pad rows dropped in HF
@@ -82,6 +85,120 @@ def from_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str
     if name in _VOCAB_ROWS and tensor.size(0) < c.padded_vocab_size:
         tensor = torch.cat([tensor, tensor.new_zeros(c.padded_vocab_size - tensor.size(0), tensor.size(1))])
     return name, tensor.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPT-2 conversion: Megatron-LM. The four hooks zerogpt_tools/megatron_layout.py calls for this family: shapes from
+# a checkpoint's `args` and back, and tensors to and from Megatron-Core's names at TP=1, PP=1 (global layer
+# indices; the vocabulary rows as they are). Files, legacy names, qkv versions and the TP/PP splits are the
+# layout module's. Megatron's GPT-2 is this GPT: pre-LayerNorm, learned positions, biases, a tied head; its fused
+# linear_qkv holds each head's [q_h; k_h; v_h] (checkpoint_version >= 2), ours [q; k; v] over all heads.
+
+def _megatron_arg(args: dict[str, Any], key: str, default: Any = None) -> Any:
+    value = args.get(key)
+    return default if value is None else value
+
+
+def config_from_megatron(args: dict[str, Any], vocab_size: int, pad_vocab_multiple: int) -> GPTConfig:
+    """The GPTConfig of a Megatron GPT-2's `args` (a dict of its Namespace); ValueError naming the argument
+    for what our GPT cannot reproduce.
+
+    Args:
+        vocab_size: the real vocabulary (the tokenizer's), <= args.padded_vocab_size.
+        pad_vocab_multiple: chosen so the embedding has args.padded_vocab_size rows, as Megatron's has.
+    """
+    def refuse(key: str, why: str) -> ValueError:
+        return ValueError(f"Megatron args {key}={args.get(key)!r}: {why}; model_zoo's GPT cannot reproduce it")
+
+    hidden, heads = args["hidden_size"], args["num_attention_heads"]
+    if _megatron_arg(args, "untie_embeddings_and_output_weights", False):
+        raise refuse("untie_embeddings_and_output_weights", "GPT-2 ties its head to the word embedding")
+    if _megatron_arg(args, "normalization", "LayerNorm") != "LayerNorm":
+        raise refuse("normalization", "GPT-2 uses LayerNorm")
+    if not _megatron_arg(args, "add_bias_linear", True):
+        raise refuse("add_bias_linear", "GPT-2's linear layers have biases")
+    if _megatron_arg(args, "apply_residual_connection_post_layernorm", False):
+        raise refuse("apply_residual_connection_post_layernorm", "GPT-2 is pre-LayerNorm")
+    for key in ("swiglu", "squared_relu", "quick_geglu"):
+        if _megatron_arg(args, key, False):
+            raise refuse(key, "GPT-2's MLP is GELU")
+    if _megatron_arg(args, "group_query_attention", False) and args.get("num_query_groups") not in (None, heads):
+        raise refuse("num_query_groups", f"GPT-2 has one k/v head per query head ({heads})")
+    if _megatron_arg(args, "kv_channels", hidden // heads) * heads != hidden:
+        raise refuse("kv_channels", f"GPT-2's heads are hidden_size / num_attention_heads = {hidden // heads} wide")
+    # Megatron's GELU is the tanh approximation when fused with the bias (--bias-gelu-fusion, its default) or
+    # with --openai-gelu; the unfused path is torch's exact F.gelu.
+    tanh = _megatron_arg(args, "openai_gelu", False) or _megatron_arg(args, "bias_gelu_fusion", False)
+    return GPTConfig(vocab_size=vocab_size, max_position_embeddings=args["max_position_embeddings"],
+                     n_layer=args["num_layers"], n_head=heads, n_embd=hidden,
+                     n_inner=None if _megatron_arg(args, "ffn_hidden_size", 4 * hidden) == 4 * hidden
+                     else args["ffn_hidden_size"],
+                     dropout=_megatron_arg(args, "hidden_dropout", 0.0),
+                     layer_norm_epsilon=_megatron_arg(args, "norm_epsilon", args.get("layernorm_epsilon") or 1e-5),
+                     activation="gelu_new" if tanh else "gelu", pad_vocab_multiple=pad_vocab_multiple)
+
+
+def megatron_args(config: GPTConfig | dict[str, Any]) -> dict[str, Any]:
+    """The Megatron arguments that give a GPTConfig's shape (the layout module adds vocab, TP/PP and the rest).
+
+    GELU: gelu_new is written as --openai-gelu without --bias-gelu-fusion, so transformers' Megatron GPT-2
+    converter, which reads those two flags, picks gelu_new as our own Hugging Face export does.
+    """
+    c = as_gpt_config(config)
+    return dict(num_layers=c.n_layer, hidden_size=c.n_embd, num_attention_heads=c.n_head, kv_channels=c.head_dim,
+                ffn_hidden_size=c.n_inner or 4 * c.n_embd, max_position_embeddings=c.max_position_embeddings,
+                position_embedding_type="learned_absolute", add_position_embedding=True, normalization="LayerNorm",
+                norm_epsilon=c.layer_norm_epsilon, layernorm_epsilon=c.layer_norm_epsilon, swiglu=False,
+                add_bias_linear=True, add_qkv_bias=True, group_query_attention=False, num_query_groups=c.n_head,
+                untie_embeddings_and_output_weights=False, openai_gelu=c.activation != "gelu",
+                bias_gelu_fusion=False, hidden_dropout=c.dropout, attention_dropout=c.dropout)
+
+
+_MEGATRON_LAYER = {  # our h.{i}. suffix -> Megatron-Core's decoder.layers.{i}. suffix (c_attn is regrouped)
+    "ln_1.weight": "input_layernorm.weight", "ln_1.bias": "input_layernorm.bias",
+    "attn.c_attn.weight": "self_attention.linear_qkv.weight", "attn.c_attn.bias": "self_attention.linear_qkv.bias",
+    "attn.c_proj.weight": "self_attention.linear_proj.weight", "attn.c_proj.bias": "self_attention.linear_proj.bias",
+    "ln_2.weight": "pre_mlp_layernorm.weight", "ln_2.bias": "pre_mlp_layernorm.bias",
+    "mlp.c_fc.weight": "mlp.linear_fc1.weight", "mlp.c_fc.bias": "mlp.linear_fc1.bias",
+    "mlp.c_proj.weight": "mlp.linear_fc2.weight", "mlp.c_proj.bias": "mlp.linear_fc2.bias",
+}
+_MEGATRON_EMBEDDING = [("transformer.wte.weight", "embedding.word_embeddings.weight"),
+                       ("transformer.wpe.weight", "embedding.position_embeddings.weight")]
+_MEGATRON_FINAL = [("transformer.ln_f.weight", "decoder.final_layernorm.weight"),
+                   ("transformer.ln_f.bias", "decoder.final_layernorm.bias")]
+_QKV = ("attn.c_attn.weight", "attn.c_attn.bias")
+
+
+def _megatron_pairs(config: GPTConfig) -> list[tuple[str, str]]:
+    """(our name, Megatron-Core name) for every parameter, in model order (the tied head is wte)."""
+    layers = [(f"transformer.h.{i}.{ours}", f"decoder.layers.{i}.{theirs}")
+              for i in range(config.n_layer) for ours, theirs in _MEGATRON_LAYER.items()]
+    return _MEGATRON_EMBEDDING + layers + _MEGATRON_FINAL
+
+
+def _regroup_qkv(tensor: torch.Tensor, n_head: int, to_megatron: bool) -> torch.Tensor:
+    """[q; k; v] (3, nh, hd, ...) <-> Megatron's per-head [q_h; k_h; v_h] (nh, 3, hd, ...), weight or bias."""
+    rest = tensor.shape[1:]
+    shape = (3, n_head, -1, *rest) if to_megatron else (n_head, 3, -1, *rest)
+    return tensor.reshape(shape).transpose(0, 1).reshape(-1, *rest)
+
+
+def to_megatron(read: Callable[[str], torch.Tensor],
+                config: GPTConfig | dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Megatron-Core name, tensor) of every weight at TP=1, from `read(our name)`; one tensor at a time."""
+    c = as_gpt_config(config)
+    for ours, theirs in _megatron_pairs(c):
+        tensor = read(ours)
+        yield theirs, _regroup_qkv(tensor, c.n_head, True) if ours.endswith(_QKV) else tensor
+
+
+def from_megatron(read: Callable[[str], torch.Tensor],
+                  config: GPTConfig | dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) of every parameter from `read(Megatron-Core name)` at TP=1: to_megatron's inverse."""
+    c = as_gpt_config(config)
+    for ours, theirs in _megatron_pairs(c):
+        tensor = read(theirs)
+        yield ours, _regroup_qkv(tensor, c.n_head, False) if ours.endswith(_QKV) else tensor
 
 
 # ----------------------------------------------------------------------------------------------------------

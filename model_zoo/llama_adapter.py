@@ -1,22 +1,26 @@
-"""The Llama family's Hugging Face mapping: config.json <-> LlamaConfig, and tensors by name both ways.
+"""The Llama family's checkpoint mappings: Hugging Face's (config.json <-> LlamaConfig, tensors by name both ways)
+and, beside it, Megatron-LM's (args <-> LlamaConfig, tensors to and from Megatron-Core's names at TP=1).
 
 One adapter for the family (torchtitan's StateDictAdapter is the model): LlamaForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM and MistralForCausalLM differ only in options, which `config_from_hf` reads from config.json and
 `hf_config` writes back. The native modules carry Hugging Face's names and rotate-half RoPE, so a tensor maps to
 itself: no q/k permutation, no renames; only the padded vocabulary rows are added on the way in and dropped on the
 way out, and a tied head is the embedding. config.json is read as JSON (transformers 4's rope_theta/rope_scaling
-and transformers 5's rope_parameters alike), so loading needs no transformers import.
+and transformers 5's rope_parameters alike), so loading needs no transformers import. Megatron fuses q/k/v into
+linear_qkv per query group and gate/up into linear_fc1; its RoPE is rotate-half too (rotary_interleaved=False), so
+no permutation either. Files, legacy names and TP/PP splits are zerogpt_tools/megatron_layout.py's.
 """
 from __future__ import annotations
 
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
 from model_zoo.llama import ARCHITECTURES, LlamaConfig, as_llama_config
 
-__all__ = ["config_from_hf", "hf_config", "to_hf_tensor", "hf_name", "VOCAB_ROWS"]
+__all__ = ["config_from_hf", "hf_config", "to_hf_tensor", "hf_name", "VOCAB_ROWS", "config_from_megatron",
+           "megatron_args", "to_megatron", "from_megatron"]
 
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # (padded_vocab_size, hidden): pad rows not in HF
 
@@ -124,3 +128,155 @@ def to_hf_tensor(name: str, tensor: torch.Tensor, config: LlamaConfig | dict[str
     if name in VOCAB_ROWS:
         tensor = tensor[: as_llama_config(config).vocab_size]
     return name, tensor.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Megatron-LM: the four hooks zerogpt_tools/megatron_layout.py calls for this family. Megatron-Core's names at
+# TP=1, PP=1 (global layer indices, vocabulary rows as they are): linear_qkv holds each query group's
+# [q_1 .. q_{nq/ng}; k_g; v_g] one group after another, linear_fc1 is [gate; up] (Megatron-Bridge's
+# merge_qkv_weights and GatedMLPMapping describe the same).
+
+_MEGATRON_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+_LLAMA3_FIXED = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+"""Megatron-Core's llama3 RoPE scaling (RotaryEmbedding._apply_scaling) takes only the factor; the rest is fixed."""
+
+
+def _arg(args: dict[str, Any], key: str, default: Any = None) -> Any:
+    value = args.get(key)
+    return default if value is None else value
+
+
+def config_from_megatron(args: dict[str, Any], vocab_size: int, pad_vocab_multiple: int) -> LlamaConfig:
+    """The LlamaConfig of a Megatron Llama-family model's `args` (a dict of its Namespace); ValueError naming the
+    argument for what the family cannot reproduce.
+
+    Args:
+        vocab_size: the real vocabulary (the tokenizer's), <= args.padded_vocab_size.
+        pad_vocab_multiple: chosen so the embedding has args.padded_vocab_size rows, as Megatron's has.
+    """
+    def refuse(key: str, why: str) -> ValueError:
+        return ValueError(f"Megatron args {key}={args.get(key)!r}: {why}; model_zoo's Llama family cannot reproduce it")
+
+    rope = _arg(args, "position_embedding_type", "learned_absolute") == "rope" or \
+        _arg(args, "use_rotary_position_embeddings", False)
+    if not rope:
+        raise refuse("position_embedding_type", "the Llama family uses RoPE")
+    if not _arg(args, "swiglu", False):
+        raise refuse("swiglu", "the Llama family's MLP is SwiGLU")
+    if _arg(args, "normalization", "LayerNorm") != "RMSNorm":
+        raise refuse("normalization", "the Llama family uses RMSNorm")
+    if _arg(args, "add_bias_linear", True):
+        raise refuse("add_bias_linear", "the Llama family's linear layers have no bias (--disable-bias-linear)")
+    if _arg(args, "rotary_percent", 1.0) != 1.0:
+        raise refuse("rotary_percent", "RoPE covers every head dimension here")
+    if _arg(args, "rotary_interleaved", False):
+        raise refuse("rotary_interleaved", "RoPE here is rotate-half (Megatron's default)")
+    if _arg(args, "apply_residual_connection_post_layernorm", False):
+        raise refuse("apply_residual_connection_post_layernorm", "the family is pre-norm")
+    heads = args["num_attention_heads"]
+    qkv_bias, qk_norm = bool(_arg(args, "add_qkv_bias", False)), bool(_arg(args, "qk_layernorm", False))
+    scaling = None
+    if _arg(args, "use_rope_scaling", False):
+        scaling = dict(rope_type="llama3", factor=float(_arg(args, "rope_scaling_factor", 8.0)), **_LLAMA3_FIXED)
+    elif _arg(args, "rotary_seq_len_interpolation_factor", None):  # positions / f: HF's linear scaling
+        scaling = dict(rope_type="linear", factor=float(args["rotary_seq_len_interpolation_factor"]))
+    dtype = next((name for flag, name in _MEGATRON_DTYPES.items() if _arg(args, flag, False)), "float32")
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=args["hidden_size"], intermediate_size=args["ffn_hidden_size"],
+        num_hidden_layers=args["num_layers"], num_attention_heads=heads,
+        num_key_value_heads=args["num_query_groups"] if _arg(args, "group_query_attention", False) else heads,
+        head_dim=_arg(args, "kv_channels", args["hidden_size"] // heads),
+        max_position_embeddings=_arg(args, "max_position_embeddings", args.get("seq_length")),
+        rms_norm_eps=_arg(args, "norm_epsilon", args.get("layernorm_epsilon") or 1e-5),
+        rope_theta=float(_arg(args, "rotary_base", 10000)), rope_scaling=scaling, qkv_bias=qkv_bias,
+        qk_norm=qk_norm, tie_word_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
+        attention_dropout=_arg(args, "attention_dropout", 0.0), pad_vocab_multiple=pad_vocab_multiple,
+        architecture="Qwen3ForCausalLM" if qk_norm else "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM",
+        extra={"torch_dtype": dtype})
+
+
+def megatron_args(config: LlamaConfig | dict[str, Any]) -> dict[str, Any]:
+    """The Megatron arguments that give a LlamaConfig's shape (the layout module adds vocab, TP/PP and the rest);
+    ValueError for what Megatron-Core cannot express (a sliding window, llama3 RoPE scaling other than Llama 3's)."""
+    c = as_llama_config(config)
+    if c.sliding_window is not None:
+        raise ValueError(f"sliding_window={c.sliding_window}: a Megatron export of a sliding-window model is not "
+                         f"supported")
+    scaling = dict(use_rope_scaling=False, rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=None)
+    rope = c.rope_scaling or {}
+    if rope.get("rope_type") == "llama3":
+        fixed = {k: rope.get(k) for k in _LLAMA3_FIXED}
+        if fixed != _LLAMA3_FIXED:
+            raise ValueError(f"rope_scaling {fixed}: Megatron-Core's llama3 scaling fixes these to {_LLAMA3_FIXED} "
+                             f"and takes only --rope-scaling-factor; this model cannot be written for it")
+        scaling.update(use_rope_scaling=True, rope_scaling_factor=rope["factor"])
+    elif rope.get("rope_type") == "linear":
+        scaling["rotary_seq_len_interpolation_factor"] = rope["factor"]
+    return dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size,
+                num_attention_heads=c.num_attention_heads, kv_channels=c.head_dim,
+                group_query_attention=c.num_key_value_heads != c.num_attention_heads,
+                num_query_groups=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                position_embedding_type="rope", add_position_embedding=False, rotary_base=c.rope_theta,
+                rotary_percent=1.0, rotary_interleaved=False, normalization="RMSNorm", norm_epsilon=c.rms_norm_eps,
+                swiglu=True, add_bias_linear=False, add_qkv_bias=c.qkv_bias, qk_layernorm=c.qk_norm,
+                untie_embeddings_and_output_weights=not c.tie_word_embeddings, attention_dropout=c.attention_dropout,
+                hidden_dropout=0.0, **scaling)
+
+
+def _megatron_layer(c: LlamaConfig, i: int) -> list[tuple[tuple[str, ...], str]]:
+    """((our names...), Megatron-Core name) of layer i: several of ours fuse into one of Megatron's."""
+    ours, theirs = f"model.layers.{i}.", f"decoder.layers.{i}."
+    attn = [(tuple(f"{ours}self_attn.{p}_proj.weight" for p in "qkv"), "self_attention.linear_qkv.weight")]
+    if c.qkv_bias:
+        attn.append((tuple(f"{ours}self_attn.{p}_proj.bias" for p in "qkv"), "self_attention.linear_qkv.bias"))
+    if c.qk_norm:
+        attn += [((f"{ours}self_attn.q_norm.weight",), "self_attention.q_layernorm.weight"),
+                 ((f"{ours}self_attn.k_norm.weight",), "self_attention.k_layernorm.weight")]
+    pairs = [((f"{ours}input_layernorm.weight",), "input_layernorm.weight"), *attn,
+             ((f"{ours}self_attn.o_proj.weight",), "self_attention.linear_proj.weight"),
+             ((f"{ours}post_attention_layernorm.weight",), "pre_mlp_layernorm.weight"),
+             ((f"{ours}mlp.gate_proj.weight", f"{ours}mlp.up_proj.weight"), "mlp.linear_fc1.weight"),
+             ((f"{ours}mlp.down_proj.weight",), "mlp.linear_fc2.weight")]
+    return [(names, theirs + name) for names, name in pairs]
+
+
+def _megatron_pairs(config: LlamaConfig) -> list[tuple[tuple[str, ...], str]]:
+    """((our names...), Megatron-Core name) for every weight, in model order; a tied head is the embedding."""
+    pairs = [(("model.embed_tokens.weight",), "embedding.word_embeddings.weight")]
+    for i in range(config.num_hidden_layers):
+        pairs += _megatron_layer(config, i)
+    pairs.append((("model.norm.weight",), "decoder.final_layernorm.weight"))
+    if not config.tie_word_embeddings:
+        pairs.append((("lm_head.weight",), "output_layer.weight"))
+    return pairs
+
+
+def to_megatron(read: Callable[[str], torch.Tensor],
+                config: LlamaConfig | dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Megatron-Core name, tensor) of every weight at TP=1, from `read(our name)`; one fused tensor at a time."""
+    c = as_llama_config(config)
+    groups = c.num_key_value_heads
+    for ours, theirs in _megatron_pairs(c):
+        parts = [read(name) for name in ours]
+        if len(parts) == 3:  # q (nq*hd, ...), k and v (ng*hd, ...) -> per group [q_g; k_g; v_g]
+            parts = [t.reshape(groups, -1, *t.shape[1:]) for t in parts]
+            yield theirs, torch.cat(parts, dim=1).reshape(-1, *parts[0].shape[2:])
+        else:
+            yield theirs, parts[0] if len(parts) == 1 else torch.cat(parts)  # fc1: [gate; up]
+
+
+def from_megatron(read: Callable[[str], torch.Tensor],
+                  config: LlamaConfig | dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) of every parameter from `read(Megatron-Core name)` at TP=1: to_megatron's inverse."""
+    c = as_llama_config(config)
+    groups, per_group = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
+    for ours, theirs in _megatron_pairs(c):
+        tensor = read(theirs)
+        if len(ours) == 3:
+            grouped = tensor.reshape(groups, (per_group + 2) * c.head_dim, *tensor.shape[1:])
+            parts = grouped.split([per_group * c.head_dim, c.head_dim, c.head_dim], dim=1)
+            yield from ((name, part.reshape(-1, *tensor.shape[1:])) for name, part in zip(ours, parts))
+        elif len(ours) == 2:
+            yield from zip(ours, tensor.chunk(2))
+        else:
+            yield ours[0], tensor

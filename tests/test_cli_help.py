@@ -5,7 +5,7 @@ import pytest
 
 import train_gpt
 from data_pipeline.__main__ import STAGES, build_parser as pipeline_parser
-from zerogpt_tools import estimate, export, extend_vocab, generate
+from zerogpt_tools import estimate, export, extend_vocab, generate, import_megatron
 
 
 def stage_parser(stage):
@@ -16,6 +16,7 @@ def stage_parser(stage):
 PARSERS = {"train_gpt.py": train_gpt.build_parser, "zerogpt_tools.estimate": estimate.build_parser,
            "zerogpt_tools.export": export.build_parser, "zerogpt_tools.generate": generate.build_parser,
            "zerogpt_tools.extend_vocab": extend_vocab.build_parser,
+           "zerogpt_tools.import_megatron": import_megatron.build_parser,
            **{f"data_pipeline {stage}": (lambda stage=stage: stage_parser(stage)) for stage in STAGES}}
 
 

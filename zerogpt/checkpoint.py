@@ -437,7 +437,8 @@ def load_engine(engine: Any, directory: str) -> dict:
     files that hold them (peak extra memory: one chunk's shard), then `engine.load_state_dict()` puts it in
     force. A last pipeline stage's copy of the tied head is read from the canonical parameter (wte). Returns the
     extra_state saved with it. RNG states are restored when (T, P, D) is the same (exact resume); at another
-    layout each rank keeps the seed it was launched with.
+    layout each rank keeps the seed it was launched with. A checkpoint of weights alone (meta's optimizer state
+    None, with a reason: an import from Megatron-LM) loads the masters and starts the optimizer fresh, saying so.
     """
     ctx = engine.ctx
     reader = CheckpointReader(directory)
@@ -445,13 +446,19 @@ def load_engine(engine: Any, directory: str) -> dict:
     _check_compatible(engine, reader, ctx, layouts, tied)
     state = engine.state_dict()
     optim_state = state["optimizer"]
-    saved_groups = reader.meta["optimizer"]["param_groups"]
-    if len(saved_groups) != len(optim_state["param_groups"]):
-        raise CheckpointError(f"checkpoint {reader.directory} has {len(saved_groups)} optimizer param "
-                              f"groups, the optimizer has {len(optim_state['param_groups'])}; build the "
-                              f"optimizer as the run did")
-    optim_state["param_groups"] = saved_groups
-    optim_state["loss_scaler"] = reader.meta["loss_scaler"]
+    if "state" in reader.meta["optimizer"] and reader.meta["optimizer"]["state"] is None:
+        # Weights alone (zerogpt_tools.import_megatron writes these): the masters are read below, while the
+        # optimizer's hyperparameters, moments and loss scale stay as this run built them.
+        ctx.logger.info(f"{reader.directory} holds no optimizer state ({reader.meta['optimizer']['reason']}): "
+                        f"the optimizer starts fresh from these weights")
+    else:
+        saved_groups = reader.meta["optimizer"]["param_groups"]
+        if len(saved_groups) != len(optim_state["param_groups"]):
+            raise CheckpointError(f"checkpoint {reader.directory} has {len(saved_groups)} optimizer param "
+                                  f"groups, the optimizer has {len(optim_state['param_groups'])}; build the "
+                                  f"optimizer as the run did")
+        optim_state["param_groups"] = saved_groups
+        optim_state["loss_scaler"] = reader.meta["loss_scaler"]
     scalars = reader.meta["optimizer"]["scalars"]
     with torch.no_grad():
         for chunk in engine.chunks:
@@ -474,7 +481,7 @@ def load_engine(engine: Any, directory: str) -> dict:
                 state["buffers"][name] = reader.tensor(name)
     state["global_step"] = reader.meta["global_step"]
     engine.load_state_dict(state)
-    if reader.parallel == ctx.parallel_sizes:
+    if reader.parallel == ctx.parallel_sizes and reader.meta["rng"]:  # an import holds no RNG state
         _set_rng_state(reader.rng_tensors(ctx.global_rank), reader.meta["rng"][ctx.global_rank])
     _barrier(ctx)
     return reader.meta["extra_state"]

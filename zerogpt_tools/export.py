@@ -392,11 +392,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer dir/file to ship (default: the run's data.tokenizer)")
     p.add_argument("--no-tokenizer", action="store_true", help="export weights and configs only")
     p.add_argument("--max-shard-size", default="1GB", help="largest safetensors file, e.g. 500MB, 2GB (default 1GB)")
+    mg = p.add_argument_group("Megatron-LM output (--format megatron; zerogpt_tools/export_megatron.py)")
+    mg.add_argument("--format", default="hf", choices=["hf", "megatron"],
+                    help="hf: a Hugging Face model directory; megatron: a Megatron-LM checkpoint (legacy layout)")
+    mg.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to split the Megatron files for")
+    mg.add_argument("--pp", type=int, default=1, help="pipeline stages to split the Megatron files for")
+    mg.add_argument("--core", action="store_true", help="Megatron-Core's names (torch format) instead of legacy")
+    mg.add_argument("--dist", action="store_true", help="with --core: the torch_dist format (one DCP directory)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.format == "megatron":
+        from zerogpt_tools.export_megatron import main_megatron
+
+        try:
+            return main_megatron(args)
+        except (ValueError, KeyError) as e:
+            raise SystemExit(f"error: {e}")
     try:
         max_shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
         stats = export_checkpoint(args.checkpoint, args.out, args.dtype, args.tokenizer, max_shard_bytes,

@@ -14,7 +14,7 @@ SCRIPTS = re.findall(r'"(zerogpt-[\w-]+)=([\w.]+):(\w+)"', open(os.path.join(ROO
 def test_every_tool_has_a_console_script():
     tools = {module for _, module, _ in SCRIPTS if module.startswith("zerogpt_tools.")}
     assert tools == {"zerogpt_tools.export", "zerogpt_tools.generate", "zerogpt_tools.estimate",
-                     "zerogpt_tools.extend_vocab"}
+                     "zerogpt_tools.extend_vocab", "zerogpt_tools.import_megatron"}
 
 
 @pytest.mark.parametrize("script, module, func", SCRIPTS)

@@ -422,8 +422,15 @@ class Trainer:
         if self.lr_scheduler is not None and schedule:
             self.lr_scheduler.load_state_dict(schedule)
             # The scheduler sets the optimizer's rates only when it steps: put the resumed rates in place now,
-            # whether or not the engine's checkpoint restored the param groups.
-            for group, lr in zip(self.lr_scheduler.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+            # whether or not the engine's checkpoint restored the param groups. A schedule saved with its position
+            # only (an import from Megatron-LM, zerogpt_tools/import_megatron.py) has no rates of its own yet: the
+            # schedule's closed form at that position gives them (LambdaLR: base_lr x lambda(step)).
+            sched = self.lr_scheduler
+            if "_last_lr" in schedule:
+                rates = sched.get_last_lr()
+            else:
+                rates = [base * lam(sched.last_epoch) for base, lam in zip(sched.base_lrs, sched.lr_lambdas)]
+            for group, lr in zip(sched.optimizer.param_groups, rates):
                 group["lr"] = lr
         self._pending_data_state = state.get("data")
 
