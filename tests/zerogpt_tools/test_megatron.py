@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -264,11 +265,15 @@ def test_imported_checkpoint_continues_at_zero3_on_two_ranks(tmp_path, capsys):
     assert any("holds no optimizer state" in line and "starts fresh" in line for line in results[0][3])
 
 
+CONVERTER_FILE = "convert_megatron_gpt2_checkpoint.py"
+
+
 def _converter():
-    """transformers' convert_megatron_gpt2_checkpoint (transformers 4.x ships it in the source tree, 5.x not at all),
-    or the file MEGATRON_GPT2_CONVERTER names."""
-    path = os.environ.get("MEGATRON_GPT2_CONVERTER")
-    if path:
+    """transformers' convert_megatron_gpt2_checkpoint: the file MEGATRON_GPT2_CONVERTER names, else the copy `make
+    install` takes from transformers 4.46.3's sdist into the virtual environment (its wheels leave the converters
+    out, and transformers 5 has none), else the installed transformers' own."""
+    path = os.environ.get("MEGATRON_GPT2_CONVERTER") or os.path.join(sys.prefix, CONVERTER_FILE)
+    if os.path.isfile(path):
         spec = importlib.util.spec_from_file_location("convert_megatron_gpt2_checkpoint", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -278,8 +283,8 @@ def _converter():
         return importlib.import_module(name)
     except ImportError:
         import transformers
-        pytest.skip(f"transformers {transformers.__version__} does not ship {name}; set MEGATRON_GPT2_CONVERTER "
-                    f"to a copy of that file to run this check")
+        pytest.skip(f"transformers {transformers.__version__} does not ship {name}, and {path} is missing: run "
+                    f"`make install`, or set MEGATRON_GPT2_CONVERTER to a copy of that file")
 
 
 def test_transformers_megatron_gpt2_converter_reads_the_legacy_export(tmp_path):
