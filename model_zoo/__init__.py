@@ -11,8 +11,8 @@ from typing import Any
 
 from torch import nn
 
-from model_zoo.gpt import GPT, GPTConfig, GPTOutput, gpt2_large, gpt2_medium, gpt2_small, gpt2_tiny, gpt2_xl
-from model_zoo.hf import from_hf, to_hf
+from model_zoo.gpt import (GPT, GPTConfig, GPTOutput, from_hf, gpt2_large, gpt2_medium, gpt2_small, gpt2_tiny, gpt2_xl,
+                           to_hf)
 from model_zoo.llama import (Llama, LlamaConfig, llama2_7b, llama3_2_1b, llama3_2_3b, llama3_8b, llama_tiny,
                              mistral_7b, qwen2_5_0_5b, qwen2_5_7b, qwen3_0_6b, qwen3_8b)
 from model_zoo.loss import GPTLMLoss

@@ -5,24 +5,20 @@ for `config.max_position_embeddings`; it is not changed. zerogpt_tools.generate 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from model_zoo.gpt import GPT
+from torch import nn
 
 __all__ = ["generate"]
 
 
 @torch.no_grad()
-def generate(model: GPT, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Sample `max_new_tokens` tokens after `input_ids` with a KV cache; temperature 0 = greedy.
 
     Args:
-        model: a GPT (in eval mode, usually); its forward with use_cache=True gives logits and past_key_values.
+        model: a GPT or Llama (in eval mode, usually); its forward with use_cache=True gives logits and past_key_values.
         input_ids: (B, T) int64 prompt on the model's device.
         max_new_tokens: tokens to append. Past max_position_embeddings the window slides: the cache is dropped
             and the last max_position_embeddings tokens are recomputed.

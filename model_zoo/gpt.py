@@ -19,18 +19,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from model_zoo import generation, weight_init
+from model_zoo import generation, hf, weight_init
+from model_zoo.hf import GELU_APPROXIMATE
 from model_zoo.layers import CausalAttention, LMHead, RealVocab
 from model_zoo.loss import GPTLMLoss
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "CausalAttention", "MLP", "LMHead", "GPTOutput",
            "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "SIZES", "as_gpt_config",
-           "model_from_config", "hf_config", "to_hf_tensor"]
+           "model_from_config", "from_hf", "to_hf", "load_pretrained_gpt"]
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each (B, nh, T_past, hs)
 
-GELU_APPROXIMATE = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
-"""GPTConfig.activation -> nn.GELU's `approximate` (the names are transformers' activation_function values)."""
 
 
 @dataclass
@@ -168,6 +167,9 @@ class GPT(nn.Module):
         >>> model(torch.randint(0, 1024, (2, 16))).shape
         torch.Size([2, 16, 1024])
     """
+
+    adapter = "model_zoo.hf"
+    """The module with this family's checkpoint mappings (Hugging Face, Megatron-LM), for zerogpt_tools."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -317,8 +319,6 @@ def _build(size: str, pretrained: str | None, overrides: dict[str, Any]) -> GPT:
     config = GPTConfig(**{**SIZES[size], **overrides})
     if pretrained is None:
         return GPT(config)
-    from model_zoo.hf import load_pretrained_gpt  # hf.py imports this module; transformers only for pretrained=DIR
-
     return load_pretrained_gpt(pretrained, size, config)
 
 
@@ -352,9 +352,9 @@ def gpt2_xl(pretrained: str | None = None, **overrides: Any) -> GPT:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The checkpoint plugin protocol: zerogpt_tools.export (ModelPlugin) looks up model_from_config, hf_config and
-# to_hf_tensor in the module of the class a checkpoint records ("model_zoo.gpt.GPT" -> this module). The
-# Hugging Face rules live in model_zoo/hf.py, which imports this module, so the two hooks import it on call.
+# The checkpoint plugin protocol: zerogpt_tools.export (ModelPlugin) rebuilds a recorded "model_zoo.gpt.GPT" with
+# model_from_config from this module, and converts it with hf_config and to_hf_tensor from the module GPT.adapter
+# names (model_zoo/hf.py).
 
 def as_gpt_config(config: GPTConfig | dict[str, Any]) -> GPTConfig:
     """A GPTConfig from itself or from its `dataclasses.asdict` form (what checkpoints record)."""
@@ -366,15 +366,55 @@ def model_from_config(config: GPTConfig | dict[str, Any]) -> GPT:
     return GPT(as_gpt_config(config))
 
 
-def hf_config(config: GPTConfig | dict[str, Any]) -> Any:
-    """The transformers GPT2Config of a GPTConfig: model_zoo.hf.hf_config."""
-    from model_zoo import hf
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face GPT-2 whole models (the rules per tensor and per config are model_zoo/hf.py's)
 
-    return hf.hf_config(config)
+def from_hf(hf_model: Any, **overrides: Any) -> GPT:
+    """Convert a transformers GPT2LMHeadModel into a GPT with identical outputs (fp32 logits within 1e-5).
+
+    Args:
+        hf_model: transformers.GPT2LMHeadModel (any size).
+        overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
+    """
+    config = GPTConfig(**hf.gpt_config_from_hf(hf_model.config, **overrides))
+    model = GPT(config)
+    hf_state = hf_model.state_dict()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(hf.from_hf_tensor(name, hf_state[name], config)[1].to(param.dtype))
+    return model
 
 
-def to_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
-    """One of our tensors as HF GPT-2 stores it: model_zoo.hf.to_hf_tensor."""
-    from model_zoo import hf
+def to_hf(model: GPT) -> Any:
+    """Convert a GPT into a transformers GPT2LMHeadModel with identical outputs (padded vocab rows dropped)."""
+    from transformers import GPT2LMHeadModel
 
-    return hf.to_hf_tensor(name, tensor, config)
+    hf_model = GPT2LMHeadModel(hf.hf_config(model.config))
+    hf_params = dict(hf_model.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            hf_name, src = hf.to_hf_tensor(name, param.detach(), model.config)
+            hf_params[hf_name].copy_(src.to(hf_params[hf_name].dtype))
+    hf_model.tie_weights()
+    return hf_model.to(next(model.parameters()).device)
+
+
+def load_pretrained_gpt(path: str, size: str, config: GPTConfig) -> GPT:
+    """Our GPT from a local HF GPT-2 directory, for the factories' pretrained=DIR (e.g. gpt2_small(pretrained=...)).
+
+    Args:
+        path: a `save_pretrained` GPT2LMHeadModel directory.
+        size: the factory's name ("gpt2_small"); the checkpoint must have its n_layer, n_head and n_embd.
+        config: the factory's GPTConfig; only its dropout and checkpoint are taken, the rest comes from the files.
+    """
+    from transformers import GPT2LMHeadModel
+
+    hf.check_hf_dir(path)  # names a corrupt model.safetensors instead of a traceback
+    model = from_hf(GPT2LMHeadModel.from_pretrained(path, local_files_only=True),
+                    dropout=config.dropout, checkpoint=config.checkpoint)
+    arch = ("n_layer", "n_head", "n_embd")
+    if any(getattr(model.config, k) != getattr(config, k) for k in arch):
+        got = ", ".join(f"{k}={getattr(model.config, k)}" for k in arch)
+        raise ValueError(f"{size}(pretrained={path!r}): the checkpoint has {got}, which is not {size}; "
+                         f"use the matching factory or model = dict(type='hf', path=...)")
+    return model

@@ -2,8 +2,9 @@
 
 Conversion: HF GPT-2 uses Conv1D, whose weight is (in, out), the transpose of nn.Linear's; module names are the
 same on both sides (GPT-2's), so the rules are four small functions (configs both ways, one tensor at a time both
-ways) that from_hf / to_hf and zerogpt's checkpoint exporter share. The exporter reaches hf_config and
-to_hf_tensor through model_zoo/gpt.py (the module of the class a checkpoint records), which hands over to here.
+ways) that gpt.py's from_hf / to_hf and zerogpt's checkpoint exporter share (GPT.adapter names this module). The
+rules see a config as its fields (a GPTConfig or its recorded dict) and give back GPTConfig keyword arguments, so
+this module does not import the model: gpt.py imports it.
 Megatron-LM: the same GPT-2 as Megatron's names and fused per-head qkv, and its args (section "GPT-2 conversion:
 Megatron-LM"; files and TP/PP splits are zerogpt_tools/megatron_layout.py's).
 Loading: nothing is downloaded; a directory must hold a `save_pretrained` model, and its safetensors files are
@@ -12,28 +13,49 @@ checked before transformers reads them. transformers is imported inside the func
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from model_zoo.gpt import GELU_APPROXIMATE, GPT, GPTConfig, as_gpt_config
+__all__ = ["GELU_APPROXIMATE", "hf_config", "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf",
+           "load_hf_causal_lm", "check_safetensors", "check_hf_dir", "config_from_megatron", "megatron_args",
+           "to_megatron", "from_megatron"]
 
-__all__ = ["from_hf", "to_hf", "hf_config", "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf",
-           "load_pretrained_gpt", "load_hf_causal_lm", "check_safetensors", "check_hf_dir",
-           "config_from_megatron", "megatron_args", "to_megatron", "from_megatron"]
+GELU_APPROXIMATE = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+"""GPTConfig.activation -> nn.GELU's `approximate` (the names are transformers' activation_function values)."""
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # (padded_vocab_size, n_embd): pad rows dropped in HF
 
 
+class _GPTFields(SimpleNamespace):
+    """A GPTConfig's fields with its two derived sizes, as GPTConfig derives them."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // self.pad_vocab_multiple) * self.pad_vocab_multiple
+
+
+def as_gpt_config(config: Any) -> _GPTFields:
+    """A GPTConfig, or its `dataclasses.asdict` form (what checkpoints record), as its fields: the rules read a
+    config and give back GPTConfig keyword arguments, so this module does not import the model (gpt.py imports it)."""
+    return _GPTFields(**(config if isinstance(config, dict) else dataclasses.asdict(config)))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # GPT-2 conversion: configs and tensors, both ways
 
-def gpt_config_from_hf(hc: Any, **overrides: Any) -> GPTConfig:
-    """The GPTConfig of a transformers GPT2Config; ValueError for GPT-2 variants our GPT cannot reproduce.
+def gpt_config_from_hf(hc: Any, **overrides: Any) -> dict[str, Any]:
+    """GPTConfig's keyword arguments for a transformers GPT2Config; ValueError for GPT-2 variants our GPT cannot
+    reproduce.
 
     overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
     """
@@ -44,13 +66,12 @@ def gpt_config_from_hf(hc: Any, **overrides: Any) -> GPTConfig:
     if unsupported or hc.activation_function not in GELU_APPROXIMATE:
         raise ValueError(f"from_hf supports standard GPT-2 configs only; unsupported settings: "
                          f"{unsupported or {'activation_function': hc.activation_function}}")
-    config = GPTConfig(vocab_size=hc.vocab_size, max_position_embeddings=hc.n_positions, n_layer=hc.n_layer,
-                       n_head=hc.n_head, n_embd=hc.n_embd, n_inner=hc.n_inner, dropout=hc.resid_pdrop,
-                       layer_norm_epsilon=hc.layer_norm_epsilon, activation=hc.activation_function)
-    return replace(config, **overrides)
+    return {**dict(vocab_size=hc.vocab_size, max_position_embeddings=hc.n_positions, n_layer=hc.n_layer,
+                   n_head=hc.n_head, n_embd=hc.n_embd, n_inner=hc.n_inner, dropout=hc.resid_pdrop,
+                   layer_norm_epsilon=hc.layer_norm_epsilon, activation=hc.activation_function), **overrides}
 
 
-def hf_config(config: GPTConfig | dict[str, Any]) -> Any:
+def hf_config(config: Any) -> Any:
     """The transformers GPT2Config of a GPTConfig (real vocab_size: the padded rows are not exported)."""
     from transformers import GPT2Config
 
@@ -65,7 +86,7 @@ def hf_config(config: GPTConfig | dict[str, Any]) -> Any:
                       eos_token_id=50256 if c.vocab_size == 50257 else None)
 
 
-def to_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
+def to_hf_tensor(name: str, tensor: torch.Tensor, config: Any) -> tuple[str, torch.Tensor]:
     """One of our tensors as HF GPT-2 stores it: Conv1D weights transposed, padded vocab rows dropped.
 
     Names are the same on both sides (GPT-2's module names); the result is contiguous, ready for safetensors.
@@ -77,7 +98,7 @@ def to_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, 
     return name, tensor.contiguous()
 
 
-def from_hf_tensor(name: str, tensor: torch.Tensor, config: GPTConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
+def from_hf_tensor(name: str, tensor: torch.Tensor, config: Any) -> tuple[str, torch.Tensor]:
     """One HF GPT-2 tensor in our layout: Conv1D weights transposed, vocab rows zero-padded to padded_vocab_size."""
     c = as_gpt_config(config)
     if name.endswith(_CONV1D):
@@ -99,9 +120,9 @@ def _megatron_arg(args: dict[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def config_from_megatron(args: dict[str, Any], vocab_size: int, pad_vocab_multiple: int) -> GPTConfig:
-    """The GPTConfig of a Megatron GPT-2's `args` (a dict of its Namespace); ValueError naming the argument
-    for what our GPT cannot reproduce.
+def config_from_megatron(args: dict[str, Any], vocab_size: int, pad_vocab_multiple: int) -> dict[str, Any]:
+    """GPTConfig's keyword arguments for a Megatron GPT-2's `args` (a dict of its Namespace); ValueError naming
+    the argument for what our GPT cannot reproduce.
 
     Args:
         vocab_size: the real vocabulary (the tokenizer's), <= args.padded_vocab_size.
@@ -129,16 +150,16 @@ def config_from_megatron(args: dict[str, Any], vocab_size: int, pad_vocab_multip
     # Megatron's GELU is the tanh approximation when fused with the bias (--bias-gelu-fusion, its default) or
     # with --openai-gelu; the unfused path is torch's exact F.gelu.
     tanh = _megatron_arg(args, "openai_gelu", False) or _megatron_arg(args, "bias_gelu_fusion", False)
-    return GPTConfig(vocab_size=vocab_size, max_position_embeddings=args["max_position_embeddings"],
-                     n_layer=args["num_layers"], n_head=heads, n_embd=hidden,
-                     n_inner=None if _megatron_arg(args, "ffn_hidden_size", 4 * hidden) == 4 * hidden
-                     else args["ffn_hidden_size"],
-                     dropout=_megatron_arg(args, "hidden_dropout", 0.0),
-                     layer_norm_epsilon=_megatron_arg(args, "norm_epsilon", args.get("layernorm_epsilon") or 1e-5),
-                     activation="gelu_new" if tanh else "gelu", pad_vocab_multiple=pad_vocab_multiple)
+    return dict(vocab_size=vocab_size, max_position_embeddings=args["max_position_embeddings"],
+                n_layer=args["num_layers"], n_head=heads, n_embd=hidden,
+                n_inner=None if _megatron_arg(args, "ffn_hidden_size", 4 * hidden) == 4 * hidden
+                else args["ffn_hidden_size"],
+                dropout=_megatron_arg(args, "hidden_dropout", 0.0),
+                layer_norm_epsilon=_megatron_arg(args, "norm_epsilon", args.get("layernorm_epsilon") or 1e-5),
+                activation="gelu_new" if tanh else "gelu", pad_vocab_multiple=pad_vocab_multiple)
 
 
-def megatron_args(config: GPTConfig | dict[str, Any]) -> dict[str, Any]:
+def megatron_args(config: Any) -> dict[str, Any]:
     """The Megatron arguments that give a GPTConfig's shape (the layout module adds vocab, TP/PP and the rest).
 
     GELU: gelu_new is written as --openai-gelu without --bias-gelu-fusion, so transformers' Megatron GPT-2
@@ -169,7 +190,7 @@ _MEGATRON_FINAL = [("transformer.ln_f.weight", "decoder.final_layernorm.weight")
 _QKV = ("attn.c_attn.weight", "attn.c_attn.bias")
 
 
-def _megatron_pairs(config: GPTConfig) -> list[tuple[str, str]]:
+def _megatron_pairs(config: _GPTFields) -> list[tuple[str, str]]:
     """(our name, Megatron-Core name) for every parameter, in model order (the tied head is wte)."""
     layers = [(f"transformer.h.{i}.{ours}", f"decoder.layers.{i}.{theirs}")
               for i in range(config.n_layer) for ours, theirs in _MEGATRON_LAYER.items()]
@@ -184,7 +205,7 @@ def _regroup_qkv(tensor: torch.Tensor, n_head: int, to_megatron: bool) -> torch.
 
 
 def to_megatron(read: Callable[[str], torch.Tensor],
-                config: GPTConfig | dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+                config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(Megatron-Core name, tensor) of every weight at TP=1, from `read(our name)`; one tensor at a time."""
     c = as_gpt_config(config)
     for ours, theirs in _megatron_pairs(c):
@@ -193,66 +214,12 @@ def to_megatron(read: Callable[[str], torch.Tensor],
 
 
 def from_megatron(read: Callable[[str], torch.Tensor],
-                  config: GPTConfig | dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+                  config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, tensor) of every parameter from `read(Megatron-Core name)` at TP=1: to_megatron's inverse."""
     c = as_gpt_config(config)
     for ours, theirs in _megatron_pairs(c):
         tensor = read(theirs)
         yield ours, _regroup_qkv(tensor, c.n_head, False) if ours.endswith(_QKV) else tensor
-
-
-# ----------------------------------------------------------------------------------------------------------
-# GPT-2 conversion: whole models
-
-def from_hf(hf_model: Any, **overrides: Any) -> GPT:
-    """Convert a transformers GPT2LMHeadModel into a GPT with identical outputs (fp32 logits within 1e-5).
-
-    Args:
-        hf_model: transformers.GPT2LMHeadModel (any size).
-        overrides: GPTConfig fields that do not change the weights, e.g. dropout, checkpoint.
-    """
-    config = gpt_config_from_hf(hf_model.config, **overrides)
-    model = GPT(config)
-    hf_state = hf_model.state_dict()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(from_hf_tensor(name, hf_state[name], config)[1].to(param.dtype))
-    return model
-
-
-def to_hf(model: GPT) -> Any:
-    """Convert a GPT into a transformers GPT2LMHeadModel with identical outputs (padded vocab rows dropped)."""
-    from transformers import GPT2LMHeadModel
-
-    hf_model = GPT2LMHeadModel(hf_config(model.config))
-    hf_params = dict(hf_model.named_parameters())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            hf_name, src = to_hf_tensor(name, param.detach(), model.config)
-            hf_params[hf_name].copy_(src.to(hf_params[hf_name].dtype))
-    hf_model.tie_weights()
-    return hf_model.to(next(model.parameters()).device)
-
-
-def load_pretrained_gpt(path: str, size: str, config: GPTConfig) -> GPT:
-    """Our GPT from a local HF GPT-2 directory, for the factories' pretrained=DIR (e.g. gpt2_small(pretrained=...)).
-
-    Args:
-        path: a `save_pretrained` GPT2LMHeadModel directory.
-        size: the factory's name ("gpt2_small"); the checkpoint must have its n_layer, n_head and n_embd.
-        config: the factory's GPTConfig; only its dropout and checkpoint are taken, the rest comes from the files.
-    """
-    from transformers import GPT2LMHeadModel
-
-    check_hf_dir(path)  # names a corrupt model.safetensors instead of a traceback
-    model = from_hf(GPT2LMHeadModel.from_pretrained(path, local_files_only=True),
-                    dropout=config.dropout, checkpoint=config.checkpoint)
-    arch = ("n_layer", "n_head", "n_embd")
-    if any(getattr(model.config, k) != getattr(config, k) for k in arch):
-        got = ", ".join(f"{k}={getattr(model.config, k)}" for k in arch)
-        raise ValueError(f"{size}(pretrained={path!r}): the checkpoint has {got}, which is not {size}; "
-                         f"use the matching factory or model = dict(type='hf', path=...)")
-    return model
 
 
 # ----------------------------------------------------------------------------------------------------------

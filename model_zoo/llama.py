@@ -12,26 +12,27 @@ and `init_param_range` gives any element range of any parameter on its own, so a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+import os
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
+from model_zoo import generation, llama_adapter
 from model_zoo.layers import CausalAttention, LMHead, RealVocab
+from model_zoo.llama_adapter import ARCHITECTURES
 from model_zoo.loss import GPTLMLoss
+from model_zoo.safetensors_source import SafetensorsDir, read_hf_config
 from model_zoo.weight_init import draw_range
 
 __all__ = ["LlamaConfig", "Llama", "DecoderLayer", "Attention", "SwiGLU", "RMSNorm", "LlamaOutput", "SIZES",
            "ARCHITECTURES", "llama_tiny", "llama2_7b", "llama3_2_1b", "llama3_2_3b", "llama3_8b", "qwen2_5_0_5b",
-           "qwen2_5_7b", "qwen3_0_6b", "qwen3_8b", "mistral_7b", "model_from_config", "as_llama_config", "hf_config",
-           "to_hf_tensor"]
+           "qwen2_5_7b", "qwen3_0_6b", "qwen3_8b", "mistral_7b", "model_from_config", "as_llama_config",
+           "load_pretrained"]
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each (B, n_kv, T_past, hs)
-
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-"""The Hugging Face classes this family reproduces (LlamaConfig.architecture names the one it exports as)."""
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -254,6 +255,9 @@ class Llama(nn.Module):
         torch.Size([2, 16, 1024])
     """
 
+    adapter = "model_zoo.llama_adapter"
+    """The module with this family's checkpoint mappings (Hugging Face, Megatron-LM), for zerogpt_tools."""
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
@@ -357,8 +361,6 @@ class Llama(nn.Module):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample with a KV cache (model_zoo/generation.py); temperature 0 = greedy."""
-        from model_zoo import generation
-
         return generation.generate(self, input_ids, max_new_tokens, temperature, top_k, generator)
 
     def num_params(self, non_embedding: bool = False) -> int:
@@ -426,19 +428,21 @@ def as_llama_config(config: LlamaConfig | dict[str, Any]) -> LlamaConfig:
     return config if isinstance(config, LlamaConfig) else LlamaConfig(**config)
 
 
-def _build(size: str, pretrained: str | None, overrides: dict[str, Any]) -> Llama:
+def _check_overrides(overrides: dict[str, Any], where: str) -> None:
     names = {f.name for f in fields(LlamaConfig)}
     unknown = set(overrides) - names
     if unknown:
         import difflib
         hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
-        raise TypeError(f"{size}() got unknown keyword(s) " + ", ".join(
+        raise TypeError(f"{where} got unknown keyword(s) " + ", ".join(
             f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in sorted(unknown))
             + f"; valid: {', '.join(sorted(names))}")
-    if pretrained is not None:
-        from model_zoo.pretrained import from_pretrained
 
-        return from_pretrained(pretrained, expect=size, **overrides)
+
+def _build(size: str, pretrained: str | None, overrides: dict[str, Any]) -> Llama:
+    _check_overrides(overrides, f"{size}()")
+    if pretrained is not None:
+        return load_pretrained(pretrained, expect=size, **overrides)
     return Llama(LlamaConfig(**{**SIZES[size], **overrides}))
 
 
@@ -501,18 +505,83 @@ def mistral_7b(pretrained: str | None = None, **overrides: Any) -> Llama:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The checkpoint plugin protocol (zerogpt_tools.export's ModelPlugin looks these up in the module of the recorded
-# class, "model_zoo.llama.Llama"); the rules live in llama_adapter.py, which imports this module.
+# Hugging Face checkpoints streamed in (model_zoo.from_pretrained, type="hf", the factories' pretrained=DIR); the
+# checkpoint mappings are model_zoo/llama_adapter.py's, which Llama.adapter names for zerogpt_tools' exporters.
 
-def hf_config(config: LlamaConfig | dict[str, Any]) -> Any:
-    """The transformers config of a LlamaConfig: model_zoo.llama_adapter.hf_config."""
-    from model_zoo import llama_adapter
+def load_pretrained(directory: str, *, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32,
+                    expect: str | None = None, **overrides: Any) -> Llama:
+    """A Llama-family Hugging Face checkpoint as a Llama, its weights streamed from the safetensors files
+    (model_zoo.from_pretrained and the factories' pretrained=DIR call this).
 
-    return llama_adapter.hf_config(config)
+    Args:
+        directory: a save_pretrained directory (config.json, model.safetensors or sharded files with their index).
+        device: "meta" (default): no storage; zerogpt.initialize fills each rank's shards from the files. Any other
+            device: the whole model is filled there, one tensor at a time.
+        dtype: the parameters' dtype off the meta device (the values are read as stored and cast).
+        expect: a factory name ("llama3_8b"): refuse a checkpoint of another shape.
+        overrides: LlamaConfig fields that do not change the weights (checkpoint, chunked_loss, loss_chunk_size,
+            attention_dropout, pad_vocab_multiple).
+    Example:
+        >>> model = from_pretrained("checkpoints/Meta-Llama-3.1-8B", checkpoint=True)   # doctest: +SKIP
+        >>> engine = zerogpt.initialize(model, optimizer, config=cfg, ctx=ctx)           # doctest: +SKIP
+    """
+    where = os.path.join(directory, "config.json")
+    kwargs = llama_adapter.config_from_hf(read_hf_config(directory), where=where)
+    _check_overrides(overrides, f"from_pretrained({directory!r})")
+    config = LlamaConfig(**kwargs, **{k: v for k, v in overrides.items() if k not in kwargs})
+    config = replace(config, **{k: v for k, v in overrides.items() if k in kwargs})
+    if expect is not None:
+        _check_shape(config, expect, directory)
+    source = SafetensorsDir(directory)
+    with torch.device("meta"):
+        model = Llama(config)
+    _check_tensors(model, source, directory)
+    rows = {name: p.size(0) for name, p in model.named_parameters()}
+
+    def read(name: str, start: int, end: int) -> torch.Tensor:
+        return source.read_range(llama_adapter.hf_name(name, config), start, end, rows=rows[name])
+
+    model.weight_source = read
+    if torch.device(device).type != "meta":
+        _materialize(model, torch.device(device), dtype)
+    return model
 
 
-def to_hf_tensor(name: str, tensor: torch.Tensor, config: LlamaConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
-    """One of our tensors as Hugging Face stores it: model_zoo.llama_adapter.to_hf_tensor."""
-    from model_zoo import llama_adapter
+def _check_shape(config: Any, expect: str, directory: str) -> None:
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+    want = SIZES[expect]
+    diff = {k: getattr(config, k) for k in keys if k in want and getattr(config, k) != want[k]}
+    if diff:
+        raise ValueError(f"{expect}(pretrained={directory!r}): the checkpoint has {diff}, which is not {expect}; "
+                         f"use the matching factory or model = dict(type='hf', path=...)")
 
-    return llama_adapter.to_hf_tensor(name, tensor, config)
+
+def _check_tensors(model: nn.Module, source: SafetensorsDir, directory: str) -> None:
+    """Every parameter has its tensor in the files, of its shape (bar the padded vocabulary rows)."""
+    config = model.config
+    for name, p in model.named_parameters():
+        stored = llama_adapter.hf_name(name, config)
+        if stored not in source:
+            raise ValueError(f"{directory}: no tensor {stored!r} in the safetensors files, which the config.json's "
+                             f"{config.architecture} needs; the checkpoint is incomplete or of another model")
+        shape, want = source.shape(stored), tuple(p.shape)
+        vocab_rows = name in ("model.embed_tokens.weight", "lm_head.weight")
+        if shape != want and not (vocab_rows and shape == (config.vocab_size, *want[1:])):
+            raise ValueError(f"{directory}: tensor {stored!r} has shape {list(shape)} but config.json makes it "
+                             f"{list(want)}; config.json and the weights disagree")
+
+
+@torch.no_grad()
+def _materialize(model: Llama, device: torch.device, dtype: torch.dtype) -> None:
+    """Give a meta-built model real parameters on `device`, one tensor read at a time (the tied head re-tied)."""
+    tied = model.config.tie_word_embeddings
+    for module_name, module in model.named_modules():
+        for pname, p in list(module._parameters.items()):
+            name = f"{module_name}.{pname}" if module_name else pname
+            if p is None or (tied and name == "lm_head.weight"):
+                continue
+            values = model.init_param_range(name, 0, p.numel()).view(p.shape)
+            module._parameters[pname] = nn.Parameter(values.to(device=device, dtype=dtype), p.requires_grad)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = model.inv_freq.to(device)

@@ -12,17 +12,34 @@ no permutation either. Files, legacy names and TP/PP splits are zerogpt_tools/me
 """
 from __future__ import annotations
 
-from dataclasses import fields, replace
+import dataclasses
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
 
-from model_zoo.llama import ARCHITECTURES, LlamaConfig, as_llama_config
-
-__all__ = ["config_from_hf", "hf_config", "to_hf_tensor", "hf_name", "VOCAB_ROWS", "config_from_megatron",
+__all__ = ["ARCHITECTURES", "config_from_hf", "hf_config", "to_hf_tensor", "hf_name", "VOCAB_ROWS", "config_from_megatron",
            "megatron_args", "to_megatron", "from_megatron"]
 
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+"""The Hugging Face classes the family reproduces (LlamaConfig.architecture names the one it exports as)."""
+
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # (padded_vocab_size, hidden): pad rows not in HF
+
+
+class _LlamaFields(SimpleNamespace):
+    """A LlamaConfig's fields with its derived padded vocabulary, as LlamaConfig derives it."""
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // self.pad_vocab_multiple) * self.pad_vocab_multiple
+
+
+def as_llama_config(config: Any) -> _LlamaFields:
+    """A LlamaConfig, or its `dataclasses.asdict` form (what checkpoints record), as its fields. The rules take
+    configs as fields and give back LlamaConfig keyword arguments, so this module does not import the model:
+    model_zoo/llama.py imports it."""
+    return _LlamaFields(**(config if isinstance(config, dict) else dataclasses.asdict(config)))
 
 _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
@@ -46,9 +63,9 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
-def config_from_hf(hf: dict[str, Any], where: str = "config.json", **overrides: Any) -> LlamaConfig:
-    """The LlamaConfig of a Hugging Face config.json dict; ValueError naming the key for what the family cannot
-    reproduce (other architectures, biases Llama checkpoints do not have, sliding windows in use, yarn RoPE).
+def config_from_hf(hf: dict[str, Any], where: str = "config.json", **overrides: Any) -> dict[str, Any]:
+    """LlamaConfig's keyword arguments for a Hugging Face config.json dict; ValueError naming the key for what the
+    family cannot reproduce (other architectures, biases Llama checkpoints do not have, sliding windows, yarn RoPE).
 
     Args:
         where: the file it came from, for error messages.
@@ -73,18 +90,13 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json", **overrides: 
                          f"transformers path, model = dict(type='hf', path=DIR, generic=True)")
     theta, scaling = _rope(hf)
     shape = {k: hf[k] for k in _SHAPE_KEYS if hf.get(k) is not None}
-    config = LlamaConfig(**shape, rope_theta=theta, rope_scaling=scaling, architecture=arch,
-                         qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
-                         sliding_window=hf.get("sliding_window") if arch == "MistralForCausalLM" else None,
-                         extra={k: hf[k] for k in _KEPT if hf.get(k) is not None})
-    names = {f.name for f in fields(LlamaConfig)}
-    unknown = set(overrides) - names
-    if unknown:
-        raise TypeError(f"unknown LlamaConfig field(s) {sorted(unknown)}; valid: {', '.join(sorted(names))}")
-    return replace(config, **overrides)
+    return dict(**shape, rope_theta=theta, rope_scaling=scaling, architecture=arch,
+                qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
+                sliding_window=hf.get("sliding_window") if arch == "MistralForCausalLM" else None,
+                extra={k: hf[k] for k in _KEPT if hf.get(k) is not None}, **overrides)
 
 
-def hf_config(config: LlamaConfig | dict[str, Any]) -> Any:
+def hf_config(config: Any) -> Any:
     """The transformers config (LlamaConfig, Qwen2Config, Qwen3Config or MistralConfig) that rebuilds the model."""
     import transformers
 
@@ -116,14 +128,14 @@ def hf_config(config: LlamaConfig | dict[str, Any]) -> Any:
     return hc
 
 
-def hf_name(name: str, config: LlamaConfig | dict[str, Any]) -> str:
+def hf_name(name: str, config: Any) -> str:
     """The tensor of a Hugging Face checkpoint that holds our parameter `name` (a tied head reads the embedding)."""
     if name == "lm_head.weight" and as_llama_config(config).tie_word_embeddings:
         return "model.embed_tokens.weight"
     return name
 
 
-def to_hf_tensor(name: str, tensor: torch.Tensor, config: LlamaConfig | dict[str, Any]) -> tuple[str, torch.Tensor]:
+def to_hf_tensor(name: str, tensor: torch.Tensor, config: Any) -> tuple[str, torch.Tensor]:
     """One of our tensors as Hugging Face stores it: the same name, the padded vocabulary rows dropped."""
     if name in VOCAB_ROWS:
         tensor = tensor[: as_llama_config(config).vocab_size]
@@ -146,9 +158,9 @@ def _arg(args: dict[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def config_from_megatron(args: dict[str, Any], vocab_size: int, pad_vocab_multiple: int) -> LlamaConfig:
-    """The LlamaConfig of a Megatron Llama-family model's `args` (a dict of its Namespace); ValueError naming the
-    argument for what the family cannot reproduce.
+def config_from_megatron(args: dict[str, Any], vocab_size: int, pad_vocab_multiple: int) -> dict[str, Any]:
+    """LlamaConfig's keyword arguments for a Megatron Llama-family model's `args` (a dict of its Namespace);
+    ValueError naming the argument for what the family cannot reproduce.
 
     Args:
         vocab_size: the real vocabulary (the tokenizer's), <= args.padded_vocab_size.
@@ -181,7 +193,7 @@ def config_from_megatron(args: dict[str, Any], vocab_size: int, pad_vocab_multip
     elif _arg(args, "rotary_seq_len_interpolation_factor", None):  # positions / f: HF's linear scaling
         scaling = dict(rope_type="linear", factor=float(args["rotary_seq_len_interpolation_factor"]))
     dtype = next((name for flag, name in _MEGATRON_DTYPES.items() if _arg(args, flag, False)), "float32")
-    return LlamaConfig(
+    return dict(
         vocab_size=vocab_size, hidden_size=args["hidden_size"], intermediate_size=args["ffn_hidden_size"],
         num_hidden_layers=args["num_layers"], num_attention_heads=heads,
         num_key_value_heads=args["num_query_groups"] if _arg(args, "group_query_attention", False) else heads,
@@ -195,7 +207,7 @@ def config_from_megatron(args: dict[str, Any], vocab_size: int, pad_vocab_multip
         extra={"torch_dtype": dtype})
 
 
-def megatron_args(config: LlamaConfig | dict[str, Any]) -> dict[str, Any]:
+def megatron_args(config: Any) -> dict[str, Any]:
     """The Megatron arguments that give a LlamaConfig's shape (the layout module adds vocab, TP/PP and the rest);
     ValueError for what Megatron-Core cannot express (a sliding window, llama3 RoPE scaling other than Llama 3's)."""
     c = as_llama_config(config)
@@ -223,7 +235,7 @@ def megatron_args(config: LlamaConfig | dict[str, Any]) -> dict[str, Any]:
                 hidden_dropout=0.0, **scaling)
 
 
-def _megatron_layer(c: LlamaConfig, i: int) -> list[tuple[tuple[str, ...], str]]:
+def _megatron_layer(c: _LlamaFields, i: int) -> list[tuple[tuple[str, ...], str]]:
     """((our names...), Megatron-Core name) of layer i: several of ours fuse into one of Megatron's."""
     ours, theirs = f"model.layers.{i}.", f"decoder.layers.{i}."
     attn = [(tuple(f"{ours}self_attn.{p}_proj.weight" for p in "qkv"), "self_attention.linear_qkv.weight")]
@@ -240,7 +252,7 @@ def _megatron_layer(c: LlamaConfig, i: int) -> list[tuple[tuple[str, ...], str]]
     return [(names, theirs + name) for names, name in pairs]
 
 
-def _megatron_pairs(config: LlamaConfig) -> list[tuple[tuple[str, ...], str]]:
+def _megatron_pairs(config: _LlamaFields) -> list[tuple[tuple[str, ...], str]]:
     """((our names...), Megatron-Core name) for every weight, in model order; a tied head is the embedding."""
     pairs = [(("model.embed_tokens.weight",), "embedding.word_embeddings.weight")]
     for i in range(config.num_hidden_layers):
@@ -252,7 +264,7 @@ def _megatron_pairs(config: LlamaConfig) -> list[tuple[tuple[str, ...], str]]:
 
 
 def to_megatron(read: Callable[[str], torch.Tensor],
-                config: LlamaConfig | dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+                config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(Megatron-Core name, tensor) of every weight at TP=1, from `read(our name)`; one fused tensor at a time."""
     c = as_llama_config(config)
     groups = c.num_key_value_heads
@@ -266,7 +278,7 @@ def to_megatron(read: Callable[[str], torch.Tensor],
 
 
 def from_megatron(read: Callable[[str], torch.Tensor],
-                  config: LlamaConfig | dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+                  config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, tensor) of every parameter from `read(Megatron-Core name)` at TP=1: to_megatron's inverse."""
     c = as_llama_config(config)
     groups, per_group = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads

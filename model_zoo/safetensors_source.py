@@ -1,5 +1,6 @@
-"""A Hugging Face checkpoint directory read a slice at a time: the tensors of model.safetensors (or of the shards its
-model.safetensors.index.json names), by name and flat element range, through safetensors' own slice reads.
+"""A Hugging Face checkpoint directory read a slice at a time: its config.json, and the tensors of model.safetensors
+(or of the shards its model.safetensors.index.json names), by name and flat element range, through safetensors' own
+slice reads.
 
 This is how pretrained weights reach a meta-built model: zerogpt.initialize asks the model for each rank's element
 ranges (`init_param_range`), and the model asks this for them, so a rank reads only the rows that cover its shards
@@ -15,10 +16,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["SafetensorsDir", "SINGLE_FILE", "INDEX_FILE"]
+__all__ = ["SafetensorsDir", "read_hf_config", "SINGLE_FILE", "INDEX_FILE"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_hf_config(directory: str) -> dict[str, Any]:
+    """config.json of a local HF model directory, with one-line errors for a missing or unreadable one."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{directory}: no config.json there; point at a directory written by save_pretrained "
+                         f"(nothing is downloaded)")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
 class SafetensorsDir:

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from model_zoo.gpt import GPTConfig
 
 __all__ = ["INIT_BLOCK", "init_param_range", "init_rule", "draw_range"]
 
@@ -30,7 +27,7 @@ def _block_seed(init_seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") >> 1  # manual_seed takes < 2**64; keep it positive for readability
 
 
-def init_rule(config: GPTConfig, numels: dict[str, int], name: str) -> tuple[str, int, float | None, float]:
+def init_rule(config: Any, numels: dict[str, int], name: str) -> tuple[str, int, float | None, float]:
     """(canonical name, numel, std of its normal init or None, constant fill when std is None).
 
     `numels` maps each parameter name of the whole model to its element count, as fixed at build time.
@@ -49,7 +46,7 @@ def init_rule(config: GPTConfig, numels: dict[str, int], name: str) -> tuple[str
     return name, numel, std, 0.0
 
 
-def init_param_range(config: GPTConfig, init_seed: int, numels: dict[str, int], name: str, start: int,
+def init_param_range(config: Any, init_seed: int, numels: dict[str, int], name: str, start: int,
                      end: int) -> torch.Tensor:
     """Elements [start, end) of flattened parameter `name` exactly as initialised, however it is split.
 

@@ -86,7 +86,7 @@ def test_state_dict_round_trip_has_the_plain_keys(tmp_path):
     for name, tensor in state.items():
         assert torch.equal(again.state_dict()[name], tensor), name
         assert torch.equal(plain.state_dict()[name], tensor), name
-    from model_zoo.hf import to_hf
+    from model_zoo.gpt import to_hf
 
     pytest.importorskip("transformers")
     hf_state = to_hf(converted).state_dict()

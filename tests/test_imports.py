@@ -46,15 +46,15 @@ def test_atomic_write_creates_files_with_the_umask_mode(tmp_path):
 # no import cycles among zerogpt's modules, nor among its subpackages
 
 
-def _zerogpt_imports() -> dict[str, dict[str, int]]:
-    """module -> {zerogpt module it imports: line}, from every import statement in the source (inside functions
+def _zerogpt_imports(package: str = "zerogpt") -> dict[str, dict[str, int]]:
+    """module -> {`package` module it imports: line}, from every import statement in the source (inside functions
     and `if TYPE_CHECKING:` too): a cycle is a design loop even when a deferred import keeps it from failing."""
     import ast
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1]
     paths = {}
-    for path in (root / "zerogpt").rglob("*.py"):
+    for path in (root / package).rglob("*.py"):
         parts = path.relative_to(root).with_suffix("").parts
         paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
 
@@ -79,7 +79,7 @@ def _zerogpt_imports() -> dict[str, dict[str, int]]:
             else:
                 continue
             for name in names:
-                target = known(name) if name.split(".")[0] == "zerogpt" else None
+                target = known(name) if name.split(".")[0] == package else None
                 if target is not None and target != module:
                     edges.setdefault(target, node.lineno)
     return graph
@@ -132,6 +132,18 @@ def test_no_import_cycles_among_zerogpt_modules():
     cycles = _cycles(graph)
     assert not cycles, "import cycles (break each by moving what both sides need down a level):\n" + _describe(
         cycles, graph)
+
+
+def test_no_import_cycles_among_model_zoo_modules():
+    """A family's model imports its adapter (the checkpoint mappings), never the other way; the loader imports both;
+    the shared layers import neither."""
+    graph = _zerogpt_imports("model_zoo")
+    assert graph["model_zoo.gpt"] and graph["model_zoo.llama"], "the import graph came out empty"
+    # __init__ re-exports everything; a module importing `from model_zoo import X` of a re-export would loop
+    graph = {m: {t: line for t, line in edges.items() if t != "model_zoo"} for m, edges in graph.items()
+             if m != "model_zoo"}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles in model_zoo:\n" + _describe(cycles, graph)
 
 
 def test_no_import_cycles_among_zerogpt_subpackages():

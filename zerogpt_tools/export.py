@@ -6,8 +6,8 @@ The output loads with `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoToken
 GPT2LMHeadModel for model_zoo's GPT, LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM
 for its Llama family. Peak memory is one safetensors shard plus one tensor. The conversion is found through the
 model class the checkpoint records: a transformers class is written as is; any other "pkg.mod.Cls" plugs in
-through `hf_config`, `to_hf_tensor` and `model_from_config` in "pkg.mod" (model_zoo/gpt.py and model_zoo/llama.py
-have them; see ModelPlugin). The weights' dtype defaults to the one the model's source checkpoint was stored in
+through `hf_config` and `to_hf_tensor` in its adapter module (the class's `adapter` attribute, else "pkg.mod") and
+`model_from_config` in "pkg.mod" (model_zoo's families have them; see ModelPlugin). The weights' dtype defaults to the one the model's source checkpoint was stored in
 (fp32 for a model trained from scratch); bos/eos ids come from the shipped tokenizer.
 """
 from __future__ import annotations
@@ -26,14 +26,16 @@ import torch
 from data_pipeline.cli_args import parse_size
 from data_pipeline.tokenizer import load_tokenizer
 from model_zoo.hf import check_safetensors
+from zerogpt.amp import TORCH_DTYPES
 from zerogpt.cli import HelpFormatter
+from zerogpt.config.dtypes import DTYPES as DTYPE_NAMES
 
 __all__ = ["export_checkpoint", "ShardWriter", "iter_hf_weights", "ModelPlugin", "find_tokenizer",
            "save_tokenizer", "atomic_output_dir", "resolve_dtype", "set_special_ids", "main"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = TORCH_DTYPES  # --dtype NAME -> torch dtype: the one table of dtype names (zerogpt/config/dtypes.py)
 AUTO = "auto"  # --dtype default: the source checkpoint's dtype (ModelPlugin.source_dtype), else fp32
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # config.json's spelling -> ours
+_DTYPE_NAMES = {d.torch_name: name for name, d in DTYPE_NAMES.items()}  # config.json's spelling -> ours
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _TOKENIZER_HINT = ("pass --tokenizer DIR (the tokenizer the model was trained with, e.g. the run's data.tokenizer "
@@ -174,12 +176,17 @@ class ModelPlugin:
         # A transformers class is already an HF model: same names, same layout, its own config class.
         self.is_transformers = self.class_path.startswith("transformers.")
         self.module = sys.modules[self.cls.__module__]
+        # The conversion rules live in the family's adapter module when the class names one (model_zoo's GPT and
+        # Llama: `adapter = "model_zoo.hf"`, "model_zoo.llama_adapter"), else beside the class.
+        adapter = getattr(self.cls, "adapter", None)
+        self.adapter = importlib.import_module(adapter) if isinstance(adapter, str) else self.module
 
-    def _hook(self, name: str) -> Callable:
-        if not hasattr(self.module, name):
+    def _hook(self, name: str, module: Any = None) -> Callable:
+        module = module or self.adapter
+        if not hasattr(module, name):
             raise ValueError(f"model class {self.class_path} has no Hugging Face conversion: its module "
-                             f"{self.module.__name__} defines no {name}() (see ModelPlugin in zerogpt_tools/export.py)")
-        return getattr(self.module, name)
+                             f"{module.__name__} defines no {name}() (see ModelPlugin in zerogpt_tools/export.py)")
+        return getattr(module, name)
 
     def hf_config(self) -> Any:
         if self.is_transformers:
@@ -206,7 +213,7 @@ class ModelPlugin:
         """A freshly initialised model of the recorded class and config (to load checkpoint tensors into)."""
         if self.is_transformers:
             return self.cls(self.hf_config())
-        return self._hook("model_from_config")(self.config)
+        return self._hook("model_from_config", self.module)(self.config)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -72,14 +72,15 @@ def _model_module(family: str) -> Any:
     return importlib.import_module(FAMILIES[family][0].rpartition(".")[0])
 
 
-def _meta_params(family: str, config: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The model's parameters on the meta device (names and shapes, nothing allocated) and its tied aliases."""
+def _meta_model(family: str, config: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
+    """The model's config (from the adapter's keyword arguments), its parameters on the meta device (names and
+    shapes, nothing allocated) and its tied aliases."""
     with torch.device("meta"):
         model = _model_module(family).model_from_config(config)
     params = dict(model.named_parameters())
     ids = {id(p): n for n, p in params.items()}
     tied = {n: ids[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if n not in params}
-    return params, tied
+    return model.config, params, tied
 
 
 def _check_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Size], ckpt: MegatronCheckpoint) -> None:
@@ -202,8 +203,7 @@ def import_megatron(path: str, run_dir: str, tokenizer: str | None = None, vocab
         vocab_size = len(load_tokenizer(tokenizer))
     vocab_size, multiple, vocab_note = vocab_padding(ckpt.args, vocab_size)
     adapter = _adapter(family)
-    config = adapter.config_from_megatron(ckpt.args, vocab_size, multiple)
-    params, tied = _meta_params(family, config)
+    config, params, tied = _meta_model(family, adapter.config_from_megatron(ckpt.args, vocab_size, multiple))
     expected = {name: t.shape for name, t in adapter.to_megatron(params.__getitem__, config)}
     tensors = read_tensors(ckpt)
     _check_shapes(tensors, expected, ckpt)

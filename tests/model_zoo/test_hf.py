@@ -8,8 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model_zoo import build_model  # noqa: E402
-from model_zoo.gpt import gpt2_small, gpt2_tiny  # noqa: E402
-from model_zoo.hf import from_hf, to_hf  # noqa: E402
+from model_zoo.gpt import from_hf, gpt2_small, gpt2_tiny, to_hf  # noqa: E402
 from model_zoo.loss import GPTLMLoss  # noqa: E402
 
 SHAPES = [  # (vocab, positions, n_embd, n_layer, n_head): odd vocab (padding), several head counts
