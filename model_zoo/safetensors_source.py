@@ -120,10 +120,11 @@ class SafetensorsDir:
         if not 0 <= start <= end <= rows * row:
             raise ValueError(f"{name}: range [{start}, {end}) lies outside its {rows * row} elements")
         lo, hi = start // row, -(-end // row)
-        out = torch.zeros((hi - lo) * row, dtype=torch.float32)
-        stored_hi = min(hi, stored_rows)
-        if stored_hi > lo:
-            out[: (stored_hi - lo) * row] = self.read_rows(name, lo, stored_hi).reshape(-1).float()
+        out = torch.empty((hi - lo) * row, dtype=torch.float32)
+        stored = max(0, min(hi, stored_rows) - lo) * row
+        if stored:  # cast while copying into `out`: no fp32 temporary beside it
+            out[:stored].copy_(self.read_rows(name, lo, lo + stored // row).reshape(-1))
+        out[stored:].zero_()
         return out[start - lo * row: end - lo * row]
 
     def describe(self) -> dict[str, Any]:

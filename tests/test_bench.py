@@ -29,6 +29,15 @@ RUNS = {
     "gpu_measure.py": (["--help"], "usage:"),
     "host_step.py": (["--shard-m", "1", "--shards", "1", "--rounds", "1", "--engine-layers", "1"],
                      "(median of the rounds' ratios) |"),
+    # native and transformers' Llama under zerogpt, one stage-3 step (no DeepSpeed: its import alone takes seconds)
+    "llama_speed.py": (["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "176",
+                        "--vocab", "512", "--seq", "16", "--stages", "3", "--steps", "1", "--warmup", "0",
+                        "--systems", "native", "hf-zerogpt", "--cache-dir", "{tmp}"],
+                       "stage 3: first-step losses agree within 1e-5 (relative): yes"),
+    # the streaming way only: each way is a pair of fresh processes, and DeepSpeed's also needs accelerate
+    "load_memory.py": (["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
+                        "--vocab", "256", "--max-seq", "64", "--ways", "streaming", "--cache-dir", "{tmp}"],
+                       "| streaming | 1 |"),
     "model_parallel.py": (["--model", "gpt2_tiny", "--seq", "16", "--steps", "1", "--warmup", "0",
                            "--systems", "tp2-sp", "pp2"],
                           "first-step losses agree within 1e-4 (the same step computed 2 ways): yes"),
