@@ -52,7 +52,8 @@ setup(
         # the pipeline's tests run a local Ray; the W&B hook's test runs wandb offline; tests/test_fp8.py converts
         "dev": ["pytest", "pytest-timeout", "ray[data]>=2.40", "wandb", "torchao"],
         "ray": ["ray[data]>=2.40"],  # `python -m data_pipeline all --executor ray`
-        "deepspeed": ["deepspeed", "accelerate>=1.1.0"],  # accelerate: transformers' HfDeepSpeedConfig (bench/load_memory.py)
+        # accelerate: transformers' HfDeepSpeedConfig, DeepSpeed's way into from_pretrained (bench/load_memory.py)
+        "deepspeed": ["deepspeed", "accelerate>=1.1.0"],
         "wandb": ["wandb"],  # train.wandb = dict(project=...): log to Weights & Biases
         "fp8": ["torchao"],  # precision = "fp8": torchao's float8 training (zerogpt/fp8.py)
     },
