@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import uuid
 from typing import IO, Iterator
 
@@ -27,6 +28,24 @@ def local_path(path: str) -> str | None:
 def abspath(path: str) -> str:
     """os.path.abspath for a local path; a URL as it is (what the stats record)."""
     return path if "://" in path else os.path.abspath(path)
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: str) -> Iterator[str]:
+    """Yield a temporary sibling directory that replaces local directory `out_dir` only if the block completes
+    (the old one is moved aside first and removed after, so a killed write leaves it whole)."""
+    out_dir = os.path.abspath(os.fspath(out_dir).rstrip("/"))
+    tmp_dir, old_dir = f"{out_dir}.tmp-{os.getpid()}", f"{out_dir}.old-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
+    try:
+        yield tmp_dir
+        if os.path.isdir(out_dir):
+            os.replace(out_dir, old_dir)
+        os.replace(tmp_dir, out_dir)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        shutil.rmtree(old_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

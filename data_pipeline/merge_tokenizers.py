@@ -19,13 +19,12 @@ the eos. Grow the model's embedding to the new size with `python -m zerogpt_tool
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import time
-from typing import Iterator
 
+from data_pipeline.files import atomic_dir
 from data_pipeline.stats import write_stats
 from data_pipeline.tokenizer import load_backend, save_tokenizer_dir
 
@@ -43,22 +42,6 @@ def tokenizer_kind(path: str) -> str:
 def _model_file(path: str) -> str:
     """The sentencepiece model of `path`: the file itself (spm_train's PREFIX.model), or DIR/tokenizer.model."""
     return path if os.path.isfile(path) and path.endswith(".model") else os.path.join(path, "tokenizer.model")
-
-
-@contextlib.contextmanager
-def _atomic_dir(out_dir: str) -> Iterator[str]:
-    """Yield a temporary sibling directory that replaces `out_dir` only if the block completes."""
-    tmp_dir, old_dir = f"{out_dir}.tmp-{os.getpid()}", f"{out_dir}.old-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
-    try:
-        yield tmp_dir
-        if os.path.isdir(out_dir):
-            os.replace(out_dir, old_dir)
-        os.replace(tmp_dir, out_dir)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        shutil.rmtree(old_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,7 +137,7 @@ def _merge_bpe(a: str, b: str, out_dir: str) -> dict:
     if not os.path.isfile(os.path.join(a, "tokenizer_config.json")):
         save_tokenizer_dir(backend, out_dir)  # a bare tokenizer.json or vocab.json + merges.txt: GPT-2 defaults
         return counts
-    with _atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp:
         backend.save(os.path.join(tmp, "tokenizer.json"))
         added_a = {t["content"] for t in spec_a.get("added_tokens", [])}
         _copy_configs(a, tmp, added=[t for t in merged["added_tokens"] if t["content"] not in added_a])
@@ -262,7 +245,7 @@ def _merge_sentencepiece(a: str, b: str, out_dir: str) -> dict:
                          f"({beyond[:3]}, in tokenizer_config.json/added_tokens.json); B's pieces would take their "
                          f"ids, so add them to tokenizer.model as user-defined pieces first, or drop them")
     counts = merge_protos(proto_a, proto_b)
-    with _atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp:
         with open(os.path.join(tmp, "tokenizer.model"), "wb") as f:
             f.write(proto_a.SerializeToString())
         _copy_configs(a, tmp, added=[])

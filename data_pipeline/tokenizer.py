@@ -233,13 +233,9 @@ def save_tokenizer_dir(backend, out_dir: str) -> list[str]:
     and GPT-2 style vocab.json + merges.txt (for tools that read those) into a temporary directory
     that then replaces `out_dir`. Returns the file names.
     """
-    import shutil
+    from data_pipeline.files import atomic_dir
 
-    out_dir = os.path.abspath(os.fspath(out_dir).rstrip("/"))
-    tmp_dir, old_dir = f"{out_dir}.tmp-{os.getpid()}", f"{out_dir}.old-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
-    try:
+    with atomic_dir(out_dir) as tmp_dir:
         tok = wrap_fast(backend)
         tok.save_pretrained(tmp_dir)
         config_path = os.path.join(tmp_dir, "tokenizer_config.json")
@@ -255,10 +251,4 @@ def save_tokenizer_dir(backend, out_dir: str) -> list[str]:
             json.dump(specials, f, indent=2)
         backend.model.save(tmp_dir)
         files = sorted(os.listdir(tmp_dir))
-        if os.path.isdir(out_dir):
-            os.replace(out_dir, old_dir)
-        os.replace(tmp_dir, out_dir)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        shutil.rmtree(old_dir, ignore_errors=True)
     return files

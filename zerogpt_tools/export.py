@@ -13,17 +13,16 @@ through `hf_config` and `to_hf_tensor` in its adapter module (the class's `adapt
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import os
-import shutil
 import sys
 from typing import Any, Callable, Iterator
 
 import torch
 
 from data_pipeline.cli_args import parse_size
+from data_pipeline.files import atomic_dir as atomic_output_dir  # the output directory appears whole or not at all
 from data_pipeline.tokenizer import load_tokenizer
 from model_zoo.hf import check_safetensors
 from zerogpt.amp import TORCH_DTYPES
@@ -40,22 +39,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _TOKENIZER_HINT = ("pass --tokenizer DIR (the tokenizer the model was trained with, e.g. the run's data.tokenizer "
                    "or a `python -m data_pipeline train-tokenizer` output)")
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str) -> Iterator[str]:
-    """Yield a temporary sibling directory that replaces `out_dir` only if the block completes."""
-    out_dir = os.path.abspath(out_dir.rstrip("/"))
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        yield tmp
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------
