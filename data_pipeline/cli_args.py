@@ -1,6 +1,10 @@
 """The command-line arguments the stages share, and what they accept: --strict, the output as
-`--output OUT` or a last positional, sizes (`parse_size`, also used by zerogpt_tools), and the
-check that an input exists (a one-line error naming the path, not a traceback).
+`--output OUT` or a last positional, sizes (`parse_size`), and the check that an input exists (a one-line
+error naming the path, not a traceback).
+
+`parse_size` has its one home here: zerogpt_tools' flags (export --max-shard-size, estimate's sizes,
+extend_vocab) import it from this module, as DESIGN §1 lets the tools import the data pipeline, while zerogpt
+and data_pipeline import neither each other nor the tools. zerogpt itself reads no size from a command line.
 
 Each stage's own flags stay in its module's `add_parser`.
 """

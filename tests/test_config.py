@@ -263,6 +263,17 @@ def test_to_python_round_trips_objects_and_odd_values(tmp_path):
     assert again.hooks == [None]
 
 
+def test_a_config_py_rendered_before_the_strategies_moved_to_config_still_loads(tmp_path):
+    """Runs written before config/strategy.py recorded `from zerogpt.zero.strategy import ...` (render.py names a
+    class by its module); export reads those files from old checkpoints."""
+    old = write(tmp_path, """
+        from zerogpt.zero.strategy import BucketTensorShardStrategy
+        zero = dict(stage=2, shard_strategy=BucketTensorShardStrategy(bucket_mb=4))
+    """)
+    assert engine_config(Config.from_file(old)).zero.shard_strategy == BucketTensorShardStrategy(bucket_mb=4)
+    assert "from zerogpt.config.strategy import BucketTensorShardStrategy" in Config.from_file(old).to_python()
+
+
 # --- package -----------------------------------------------------------------------------------------------
 
 def test_import_zerogpt_is_light_and_initialize_is_the_function():

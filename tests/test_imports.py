@@ -65,7 +65,7 @@ def _zerogpt_imports(package: str = "zerogpt") -> dict[str, dict[str, int]]:
 
     graph: dict[str, dict[str, int]] = {}
     for module, path in paths.items():
-        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        parent = module if path.name == "__init__.py" else module.rpartition(".")[0]
         edges = graph.setdefault(module, {})
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
@@ -73,8 +73,8 @@ def _zerogpt_imports(package: str = "zerogpt") -> dict[str, dict[str, int]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # from . import x / from ..a import x, relative to this module's package
-                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*parent, base] if base else parent)
+                    up = parent.split(".")[: len(parent.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
                 names = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
             else:
                 continue

@@ -5,19 +5,23 @@ once per step and hands the verdict to `update()`. bf16 and fp32 need no scaling
 """
 from __future__ import annotations
 
-from typing import Any
+import typing
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp8": torch.bfloat16}  # fp8: bf16 parameters and activations, float8 inside Linear (zerogpt/fp8.py)
+from zerogpt.config.dtypes import DTYPES, Precision, compute_dtype_name
+from zerogpt.config.schema import LossScaleConfig
+
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, d.torch_name) for name, d in DTYPES.items()}
+"""zerogpt's dtype names as torch dtypes (the table is zerogpt/config/dtypes.py's DTYPES)."""
 
 
 def compute_dtype(precision: str) -> torch.dtype:
-    if precision not in DTYPES:
-        raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}; "
+    """The dtype of parameters and activations under `precision` (fp8: bf16, float8 only inside Linear)."""
+    if precision not in typing.get_args(Precision):
+        raise ValueError(f"precision must be one of {', '.join(typing.get_args(Precision))}, got {precision!r}; "
                          f"set precision = 'bf16' (or --set precision=bf16)")
-    return DTYPES[precision]
+    return TORCH_DTYPES[compute_dtype_name(precision)]
 
 
 class DynamicLossScaler:
@@ -27,9 +31,8 @@ class DynamicLossScaler:
     2**16, x0.5 on overflow, x2 after 1000 clean steps); disabled (bf16, fp32), the scale stays 1.
     """
 
-    def __init__(self, config: Any, enabled: bool = True) -> None:
-        """`config`: the `zero.loss_scale` section (zerogpt.config.LossScaleConfig; not imported, as amp.py sits
-        below config/ in the import graph)."""
+    def __init__(self, config: LossScaleConfig, enabled: bool = True) -> None:
+        """`config`: the `zero.loss_scale` section."""
         self.config = config
         self.enabled = enabled
         self.scale = float(self.config.initial_scale) if enabled else 1.0

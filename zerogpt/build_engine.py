@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerogpt.amp import DynamicLossScaler, compute_dtype
+from zerogpt.amp import TORCH_DTYPES, DynamicLossScaler, compute_dtype
 from zerogpt.compile import find_blocks
 from zerogpt.config import Config, EngineConfig, HostConfig, engine_config, optimizer_class
 from zerogpt.context import DistContext
 from zerogpt.engine import Engine
 from zerogpt.host_memory import keep_freed_host_memory, release_freed_host_memory
+from zerogpt.memory_model import OFFLOAD_HOMES
 from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk, ChunkPlan, plan_chunks, to_local
 from zerogpt.zero.comm import all_gather_flat
@@ -38,9 +39,6 @@ from zerogpt.zero.shm import open_transport
 from zerogpt.zero.step_wait_hooks import StepWaitHooks
 
 __all__ = ["initialize", "colossalai_initialize", "EnginePlan", "plan_engine"]
-
-HOMES = {"none": "device", "cpu": "host", "disk": "disk"}  # zero.offload_*.device -> where the state lives
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # zero.offload_optimizer.state_dtype
 
 
 @dataclass(frozen=True)
@@ -98,10 +96,10 @@ def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]
     element_size = torch.empty(0, dtype=dtype).element_size()
     chunks = plan_chunks(shapes, zero.shard_strategy, num_shards, element_size)
     trainable_shard = sum(p.shard_numel for p in chunks if p.trainable)  # elements this rank steps
-    optim_home = HOMES[zero.offload_optimizer.device]
+    optim_home = OFFLOAD_HOMES[zero.offload_optimizer.device]
     disk_bytes = trainable_shard * 4 * 3 if optim_home == "disk" else 0  # fp32 master, exp_avg, exp_avg_sq
     host = host or config.host.with_env_overrides()
-    param_home = HOMES[zero.offload_param.device]
+    param_home = OFFLOAD_HOMES[zero.offload_param.device]
     resident: frozenset[int] = frozenset()
     if param_home == "host":
         budget = zero.offload_param.device_budget
@@ -410,7 +408,7 @@ def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan
                             loss_scaler=loss_scaler, clip_grad_norm=plan.config.clip_grad_norm,
                             no_decay=set(plan.no_decay), norm_duplicates=set(parallel.norm_duplicates),
                             model_parallel_group=ctx.model_parallel_group, traffic=traffic,
-                            state_dtype=STATE_DTYPES[zero.offload_optimizer.state_dtype],
+                            state_dtype=TORCH_DTYPES[zero.offload_optimizer.state_dtype],
                             overlap_next_forward=plan.host_step_overlaps,
                             stage_compute_copies=plan.stages_compute_copies, step_waits=step_waits)
 

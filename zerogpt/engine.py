@@ -15,6 +15,7 @@ from torch import nn
 
 from zerogpt.config import EngineConfig
 from zerogpt.context import DistContext
+from zerogpt.memory_model import CATEGORIES, HOMES
 from zerogpt.parallel.layout import ParamLayout
 from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk
@@ -22,10 +23,8 @@ from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.grad_path import GradPath
-from zerogpt.zero.offload import HOMES, Placement, Traffic
+from zerogpt.zero.offload import Placement, Traffic
 from zerogpt.zero.sharded_optim import ShardedOptimizer
-
-CATEGORIES = ("params", "grads", "master", "optimizer")
 
 
 class Engine:

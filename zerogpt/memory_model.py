@@ -11,15 +11,21 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from zerogpt.zero.strategy import BucketTensorShardStrategy, TensorShardStrategy
+from zerogpt.config.dtypes import DTYPES
+from zerogpt.config.strategy import BucketTensorShardStrategy, TensorShardStrategy, chunk_groups
 
-__all__ = ["HOMES", "CATEGORIES", "PRECISIONS", "FAMILIES", "ModelShape", "model_state_bytes", "zero_paper_bytes",
+__all__ = ["HOMES", "OFFLOAD_HOMES", "CATEGORIES", "FAMILIES", "ModelShape", "model_state_bytes", "zero_paper_bytes",
            "activation_bytes", "chunk_of_params", "gather_peak", "buffer_bytes", "estimate",
            "grad_crosses_once", "step_grad_itemsize"]
 
 HOMES = ("device", "host", "disk")
+"""Where a byte of model state lives: the one list (zero/offload.py's Placement, the engine's memory_stats and the
+estimate tool read it)."""
+OFFLOAD_HOMES = {"none": "device", "cpu": "host", "disk": "disk"}
+"""zero.offload_optimizer.device / zero.offload_param.device -> the home of what it places (build_engine.py reads
+it)."""
 CATEGORIES = ("params", "grads", "master", "optimizer")
-PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of params/activations in compute dtype
+"""The kinds of model state (the ZeRO paper's), each counted per home; Engine.memory_stats measures the same."""
 FAMILIES = ("gpt2", "llama")  # the decoder blocks ModelShape describes
 
 
@@ -258,14 +264,14 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
         True
     """
     _check_choice("stage", stage, (0, 1, 2, 3))
-    _check_choice("precision", precision, tuple(PRECISIONS))
-    _check_choice("offload_optimizer", offload_optimizer, ("none", "cpu", "disk"))
+    _check_choice("precision", precision, tuple(DTYPES))
+    _check_choice("offload_optimizer", offload_optimizer, tuple(OFFLOAD_HOMES))
     _check_choice("offload_param", offload_param, ("none", "cpu"))
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param needs stage 3, got stage {stage}; use --stage 3 or --offload-param none")
-    c = PRECISIONS[precision]
+    c = DTYPES[precision].itemsize
     psi = num_params
     n_opt = 1 if stage == 0 else world_size  # master/optimizer/grad shards: 1/N from stage 1 on
 
@@ -273,9 +279,9 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
         return math.ceil(psi / shards) * nbytes_per_param
 
     out = {cat: dict.fromkeys(HOMES, 0) for cat in CATEGORIES}
-    optim_home = {"none": "device", "cpu": "host", "disk": "disk"}[offload_optimizer]
+    optim_home = OFFLOAD_HOMES[offload_optimizer]
     grad_home = "device" if optim_home == "device" else "host"
-    param_home = "host" if offload_param == "cpu" else "device"
+    param_home = OFFLOAD_HOMES[offload_param]
 
     # params: full compute-dtype copy at stages 0-2; only this rank's shard at stage 3
     out["params"][param_home] += per_rank(c, world_size if stage == 3 else 1)
@@ -340,7 +346,7 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
 
     Returns: dict(per_layer, layers, embeddings, logits, total) in bytes.
     """
-    e = PRECISIONS[precision]
+    e = DTYPES[precision].itemsize
     s, b, h, a, L = seq_len, batch, shape.hidden, shape.heads, shape.layers
     sb, sbh = s * b, s * b * shape.hidden
     if shape.family == "gpt2":
@@ -367,7 +373,8 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
 
 def chunk_of_params(numels: list[int], element_size: int, bucket_mb: float) -> list[int]:
     """The chunk index of each parameter, packed in order as the engine packs one param group
-    (zero/strategy.py: BucketTensorShardStrategy(bucket_mb); bucket_mb 0: TensorShardStrategy, one per chunk).
+    (config/strategy.py's chunk_groups: BucketTensorShardStrategy(bucket_mb); bucket_mb 0: TensorShardStrategy, one
+    per chunk).
 
     Example:
         >>> chunk_of_params([3, 3, 3, 9], element_size=1, bucket_mb=8 / 2**20)  # 8-byte buckets
@@ -375,7 +382,7 @@ def chunk_of_params(numels: list[int], element_size: int, bucket_mb: float) -> l
     """
     strategy = BucketTensorShardStrategy(bucket_mb) if bucket_mb > 0 else TensorShardStrategy()
     out = [0] * len(numels)
-    for index, group in enumerate(strategy.group(numels, element_size)):
+    for index, group in enumerate(chunk_groups(strategy, numels, element_size)):
         for i in group:
             out[i] = index
     return out
@@ -407,7 +414,7 @@ def gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: flo
         >>> gather_peak(shape, "fp32", 2, 0), gather_peak(shape, "fp32", 2, 0, per_block=True)
         ((5, 41280), (27, 109184))
     """
-    c = PRECISIONS[precision]
+    c = DTYPES[precision].itemsize
     params = shape.param_numels()
     chunk_of = chunk_of_params([n for _, n in params], c, bucket_mb)
     sizes: dict[int, int] = {}
@@ -475,7 +482,7 @@ def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str,
     """
     if prefetch < 0:  # as zero.prefetch is checked
         raise ValueError(f"prefetch must be an int >= 0 (0 = no prefetch), got {prefetch!r}")
-    c = PRECISIONS[precision]
+    c = DTYPES[precision].itemsize
     chunk_numel = max(int(bucket_mb * 2**20) // c if bucket_mb > 0 else 0, shape.largest_param)
     out = dict.fromkeys(HOMES, 0)
     if stage == 3:

@@ -70,7 +70,7 @@ def _local_ranks(world_size: int) -> int:
 def _bucket_mb(strategy: Any) -> float:
     """The chunk size memory_model assumes for a shard strategy: its bucket_mb, 0 (one parameter per chunk) for
     TensorShardStrategy, 25 for a strategy of unknown sizes."""
-    from zerogpt.zero.strategy import TensorShardStrategy
+    from zerogpt.config.strategy import TensorShardStrategy
 
     return 0.0 if isinstance(strategy, TensorShardStrategy) else getattr(strategy, "bucket_mb", 25.0)
 
@@ -93,6 +93,7 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
     import torch
 
     from zerogpt.config import engine_config, parallel_config
+    from zerogpt.config.dtypes import compute_dtype_name
     from zerogpt.parallel.mesh import ParallelDims
     from zerogpt.memory_model import CATEGORIES, ModelShape, activation_bytes, buffer_bytes, model_state_bytes
 
@@ -100,7 +101,7 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
     dims = ParallelDims.from_config(parallel_config(cfg), world_size)
     ecfg = engine_config(cfg, dims.dp)
     zero, precision = ecfg.zero, ecfg.precision
-    precision = "bf16" if precision == "fp8" else precision  # fp8: bf16 state and activations, float8 in matmuls
+    precision = compute_dtype_name(precision)  # fp8: bf16 state and activations, float8 in matmuls
     try:
         built = model()
     except Exception:  # a model that does not build on meta (a local HF model): its shape is unknown here

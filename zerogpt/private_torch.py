@@ -4,6 +4,10 @@ tests/test_private_torch.py checks that every entry exists in the installed torc
 one fails there, by name, instead of inside a model's initialisation or a step), and that no zerogpt module
 imports or names a private torch attribute (`torch._x`, `from torch.a._b import c`) missing from this list.
 Attributes read on objects (`tensor._version`) cannot be found that way: add them here by hand.
+
+PRIVATE_TORCH_BEHAVIOURS lists the rest: protocols zerogpt relies on that no attribute of torch's names, so the
+test cannot look them up (an attribute torch itself sets on an instance, the way torch reads a dict). Each
+says what would break where, should torch change it.
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
     ("torch.Tensor", "_version", "zero/init_modes.py, init_record.py, init_ctx.py: a tensor changed in place after "
                                  "it was recorded"),
     # Stage 3 (zero/gather_hooks.py): a saved view of a parameter is kept as (parameter, size, stride, offset).
-    ("torch.Tensor", "_base", "zero/gather_hooks.py: the parameter a saved view was taken from"),
+    ("torch.Tensor", "_base", "zero/gather_hooks.py: the parameter a saved view was taken from; zero/chunk.py "
+                              "add_param_grad: a gradient that is no view becomes its chunk's buffer"),
     ("torch.utils._pytree", "tree_map_only", "zero/gather_hooks.py: wrap the tensors of a module's output"),
     # Tensor parallelism: a chunk slot becomes a DTensor Parameter's local values. DTensor.from_local would build
     # a new Parameter, and the optimizer, tied modules and hooks hold the old one.
@@ -57,4 +62,19 @@ PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
     ("torch", "_foreach_addcmul_", "optim/cpu_adam.py: Adam's v"),
     ("torch", "_foreach_sqrt", "optim/cpu_adam.py: Adam's denominator"),
     ("torch", "_foreach_addcdiv_", "optim/cpu_adam.py: the Adam update"),
+)
+
+PRIVATE_TORCH_BEHAVIOURS: tuple[tuple[str, str, str], ...] = (
+    # (torch's owner, what zerogpt relies on, where zerogpt relies on it: why)
+    ("torch.optim fused Adam/AdamW/SGD/Adagrad step()", "an instance attribute `found_inf` (set and deleted around "
+     "one step by torch.amp.GradScaler.step), read as the fused kernel's skip flag",
+     "zero/chunk_state.py _fused_step_skipping_on: a non-finite gradient norm skips a torch fused optimizer's step "
+     "on the device, with no host sync; the step takes no such argument"),
+    ("torch.optim.Optimizer", "step() reads a param group only with group[key] / group.get (never copies it into "
+     "a dict, never checks its type)",
+     "zero/chunk_state.py chunk_optimizer: each chunk's optimizer group is a ChainMap(own params and defaults, the "
+     "user's group), so an LR scheduler's change to the user's group is seen with no copy"),
+    ("torch.optim.lr_scheduler.LRScheduler", "state_dict() is its __dict__, `_last_lr` among the keys",
+     "trainer/trainer.py Trainer.load_state_dict: a saved schedule holding its rates (torch's) against one an "
+     "import wrote with its position only (zerogpt_tools/import_megatron.py)"),
 )

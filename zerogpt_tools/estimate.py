@@ -25,7 +25,8 @@ from model_zoo.gpt import SIZES, GPTConfig
 from model_zoo.llama import SIZES as LLAMA_SIZES
 from model_zoo.llama import LlamaConfig
 from zerogpt.cli import HelpFormatter
-from zerogpt.memory_model import (CATEGORIES, HOMES, PRECISIONS, ModelShape, activation_bytes, buffer_bytes, estimate,
+from zerogpt.config.dtypes import DTYPES
+from zerogpt.memory_model import (CATEGORIES, HOMES, ModelShape, activation_bytes, buffer_bytes, estimate,
                                   model_state_bytes, zero_paper_bytes)
 
 __all__ = ["MODELS", "ModelShape", "model_state_bytes", "activation_bytes", "buffer_bytes", "estimate", "main"]
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="compile = True: stage 3 gathers each block whole (a block's chunks at once, not one chunk)")
     # workload
-    p.add_argument("--precision", default="bf16", choices=tuple(PRECISIONS), help="training precision")
+    p.add_argument("--precision", default="bf16", choices=tuple(DTYPES), help="training precision")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="micro-batch per rank")
     p.add_argument("--grad-accum", type=int, default=1, help="accumulation steps (stages 2-3 with the optimizer offloaded: an fp32 gradient shard sums on the GPU)")

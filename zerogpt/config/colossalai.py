@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from zerogpt.config.schema import (LossScaleConfig, OptimizerOffloadConfig, ParamOffloadConfig, ZeroConfig,
                                    section_types)
-from zerogpt.zero.strategy import ShardStrategy
+from zerogpt.config.strategy import ShardStrategy
 
 SEED_STAGE = 3
 """The stage of a `zero` dict that does not name one (Colossal-AI's ZeRO is stage 3)."""

@@ -13,18 +13,19 @@ import re
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable
 
 from zerogpt.config.colossalai import ColossalZeroConfig, zero_config
 from zerogpt.config.render import to_python
-from zerogpt.config.schema import (OPTIMIZER_NAMES, DataConfig, EngineConfig, HostConfig, LRSchedulerConfig,
+from zerogpt.config.schema import (OPTIMIZER_NAMES, DataConfig, EngineConfig, EngineKeys, HostConfig, LRSchedulerConfig,
                                    ParallelConfig, TensorParallelConfig, TrainConfig, ZeroConfig, all_paths,
                                    check_fields, check_tree, section_types, suggest)
 
 
 @dataclass
-class RunConfig:
-    """The top-level keys of a config file (upper-case ones are the Colossal-AI tutorial's names)."""
+class RunConfig(EngineKeys):
+    """The top-level keys of a config file (upper-case ones are the Colossal-AI tutorial's names); precision,
+    compile, clip_grad_norm and host are EngineKeys' (schema.py), declared once for this and EngineConfig."""
 
     BATCH_SIZE: int = 1
     """Samples per micro-batch, per rank."""
@@ -36,12 +37,6 @@ class RunConfig:
     """Tokens per sample."""
     NUM_EPOCHS: int | None = None
     """Passes over the training data when train.max_steps is None."""
-    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
-    """Compute dtype (EngineConfig.precision)."""
-    compile: bool = False
-    """torch.compile each transformer block (EngineConfig.compile)."""
-    clip_grad_norm: float | None = None
-    """Global L2 grad-norm clip; None or 0 = off."""
     zero: ZeroConfig | ColossalZeroConfig = field(default_factory=ZeroConfig)
     """zerogpt's keys and/or the Colossal-AI form (colossalai.py: without `stage` it means stage 3)."""
     model: dict = field(default_factory=dict)
@@ -51,8 +46,6 @@ class RunConfig:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Tensor and pipeline parallelism (schema.ParallelConfig); data parallelism is what is left of the world."""
-    host: HostConfig = field(default_factory=HostConfig)
-    """Process-wide host settings (schema.HostConfig); environment variables override them."""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     hooks: list | tuple = field(default_factory=list)

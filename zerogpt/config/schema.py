@@ -13,7 +13,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Literal
 
-from zerogpt.zero.strategy import BucketTensorShardStrategy, ShardStrategy
+from zerogpt.config.dtypes import Precision, StateDtype
+from zerogpt.config.strategy import BucketTensorShardStrategy, ShardStrategy
 
 OPTIMIZER_NAMES = ("AdamW", "Adam", "SGD", "HybridAdam", "CPUAdam")
 """Optimizer names a config may give as a string (torch.optim or zerogpt.optim classes)."""
@@ -168,14 +169,15 @@ class OffloadConfig:
 class OptimizerOffloadConfig(OffloadConfig):
     """`zero.offload_optimizer`: OffloadConfig, plus the dtype of Adam's moments at their home."""
 
-    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    state_dtype: StateDtype = "fp32"
     """Adam's exp_avg and exp_avg_sq: "fp32", or "bf16" (host/disk homes with CPUAdam/HybridAdam: 4 bytes/param
     instead of 8, stochastically rounded so that small updates of v are not lost; the master stays fp32)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.state_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"zero.offload_optimizer.state_dtype must be 'fp32' or 'bf16', got {self.state_dtype!r}")
+        if self.state_dtype not in typing.get_args(StateDtype):
+            raise ValueError(f"zero.offload_optimizer.state_dtype must be one of {typing.get_args(StateDtype)}, got "
+                             f"{self.state_dtype!r}")
 
 
 @dataclass
@@ -236,7 +238,8 @@ class ZeroConfig:
     stage: Literal[0, 1, 2, 3] = 0
     """0: replicate everything (DDP); 1: shard optimizer state; 2: + gradients; 3: + parameters."""
     shard_strategy: ShardStrategy = field(default_factory=BucketTensorShardStrategy)
-    """How parameters are grouped into chunks (zerogpt.zero.strategy)."""
+    """How parameters are grouped into chunks (config/strategy.py): TensorShardStrategy() or
+    BucketTensorShardStrategy(bucket_mb=25)."""
     offload_optimizer: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
     """Where fp32 master + Adam state rest: "none" | "cpu" | "disk", and the moments' dtype."""
     offload_param: ParamOffloadConfig = field(default_factory=ParamOffloadConfig)
@@ -342,24 +345,32 @@ class ParallelConfig:
 
 
 @dataclass
-class EngineConfig:
-    """Everything `zerogpt.initialize` needs from the config, resolved for one world size."""
+class EngineKeys:
+    """The top-level config keys the engine takes as written, declared once: RunConfig (a file's keys, load.py)
+    and EngineConfig (the engine's view) both inherit them."""
 
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
-    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    precision: Precision = "fp32"
     """Compute dtype of params/activations: "fp32", "bf16" (fp32 master) or "fp16" (fp32 master + loss scale).
     "fp8": Linear layers compute in float8 via torchao's float8 training (CUDA sm89+, `pip install
     'zerogpt[fp8]'`; the LM head stays bf16), everything else bf16, fp32 master weights, ZeRO all-gathers bf16."""
-    gradient_accumulation: int = 1
-    """Micro-batches per optimizer step."""
-    clip_grad_norm: float | None = None
-    """Global L2 grad-norm clip; None = off."""
-    host: HostConfig = field(default_factory=HostConfig)
-    """Process-wide host settings (malloc, shared-memory collectives, CPU Adam kernel)."""
     compile: bool = False
     """Compile each transformer block with torch.compile (zerogpt/compile.py; every stage, stage 3 gathering each
     block's parameters as a whole; with pipeline and tensor parallelism too). Off by default: not yet measured
     faster on a GPU."""
+    clip_grad_norm: float | None = None
+    """Global L2 grad-norm clip; None = off (a file's 0 is off too: engine_config passes it on as None)."""
+    host: HostConfig = field(default_factory=HostConfig)
+    """Process-wide host settings (malloc, shared-memory collectives, CPU Adam kernel); environment variables
+    override them (HostConfig.with_env_overrides)."""
+
+
+@dataclass
+class EngineConfig(EngineKeys):
+    """Everything `zerogpt.initialize` needs from the config, resolved for one world size."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    gradient_accumulation: int = 1
+    """Micro-batches per optimizer step."""
 
     def __post_init__(self) -> None:
         check_fields(self, "")

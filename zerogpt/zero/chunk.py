@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._mode_utils import no_dispatch
 
+from zerogpt.config.strategy import ShardStrategy, chunk_groups
 from zerogpt.zero.comm import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from zerogpt.zero.offload import Traffic
 from zerogpt.zero.shm import SharedMemoryTransport
-from zerogpt.zero.strategy import ShardStrategy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def plan_chunks(
 
     def flush() -> None:
         numels = [math.prod(params[i][1]) for i in run]
-        for group in strategy.group(numels, element_size):
+        for group in chunk_groups(strategy, numels, element_size):
             slots, offset = [], 0
             for j in group:
                 name, shape, _ = params[run[j]]

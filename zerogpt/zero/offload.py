@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-HOMES = ("device", "host", "disk")
+from zerogpt.memory_model import HOMES
 
 
 def check_disk_path(path: str | None, bytes_needed: int, local_ranks: int = 1) -> None:
