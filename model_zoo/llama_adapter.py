@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "hf_config", "to_hf_tensor", "hf_name", "VOCAB_ROWS", "config_from_megatron",
-           "megatron_args", "to_megatron", "from_megatron"]
+__all__ = ["ARCHITECTURES", "config_from_hf", "hf_config", "to_hf_tensor", "hf_name", "VOCAB_ROWS",
+           "config_from_megatron", "megatron_args", "to_megatron", "from_megatron"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 """The Hugging Face classes the family reproduces (LlamaConfig.architecture names the one it exports as)."""

@@ -347,7 +347,7 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     Returns: dict(per_layer, layers, embeddings, logits, total) in bytes.
     """
     e = DTYPES[precision].itemsize
-    s, b, h, a, L = seq_len, batch, shape.hidden, shape.heads, shape.layers
+    s, b, a, L = seq_len, batch, shape.heads, shape.layers
     sb, sbh = s * b, s * b * shape.hidden
     if shape.family == "gpt2":
         per_layer = 16 * e * sbh + (2 * sbh if dropout else 0)

@@ -96,9 +96,9 @@ def _load_watched(rank: int, world: int, path: str) -> dict:
     watch = LargestHeldAllocation()
     with watch:
         model = from_pretrained(path)
-        engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()),
-                                    config=zerogpt.Config(dict(zero=dict(stage=3, shard_strategy=BucketTensorShardStrategy(
-                                        bucket_mb=1)))), ctx=cpu_ctx(rank, world))
+        config = zerogpt.Config(dict(zero=dict(stage=3, shard_strategy=BucketTensorShardStrategy(bucket_mb=1))))
+        engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters()), config=config,
+                                    ctx=cpu_ctx(rank, world))
     out = dict(max_bytes=watch.max_bytes, largest_shard=max(c.plan.shard_numel for c in engine.chunks) * 4)
     engine.close()
     return out
