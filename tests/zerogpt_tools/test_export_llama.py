@@ -153,10 +153,11 @@ def test_export_streams_one_shard_and_one_tensor(root, tmp_path, monkeypatch):
 
 
 def _hf_config(**extra):
+    from model_zoo.llama import LlamaConfig
     from model_zoo.llama_adapter import hf_config
 
-    return hf_config(dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, extra=extra))
+    return hf_config(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, extra=extra))
 
 
 def test_special_ids_come_from_the_tokenizer_and_stay_in_the_vocabulary():
