@@ -27,7 +27,7 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -e '.[dev]'
 	$(PY) -m pip install --no-build-isolation deepspeed  # its setup.py imports torch: build against ours
 # transformers' Megatron GPT-2 converter, which a test runs on our Megatron export: only its source tree has it
-	$(PY) -m pip download transformers==4.46.3 --no-binary :all: --no-deps --no-build-isolation -d $(VENV)/sdist
+	$(PY) -m pip download transformers==4.46.3 --no-binary :all: --no-deps -d $(VENV)/sdist
 	tar xzf $(VENV)/sdist/transformers-4.46.3.tar.gz -C $(VENV) --strip-components=5 \
 		transformers-4.46.3/src/transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py
 	touch $@
