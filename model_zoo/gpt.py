@@ -12,7 +12,7 @@ never affect the loss or sampling and receive zero gradient.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from model_zoo import generation, hf, weight_init
+from model_zoo.factory_args import check_overrides
 from model_zoo.hf import GELU_APPROXIMATE
 from model_zoo.layers import CausalAttention, LMHead, RealVocab
 from model_zoo.loss import GPTLMLoss
@@ -308,14 +309,7 @@ SIZES = {  # the one table of model sizes (zerogpt_tools.estimate reads it too)
 
 
 def _build(size: str, pretrained: str | None, overrides: dict[str, Any]) -> GPT:
-    names = {f.name for f in fields(GPTConfig)}
-    unknown = set(overrides) - names
-    if unknown:
-        import difflib
-        hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
-        raise TypeError(f"{size}() got unknown keyword(s) " + ", ".join(
-            f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in sorted(unknown))
-            + f"; valid: {', '.join(sorted(names))}")
+    check_overrides(GPTConfig, overrides, f"{size}()")
     config = GPTConfig(**{**SIZES[size], **overrides})
     if pretrained is None:
         return GPT(config)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from model_zoo import generation, llama_adapter
+from model_zoo.factory_args import check_overrides
 from model_zoo.layers import CausalAttention, LMHead, RealVocab
 from model_zoo.llama_adapter import ARCHITECTURES
 from model_zoo.loss import GPTLMLoss
@@ -428,19 +429,8 @@ def as_llama_config(config: LlamaConfig | dict[str, Any]) -> LlamaConfig:
     return config if isinstance(config, LlamaConfig) else LlamaConfig(**config)
 
 
-def _check_overrides(overrides: dict[str, Any], where: str) -> None:
-    names = {f.name for f in fields(LlamaConfig)}
-    unknown = set(overrides) - names
-    if unknown:
-        import difflib
-        hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
-        raise TypeError(f"{where} got unknown keyword(s) " + ", ".join(
-            f"{k!r}" + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in sorted(unknown))
-            + f"; valid: {', '.join(sorted(names))}")
-
-
 def _build(size: str, pretrained: str | None, overrides: dict[str, Any]) -> Llama:
-    _check_overrides(overrides, f"{size}()")
+    check_overrides(LlamaConfig, overrides, f"{size}()")
     if pretrained is not None:
         return load_pretrained(pretrained, expect=size, **overrides)
     return Llama(LlamaConfig(**{**SIZES[size], **overrides}))
@@ -527,9 +517,8 @@ def load_pretrained(directory: str, *, device: str | torch.device = "meta", dtyp
     """
     where = os.path.join(directory, "config.json")
     kwargs = llama_adapter.config_from_hf(read_hf_config(directory), where=where)
-    _check_overrides(overrides, f"from_pretrained({directory!r})")
-    config = LlamaConfig(**kwargs, **{k: v for k, v in overrides.items() if k not in kwargs})
-    config = replace(config, **{k: v for k, v in overrides.items() if k in kwargs})
+    check_overrides(LlamaConfig, overrides, f"from_pretrained({directory!r})")
+    config = LlamaConfig(**{**kwargs, **overrides})
     if expect is not None:
         _check_shape(config, expect, directory)
     source = SafetensorsDir(directory)

@@ -63,13 +63,12 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
-def config_from_hf(hf: dict[str, Any], where: str = "config.json", **overrides: Any) -> dict[str, Any]:
+def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
     """LlamaConfig's keyword arguments for a Hugging Face config.json dict; ValueError naming the key for what the
     family cannot reproduce (other architectures, biases Llama checkpoints do not have, sliding windows, yarn RoPE).
 
     Args:
         where: the file it came from, for error messages.
-        overrides: LlamaConfig fields that do not change the weights (checkpoint, chunked_loss, ...).
     """
     arch = (hf.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
@@ -93,7 +92,7 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json", **overrides: 
     return dict(**shape, rope_theta=theta, rope_scaling=scaling, architecture=arch,
                 qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
                 sliding_window=hf.get("sliding_window") if arch == "MistralForCausalLM" else None,
-                extra={k: hf[k] for k in _KEPT if hf.get(k) is not None}, **overrides)
+                extra={k: hf[k] for k in _KEPT if hf.get(k) is not None})
 
 
 def hf_config(config: Any) -> Any:
