@@ -12,8 +12,11 @@ checked before transformers reads them. transformers is imported inside the func
 """
 from __future__ import annotations
 
-import os
+import contextlib
 import dataclasses
+import logging
+import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 __all__ = ["GELU_APPROXIMATE", "hf_config", "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf",
-           "load_hf_causal_lm", "check_safetensors", "check_hf_dir", "config_from_megatron", "megatron_args",
+           "load_hf_causal_lm", "quiet_model_import", "check_safetensors", "check_hf_dir", "config_from_megatron", "megatron_args",
            "to_megatron", "from_megatron"]
 
 GELU_APPROXIMATE = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -240,9 +243,6 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
     Returns:
         the HF model; calling it returns an output object with `.logits` (GPTLMLoss accepts it directly).
     """
-    import logging
-    import sys
-
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"model = dict(type='hf', path={path!r}): no config.json there; point path at a "
                          f"directory written by save_pretrained (nothing is downloaded)")
@@ -250,29 +250,15 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
     import transformers  # optional dependency
     from transformers.utils import logging as hf_logging
 
-    # A model class's first import pulls in torchao (transformers' quantizer registry). torchao's wheel carries
-    # kernels built for other Python and CUDA versions, so on import it logs "Failed to load .../_C_*.so" for
-    # each, and torch warns that it registers Enums as pytree constants: 4 lines per rank, none about this run.
-    # Exactly those records are dropped, and only while transformers loads; any other warning or error prints.
-    def not_import_noise(record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if record.name == "torchao":
-            return not (message.startswith("Failed to load ") and ".so" in message)
-        return "is an Enum subclass and is now natively supported" not in message
-
-    noisy = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
     # The "Loading weights" bar only where someone watches it, rank 0 in a terminal (as train_gpt's progress
     # bar): in a log every rank would add a line of it.
     bar_was_on = hf_logging.is_progress_bar_enabled()
     if bar_was_on and not (sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"):
         hf_logging.disable_progress_bar()
-    for logger in noisy:
-        logger.addFilter(not_import_noise)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+        with quiet_model_import():
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
     finally:
-        for logger in noisy:
-            logger.removeFilter(not_import_noise)
         if bar_was_on and not hf_logging.is_progress_bar_enabled():
             hf_logging.enable_progress_bar()
     if checkpoint:
@@ -281,6 +267,31 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+@contextlib.contextmanager
+def quiet_model_import() -> Iterator[None]:
+    """Drop the import noise of a transformers model class, and nothing else, while the block runs.
+
+    A model class's first import pulls in torchao (transformers' quantizer registry). torchao's wheel carries
+    kernels built for other Python and CUDA versions, so on import it logs "Failed to load .../_C_*.so" for each,
+    and torch warns that it registers Enums as pytree constants: 4 lines per process, none about the run. Exactly
+    those records are dropped; any other warning or error prints.
+    """
+    def not_import_noise(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.name == "torchao":
+            return not (message.startswith("Failed to load ") and ".so" in message)
+        return "is an Enum subclass and is now natively supported" not in message
+
+    noisy = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
+    for logger in noisy:
+        logger.addFilter(not_import_noise)
+    try:
+        yield
+    finally:
+        for logger in noisy:
+            logger.removeFilter(not_import_noise)
 
 
 def check_safetensors(paths: list[str], model_dir: str) -> None:

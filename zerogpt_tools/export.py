@@ -24,7 +24,7 @@ import torch
 from data_pipeline.cli_args import parse_size
 from data_pipeline.files import atomic_dir as atomic_output_dir  # the output directory appears whole or not at all
 from data_pipeline.tokenizer import load_tokenizer
-from model_zoo.hf import check_safetensors
+from model_zoo.hf import check_safetensors, quiet_model_import
 from zerogpt.amp import TORCH_DTYPES
 from zerogpt.cli import HelpFormatter
 from zerogpt.config.dtypes import DTYPES as DTYPE_NAMES
@@ -136,7 +136,8 @@ def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 def _import_class(class_path: str) -> type:
     module_name, _, cls_name = class_path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module_name), cls_name)
+        with quiet_model_import():  # a transformers model class's import logs torchao's noise
+            return getattr(importlib.import_module(module_name), cls_name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"the checkpoint's model class {class_path!r} cannot be imported ({e}); run from the "
                          f"directory that holds its package (e.g. the zerogpt checkout for model_zoo)") from None

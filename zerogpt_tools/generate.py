@@ -131,7 +131,7 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
     data.tokenizer; ValueError naming the fix when there is none.
     """
     from data_pipeline.tokenizer import load_tokenizer
-    from model_zoo.hf import check_hf_dir
+    from model_zoo.hf import check_hf_dir, quiet_model_import
     from zerogpt.preflight import check_vocab, run_data_vocab
     from zerogpt_tools.export import find_tokenizer
 
@@ -142,7 +142,8 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
         from transformers import AutoModelForCausalLM
 
         check_hf_dir(path)  # a corrupt model.safetensors is named here, not in a transformers traceback
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        with quiet_model_import():
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         tok_path = find_tokenizer(tokenizer, model_dir=path)
     else:
         from zerogpt.checkpoint import CheckpointReader, resolve_checkpoint
