@@ -21,7 +21,6 @@ import subprocess
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
 

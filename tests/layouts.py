@@ -1,6 +1,6 @@
 """Test helpers for checkpoints under tensor/pipeline layouts: Megatron-style TP-local and pipeline-stage copies of a
 tiny GPT, an engine's state filled from unsharded reference tensors, and the check that an engine's state is the
-reference cut by the engine's own layouts (engine_layouts / engine_tied: what the engine says it holds).
+reference cut by the engine's own layouts (its state_dict's shard maps, layouts and tied names).
 
 A reference is {kind: {name: unsharded fp32 tensor}} with kinds "master", "exp_avg", "exp_avg_sq".
 """
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerogpt.checkpoint import CheckpointReader, engine_layouts, engine_tied
+from zerogpt.checkpoint import CheckpointReader
 from zerogpt.parallel.layout import ParamLayout, local_from_full
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -64,15 +64,11 @@ def pipeline_stage(model: nn.Module, stage: int) -> dict[str, str]:
     return dict(TIED_HEAD)
 
 
-def _slot_ranges(engine: Any):
-    """(chunk, slot, local start, local end, shard slice) for every slot overlap this rank owns."""
-    for chunk in engine.chunks:
-        lo, _ = chunk.plan.shard_range(chunk.shard_index)
-        for slot in chunk.plan.slots:
-            overlap = chunk.plan.slot_overlap(slot, chunk.shard_index)
-            if overlap is not None:
-                yield chunk, slot, overlap[0] - slot.offset, overlap[1] - slot.offset, \
-                    slice(overlap[0] - lo, overlap[1] - lo)
+def _pieces(state: dict):
+    """(shard map, piece) for every parameter range this rank's shards hold (the engine's state_dict)."""
+    for shard in state["shards"].values():
+        for piece in shard.pieces:
+            yield shard, piece
 
 
 def _expected(reference: dict, kind: str, name: str, layout: ParamLayout, tied: dict, start: int, end: int):
@@ -82,15 +78,15 @@ def _expected(reference: dict, kind: str, name: str, layout: ParamLayout, tied: 
 
 def fill_engine(engine: Any, reference: dict, step: int) -> None:
     """Put the reference (cut by the engine's layouts) into the engine's masters and Adam state."""
-    layouts, tied = engine_layouts(engine), engine_tied(engine)
     state = engine.state_dict()
-    chunks = state["optimizer"]["chunks"]
-    for chunk, slot, start, end, where in _slot_ranges(engine):
-        live = chunks[chunk.plan.index]
+    layouts, tied, chunks = state["layouts"], state["tied"], state["optimizer"]["chunks"]
+    for shard, piece in _pieces(state):
+        live = chunks[shard.chunk]
         for kind in KINDS:
             if not isinstance(live.get(kind), torch.Tensor) or live[kind].dim() == 0:
-                live[kind] = torch.zeros(chunk.plan.shard_numel)
-            live[kind][where] = _expected(reference, kind, slot.name, layouts[slot.name], tied, start, end)
+                live[kind] = torch.zeros(shard.numel)
+            live[kind][piece.shard_slice] = _expected(reference, kind, piece.name, layouts[piece.name], tied,
+                                                      piece.start, piece.end)
         live["step"] = torch.tensor(float(step))
     engine.load_state_dict(state)
 
@@ -98,26 +94,28 @@ def fill_engine(engine: Any, reference: dict, step: int) -> None:
 def engine_mismatches(engine: Any, reference: dict) -> list[str]:
     """Where this rank's masters, Adam state and parameters differ (bitwise) from the reference cut by the
     engine's own layouts; [] when they are all equal."""
-    layouts, tied = engine_layouts(engine), engine_tied(engine)
-    chunks = engine.state_dict()["optimizer"]["chunks"]
+    state = engine.state_dict()
+    layouts, tied, chunks = state["layouts"], state["tied"], state["optimizer"]["chunks"]
+    params = {chunk.plan.index: chunk.shard for chunk in engine.chunks}  # the working copies the masters set
     bad = []
-    for chunk, slot, start, end, where in _slot_ranges(engine):
-        live = chunks[chunk.plan.index]
-        actual = {kind: live[kind][where] for kind in KINDS}
-        actual["param"] = chunk.shard[where].float()
+    for shard, piece in _pieces(state):
+        where = piece.shard_slice
+        actual = {kind: chunks[shard.chunk][kind][where] for kind in KINDS}
+        actual["param"] = params[shard.chunk][where].float()
         for kind, value in actual.items():
-            expected = _expected(reference, "master" if kind == "param" else kind, slot.name,
-                                 layouts[slot.name], tied, start, end)
+            expected = _expected(reference, "master" if kind == "param" else kind, piece.name,
+                                 layouts[piece.name], tied, piece.start, piece.end)
             if not torch.equal(value.cpu(), expected):
-                bad.append(f"{kind} of {slot.name} [{start}, {end})")
+                bad.append(f"{kind} of {piece.name} [{piece.start}, {piece.end})")
     return bad
 
 
 def reference_from_engine(engine: Any) -> dict:
     """{kind: {name: unsharded tensor}} from a world-1 engine without tensor or pipeline parallelism."""
-    chunks = engine.state_dict()["optimizer"]["chunks"]
-    return {kind: {slot.name: chunks[c.plan.index][kind][slot.offset:slot.end].detach().clone().view(slot.shape)
-                   for c in engine.chunks for slot in c.plan.slots} for kind in KINDS}
+    state = engine.state_dict()
+    chunks, layouts = state["optimizer"]["chunks"], state["layouts"]
+    return {kind: {piece.name: chunks[shard.chunk][kind][piece.shard_slice].detach().clone()
+                   .view(layouts[piece.name].global_shape) for shard, piece in _pieces(state)} for kind in KINDS}
 
 
 def reference_from_checkpoint(directory: str) -> dict:

@@ -9,9 +9,9 @@ is saved once (a TP-replicated parameter by TP rank 0 only, a pipeline stage its
 stage's copy of the tied head not at all) and a rank of any other (T, P, D), stage or shard strategy reads the
 elements it needs straight from the files that hold them: a read, not a gather. Saving is atomic (a `.tmp`
 directory renamed by global rank 0 once every rank is done; a full disk on any rank removes it on every rank's
-word and raises CheckpointNotSaved everywhere). What the engine tells it: `engine.param_layouts`
-(name -> layout; absent = whole) and `engine.tied_copies` (alias -> canonical, a last stage's head copy); the
-files are read by checkpoint_reader.py.
+word and raises CheckpointNotSaved everywhere). Everything comes from the engine's `state_dict()`: the shard
+tensors, each shard's ShardMap (which parameter ranges it holds), each parameter's layout and the tied names;
+nothing here knows chunks. The files are read by checkpoint_reader.py.
 """
 from __future__ import annotations
 
@@ -21,21 +21,42 @@ import json
 import os
 import random
 import shutil
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from zerogpt.checkpoint_reader import (BUFFERS, FORMAT, META, VERSION, CheckpointError, CheckpointReader,
                                        resolve_checkpoint)
 from zerogpt.context import DistContext
-from zerogpt.parallel.layout import ParamLayout, as_layout
+from zerogpt.parallel.layout import ParamLayout
+from zerogpt.zero.shard_map import ShardMap
 
-__all__ = ["save_engine", "load_engine", "engine_layouts", "engine_tied", "CheckpointReader", "CheckpointError",
+__all__ = ["save_engine", "load_engine", "CheckpointedEngine", "CheckpointReader", "CheckpointError",
            "CheckpointNotSaved", "resolve_checkpoint"]
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointedEngine(Protocol):
+    """What a checkpoint reads of an engine (zerogpt.Engine): its state, and what meta.json records beside it."""
+
+    ctx: DistContext
+    stage: int
+    config: Any
+    """The engine config: meta.json records its precision."""
+    module: nn.Module
+    """The model: meta.json records its class and config, for export and generate."""
+    run_config: Any
+    """The whole run's Config, saved as config.py; None when the engine was built without one."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Live shard tensors with their ShardMaps, layouts and tied names (Engine.state_dict)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put a state_dict in force (all ranks call)."""
 
 
 class CheckpointNotSaved(OSError):
@@ -67,23 +88,6 @@ def _all_gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
-
-
-def engine_layouts(engine: Any) -> dict[str, ParamLayout]:
-    """{name: layout of this rank's local tensor} for every parameter in the engine's chunks.
-
-    From `engine.param_layouts` (name -> layout; absent = the local tensor is the whole parameter), each
-    checked against the shape the chunk holds. What a checkpoint records, and what a loading rank reads.
-    """
-    given = engine.param_layouts
-    return {slot.name: as_layout(given.get(slot.name), slot.shape, slot.name)
-            for chunk in engine.chunks for slot in chunk.plan.slots}
-
-
-def engine_tied(engine: Any) -> dict[str, str]:
-    """{alias: canonical name}: one Parameter under two names (GPT-2's lm_head.weight is wte.weight), and
-    copies the engine declares in `engine.tied_copies` (a last pipeline stage's own head, kept equal to wte)."""
-    return {**_tied_aliases(engine.module), **engine.tied_copies}
 
 
 def _write_json_atomic(path: str, obj: Any) -> None:
@@ -136,18 +140,6 @@ def _plain_json(value: Any, where: str) -> Any:
                     f"record; make it a number, string, list, dict or torch.dtype in the model's config")
 
 
-def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
-    """{alias: canonical} for parameters reachable under two names (GPT-2's lm_head.weight = wte.weight)."""
-    canonical: dict[int, str] = {}
-    aliases = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in canonical:
-            aliases[name] = canonical[id(p)]
-        else:
-            canonical[id(p)] = name
-    return aliases
-
-
 # ------------------------------------------------------------------------------------------------
 # RNG
 
@@ -177,64 +169,66 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
 # save
 
 
-def _chunk_pieces(chunk: Any, sources: dict[str, torch.Tensor],
+def _shard_sources(state: dict, shard: ShardMap) -> dict[str, torch.Tensor]:
+    """{kind: flat shard tensor} of one chunk: the optimizer's (master, moments) if trainable, else the params."""
+    if shard.trainable:
+        return {k: v for k, v in state["optimizer"]["chunks"][shard.chunk].items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return {"param": state["frozen"][shard.chunk]}
+
+
+def _shard_pieces(shard: ShardMap, sources: dict[str, torch.Tensor],
                   skip: set[str]) -> tuple[dict[str, torch.Tensor], list[list]]:
-    """This rank's pieces of one chunk's shard tensors `sources` ({kind: flat shard}), leaving out the
-    parameters in `skip`: ({key: tensor}, [[kind, name, start, end, key], ...]), start/end in the local tensor."""
-    plan = chunk.plan
-    shard_index = chunk.shard_index
-    lo, _ = plan.shard_range(shard_index)
+    """This rank's pieces of one chunk's shard tensors `sources`, leaving out the parameters in `skip`:
+    ({key: tensor}, [[kind, name, start, end, key], ...]), start/end in the local tensor."""
     tensors, index = {}, []
     for kind, flat in sources.items():
         flat = flat.detach()
-        for slot in plan.slots:
-            overlap = plan.slot_overlap(slot, shard_index)
-            if overlap is None or slot.name in skip:
+        for piece in shard.pieces:
+            if piece.name in skip:
                 continue
-            start, end = overlap[0] - slot.offset, overlap[1] - slot.offset
-            key = f"{kind}/{slot.name}@{start}"
+            key = f"{kind}/{piece.name}@{piece.start}"
             # clone: safetensors refuses tensors that share storage, and the piece must outlive a later step
-            tensors[key] = flat[overlap[0] - lo: overlap[1] - lo].to("cpu", torch.float32).clone()
-            index.append([kind, slot.name, start, end, key])
+            tensors[key] = flat[piece.shard_slice].to("cpu", torch.float32).clone()
+            index.append([kind, piece.name, piece.start, piece.end, key])
     return tensors, index
 
 
-def _optimizer_meta(optimizer: Any, chunks: list, state: dict) -> dict:
+def _saves(shard: ShardMap, ctx: DistContext) -> bool:
+    """Whether this rank saves `shard`: a replicated one (stage 0) by data-parallel rank 0 only."""
+    return not shard.replicated or ctx.dp_rank == 0
+
+
+def _optimizer_meta(state: dict) -> dict:
     """Hyperparameters per param group and the scalar state (Adam's step), which is the same for every shard."""
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
+    optimizer = state["optimizer"]
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optimizer["param_groups"]]
     scalars: dict[str, dict[str, float]] = {}
-    for chunk in chunks:
-        for key, value in state["chunks"].get(chunk.plan.index, {}).items():
+    for shard in state["shards"].values():
+        for key, value in optimizer["chunks"].get(shard.chunk, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() == 0 or isinstance(value, (int, float)):
-                scalars.setdefault(str(chunk.plan.group_index), {})[key] = float(value)
-    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
-            "scalars": scalars}
+                scalars.setdefault(str(shard.group), {})[key] = float(value)
+    return {"class": optimizer["class"], "param_groups": groups, "scalars": scalars}
 
 
-def _saved_elsewhere(engine: Any, ctx: DistContext, layouts: dict[str, ParamLayout], tied: dict[str, str]) -> set[str]:
+def _saved_elsewhere(state: dict, ctx: DistContext) -> set[str]:
     """Parameters this rank holds but does not save, so each element is written once: a tied copy (its canonical
     parameter is saved), and on tensor-parallel ranks other than 0 a replicated (whole) parameter."""
-    names = {slot.name for chunk in engine.chunks for slot in chunk.plan.slots}
-    return {n for n in names if n in tied or (ctx.tp_rank != 0 and layouts[n].is_whole)}
+    return {n for n, layout in state["layouts"].items()
+            if n in state["tied"] or (ctx.tp_rank != 0 and layout.is_whole)}
 
 
-def _write_rank_files(engine: Any, state: dict, ctx: DistContext, tmp: str, layouts: dict[str, ParamLayout],
-                      tied: dict[str, str]) -> dict[str, dict]:
+def _write_rank_files(state: dict, ctx: DistContext, tmp: str) -> dict[str, dict]:
     """This rank's chunk shard files; returns {file name: {"pieces": [...], "layouts": {name: layout}}}."""
-    skip = _saved_elsewhere(engine, ctx, layouts, tied)
+    skip = _saved_elsewhere(state, ctx)
+    layouts = state["layouts"]
     files: dict[str, dict] = {}
-    optimizer_state = state["optimizer"]["chunks"]  # {chunk index: {kind: shard or scalar}}, trainable
-    for chunk in engine.chunks:
-        if chunk.plan.num_shards == 1 and ctx.dp_rank != 0:  # stage 0: every data-parallel rank holds the same
+    for shard in state["shards"].values():
+        if not _saves(shard, ctx):
             continue
-        if chunk.plan.trainable:
-            sources = {k: v for k, v in optimizer_state[chunk.plan.index].items()
-                       if isinstance(v, torch.Tensor) and v.dim() > 0}
-        else:
-            sources = {"param": state["frozen"][chunk.plan.index]}
-        tensors, index = _chunk_pieces(chunk, sources, skip)
+        tensors, index = _shard_pieces(shard, _shard_sources(state, shard), skip)
         if tensors:
-            fname = f"r{ctx.global_rank:05d}_c{chunk.plan.index:05d}.safetensors"
+            fname = f"r{ctx.global_rank:05d}_c{shard.chunk:05d}.safetensors"
             _save_safetensors_atomic(tensors, os.path.join(tmp, fname))
             names = {piece[1] for piece in index}
             files[fname] = {"pieces": index,
@@ -242,17 +236,16 @@ def _write_rank_files(engine: Any, state: dict, ctx: DistContext, tmp: str, layo
     return files
 
 
-def _rank_meta(engine: Any, state: dict, files: dict, layouts: dict[str, ParamLayout],
-               tied: dict[str, str]) -> dict:
+def _rank_meta(state: dict, files: dict) -> dict:
     """What this rank contributes to meta.json (rank 0 merges every rank's, in rank order = model order)."""
-    params = {slot.name: {"shape": list(layouts[slot.name].global_shape), "trainable": chunk.plan.trainable}
-              for chunk in engine.chunks for slot in chunk.plan.slots if slot.name not in tied}
-    return {"files": files, "params": params, "tied": tied,
-            "buffers": sorted(state["buffers"]),
-            "optimizer": _optimizer_meta(engine.optimizer, engine.chunks, state["optimizer"])}
+    layouts, tied = state["layouts"], state["tied"]
+    params = {name: {"shape": list(layouts[name].global_shape), "trainable": shard.trainable}
+              for shard in state["shards"].values() for name in shard.params if name not in tied}
+    return {"files": files, "params": params, "tied": tied, "buffers": sorted(state["buffers"]),
+            "optimizer": _optimizer_meta(state)}
 
 
-def save_engine(engine: Any, directory: str, extra_state: dict | None = None) -> str:
+def save_engine(engine: CheckpointedEngine, directory: str, extra_state: dict | None = None) -> str:
     """Write `engine`'s state to `directory` (every rank of the run calls). Returns the absolute directory.
 
     extra_state must be JSON-serialisable (the trainer's state_dict is): a checkpoint never holds pickles.
@@ -268,15 +261,14 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
     except TypeError as e:
         raise TypeError(f"save_checkpoint(extra_state=...) must be JSON-serialisable (no pickles in checkpoints): {e}")
     state = engine.state_dict()
-    layouts, tied = engine_layouts(engine), engine_tied(engine)
-    mine: dict[str, Any] = {"bytes": _planned_bytes(engine, state, ctx, layouts, tied)}
+    mine: dict[str, Any] = {"bytes": _planned_bytes(state, ctx)}
     try:
         if ctx.global_rank == 0:
             os.makedirs(parent, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
             os.makedirs(tmp)
         _barrier(ctx)
-        files = _write_rank_files(engine, state, ctx, tmp, layouts, tied)
+        files = _write_rank_files(state, ctx, tmp)
         rng_tensors, rng_plain = _rng_state()
         _save_safetensors_atomic(rng_tensors, os.path.join(tmp, f"rng_r{ctx.global_rank:05d}.safetensors"))
         buffer_file = None
@@ -284,7 +276,7 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
             buffer_file = BUFFERS if ctx.global_rank == 0 else f"buffers_r{ctx.global_rank:05d}.safetensors"
             buffers = {n: b.detach().cpu().clone() for n, b in state["buffers"].items()}
             _save_safetensors_atomic(buffers, os.path.join(tmp, buffer_file))
-        mine.update(_rank_meta(engine, state, files, layouts, tied), rng=rng_plain, buffer_file=buffer_file)
+        mine.update(_rank_meta(state, files), rng=rng_plain, buffer_file=buffer_file)
     except OSError as e:
         if e.errno not in NO_SPACE:
             raise
@@ -309,7 +301,7 @@ def save_engine(engine: Any, directory: str, extra_state: dict | None = None) ->
     return final
 
 
-def _finish_save(engine: Any, state: dict, ctx: DistContext, gathered: list[dict], extra_json: dict, tmp: str,
+def _finish_save(engine: CheckpointedEngine, state: dict, ctx: DistContext, gathered: list[dict], extra_json: dict, tmp: str,
                  final: str) -> None:
     """Rank 0: meta.json from every rank's part, config.py, then the rename that makes the checkpoint."""
     parent, name = os.path.split(final)
@@ -338,20 +330,10 @@ def _finish_save(engine: Any, state: dict, ctx: DistContext, gathered: list[dict
     _fsync_dir(parent)
 
 
-def _planned_bytes(engine: Any, state: dict, ctx: DistContext, layouts: dict[str, ParamLayout],
-                   tied: dict[str, str]) -> int:
+def _planned_bytes(state: dict, ctx: DistContext) -> int:
     """About what this rank's shard files take (fp32 pieces; the small RNG and buffer files left out)."""
-    total = 0
-    for chunk in engine.chunks:
-        if chunk.plan.num_shards == 1 and ctx.dp_rank != 0:
-            continue
-        if chunk.plan.trainable:
-            sources = [v for v in state["optimizer"]["chunks"][chunk.plan.index].values()
-                       if isinstance(v, torch.Tensor) and v.dim() > 0]
-        else:
-            sources = [state["frozen"][chunk.plan.index]]
-        total += sum(min(v.numel(), chunk.plan.numel) * 4 for v in sources)
-    return total
+    return sum(4 * (piece.end - piece.start) * len(_shard_sources(state, shard))
+               for shard in state["shards"].values() if _saves(shard, ctx) for piece in shard.pieces)
 
 
 def _merge_rank_meta(gathered: list[dict], tmp: str) -> dict:
@@ -392,7 +374,7 @@ def _fsync_dir(path: str) -> None:
 # load
 
 
-def _check_compatible(engine: Any, reader: CheckpointReader, ctx: DistContext, layouts: dict[str, ParamLayout],
+def _check_compatible(reader: CheckpointReader, ctx: DistContext, layouts: dict[str, ParamLayout],
                       tied: dict[str, str]) -> None:
     """Every parameter of the model (all ranks together) is in the checkpoint with the same global shape and
     the reverse; else every rank raises with the list of what differs."""
@@ -414,37 +396,36 @@ def _check_compatible(engine: Any, reader: CheckpointReader, ctx: DistContext, l
                               + "\n".join(problems))
 
 
-def _read_shard(reader: CheckpointReader, chunk: Any, kind: str, layouts: dict[str, ParamLayout],
+def _saved_name(reader: CheckpointReader, name: str, tied: dict[str, str]) -> str:
+    """The name `name`'s values are saved under: itself, or the canonical parameter of a tied copy."""
+    return name if name in reader.meta["params"] else tied.get(name, name)
+
+
+def _read_shard(reader: CheckpointReader, shard: ShardMap, kind: str, layouts: dict[str, ParamLayout],
                 tied: dict[str, str]) -> torch.Tensor:
-    """This rank's shard (padding zero) of `kind` for `chunk`, read from the saved pieces."""
-    plan = chunk.plan
-    lo, _ = plan.shard_range(chunk.shard_index)
-    out = torch.zeros(plan.shard_numel, dtype=torch.float32)
-    for slot in plan.slots:
-        overlap = plan.slot_overlap(slot, chunk.shard_index)
-        if overlap is not None:
-            source = slot.name if slot.name in reader.meta["params"] else tied.get(slot.name, slot.name)
-            out[overlap[0] - lo: overlap[1] - lo] = reader.read(kind, source, layouts[slot.name],
-                                                                overlap[0] - slot.offset, overlap[1] - slot.offset)
+    """This rank's shard (padding zero) of `kind`, read from the saved pieces."""
+    out = torch.zeros(shard.numel, dtype=torch.float32)
+    for piece in shard.pieces:
+        out[piece.shard_slice] = reader.read(kind, _saved_name(reader, piece.name, tied), layouts[piece.name],
+                                             piece.start, piece.end)
     return out
 
 
-def load_engine(engine: Any, directory: str) -> dict:
+def load_engine(engine: CheckpointedEngine, directory: str) -> dict:
     """Load a checkpoint written at any (T, P, D), stage or shard strategy (every rank of the run calls).
 
-    The engine's own `state_dict()` names what to read and `engine_layouts(engine)` where each local tensor
-    lies in the unsharded parameters: each rank reads its shard ranges straight into the live tensors from the
-    files that hold them (peak extra memory: one chunk's shard), then `engine.load_state_dict()` puts it in
-    force. A last pipeline stage's copy of the tied head is read from the canonical parameter (wte). Returns the
+    The engine's own `state_dict()` names what to read and where each local tensor lies in the unsharded
+    parameters: each rank reads its shard ranges straight into the live tensors from the files that hold them
+    (peak extra memory: one chunk's shard), then `engine.load_state_dict()` puts it in force. A last pipeline stage's copy of the tied head is read from the canonical parameter (wte). Returns the
     extra_state saved with it. RNG states are restored when (T, P, D) is the same (exact resume); at another
     layout each rank keeps the seed it was launched with. A checkpoint of weights alone (meta's optimizer state
     None, with a reason: an import from Megatron-LM) loads the masters and starts the optimizer fresh, saying so.
     """
     ctx = engine.ctx
     reader = CheckpointReader(directory)
-    layouts, tied = engine_layouts(engine), {**reader.tied, **engine_tied(engine)}
-    _check_compatible(engine, reader, ctx, layouts, tied)
     state = engine.state_dict()
+    layouts, tied = state["layouts"], {**reader.tied, **state["tied"]}
+    _check_compatible(reader, ctx, layouts, tied)
     optim_state = state["optimizer"]
     if "state" in reader.meta["optimizer"] and reader.meta["optimizer"]["state"] is None:
         # Weights alone (zerogpt_tools.import_megatron writes these): the masters are read below, while the
@@ -461,20 +442,19 @@ def load_engine(engine: Any, directory: str) -> dict:
         optim_state["loss_scaler"] = reader.meta["loss_scaler"]
     scalars = reader.meta["optimizer"]["scalars"]
     with torch.no_grad():
-        for chunk in engine.chunks:
-            index = chunk.plan.index
-            if not chunk.plan.trainable:
-                state["frozen"][index].copy_(_read_shard(reader, chunk, "param", layouts, tied))
+        for shard in state["shards"].values():
+            if not shard.trainable:
+                state["frozen"][shard.chunk].copy_(_read_shard(reader, shard, "param", layouts, tied))
                 continue
-            live = optim_state["chunks"][index]
-            for kind in reader.kinds(tied.get(chunk.plan.slots[0].name, chunk.plan.slots[0].name)):
-                values = _read_shard(reader, chunk, kind, layouts, tied)
+            live = optim_state["chunks"][shard.chunk]
+            for kind in reader.kinds(_saved_name(reader, shard.params[0], tied)):
+                values = _read_shard(reader, shard, kind, layouts, tied)
                 target = live.get(kind)
                 if isinstance(target, torch.Tensor) and target.shape == values.shape:
                     target.copy_(values)  # in place: keeps its home (pinned host, memory-mapped disk)
                 else:
                     live[kind] = values
-            for key, value in scalars.get(str(chunk.plan.group_index), {}).items():
+            for key, value in scalars.get(str(shard.group), {}).items():
                 live[key] = torch.tensor(value, dtype=torch.float32)
         for name in reader.meta["buffers"]:
             if name in state["buffers"]:

@@ -16,7 +16,7 @@ from torch import nn
 from zerogpt.config import EngineConfig
 from zerogpt.context import DistContext
 from zerogpt.memory_model import CATEGORIES, HOMES
-from zerogpt.parallel.layout import ParamLayout
+from zerogpt.parallel.layout import ParamLayout, as_layout
 from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk
 from zerogpt.zero.comm import all_gather_flat
@@ -24,6 +24,7 @@ from zerogpt.zero.gather_hooks import Stage3GatherHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
 from zerogpt.zero.grad_path import GradPath
 from zerogpt.zero.offload import Placement, Traffic
+from zerogpt.zero.shard_map import ShardMap
 from zerogpt.zero.sharded_optim import ShardedOptimizer
 
 
@@ -342,10 +343,13 @@ class Engine:
     # -- state (torch's Stateful protocol) -----------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's training state as live tensors (not copies): what a checkpoint maps to files.
+        """This rank's training state as live tensors (not copies), with what a checkpoint needs to map it to
+        parameters: each shard's ShardMap, each parameter's layout in the unsharded model, and the tied names.
 
-        {"global_step": int, "optimizer": ShardedOptimizer.state_dict(),
-         "frozen": {chunk index: param shard}, "buffers": {name: tensor}}
+        {"global_step": int, "optimizer": ShardedOptimizer.state_dict() (shards by chunk index),
+         "frozen": {chunk index: param shard}, "buffers": {name: tensor},
+         "shards": {chunk index: ShardMap}, "layouts": {name: ParamLayout}, "tied": {alias: canonical}}
+        The last three describe the tensors; load_state_dict reads the first four.
         """
         state_keys = set(self.module.state_dict(keep_vars=True))
         return {
@@ -353,7 +357,16 @@ class Engine:
             "optimizer": self.sharded_optim.state_dict(),
             "frozen": {c.plan.index: c.shard for c in self.chunks if not c.plan.trainable},
             "buffers": {n: b for n, b in self.module.named_buffers() if n in state_keys},
+            "shards": {c.plan.index: ShardMap.of(c.plan, c.shard_index) for c in self.chunks},
+            "layouts": self._layouts(),
+            "tied": {**tied_aliases(self.module), **self.tied_copies},
         }
+
+    def _layouts(self) -> dict[str, ParamLayout]:
+        """{name: where this rank's local tensor lies in the unsharded parameter}, each checked against the shape
+        its chunk holds (`param_layouts`, absent = the whole parameter)."""
+        return {slot.name: as_layout(self.param_layouts.get(slot.name), slot.shape, slot.name)
+                for chunk in self.chunks for slot in chunk.plan.slots}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a `state_dict()` (tensors may be the live ones, filled in place); all ranks call."""
@@ -401,3 +414,15 @@ class Engine:
             self.transport.close()
             self.transport = None
             self.host_settings["shm_collectives"] = False
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """{alias: canonical} for parameters reachable under two names (GPT-2's lm_head.weight = wte.weight)."""
+    canonical: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            aliases[name] = canonical[id(p)]
+        else:
+            canonical[id(p)] = name
+    return aliases

@@ -77,7 +77,8 @@ def test_engine_state_dict_round_trips_and_loads_in_place():
                 else:
                     entry[name] = saved[index][name]
         engine.load_state_dict(state)
-        assert engine.global_step == 2 and set(live) == {"global_step", "optimizer", "frozen", "buffers"}
+        assert engine.global_step == 2 and set(live) == {"global_step", "optimizer", "frozen", "buffers",
+                                                           "shards", "layouts", "tied"}
         for index, s in engine.sharded_optim.states.items():
             assert s.state["exp_avg"] is homes[index]  # loaded in place
             assert torch.equal(s.master, saved[index]["master"]) and float(s.state["step"]) == 2.0

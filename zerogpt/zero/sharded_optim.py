@@ -262,11 +262,12 @@ class ShardedOptimizer:
         """Hyperparameters, loss scaler and, per trainable chunk, this rank's shard tensors (live, not copies).
         Finishes an overlapped step first.
 
-        {"param_groups": [hyperparameters], "loss_scaler": {...},
+        {"class": the torch optimizer's dotted name, "param_groups": [hyperparameters], "loss_scaler": {...},
          "chunks": {index: {"master": shard, "exp_avg": shard, ..., "step": 0-dim}}}
         """
         self.finish_step()
         return {
+            "class": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
             "param_groups": [hyperparameters(g) for g in self.optimizer.param_groups],
             "loss_scaler": self.loss_scaler.state_dict(),
             "chunks": {index: {"master": s.master, **s.state} for index, s in self.states.items()},
