@@ -216,12 +216,13 @@ def _cpu_seconds() -> tuple[float, float]:
     return r.ru_utime, r.ru_stime
 
 
-def measure(spec: Spec, on_built=lambda: None) -> dict:
+def measure(spec: Spec, on_built=lambda facts: None) -> dict:
     """Train `spec` for warmup + steps optimizer steps of `accum` micro-batches each; tokens/s, TFLOPS, MFU, peak
     GPU memory and host RSS of the steps, build seconds and the build's host peak, the first step's seconds,
     CPU user/sys seconds per timed step, with `time_step` the optimizer-step call's mean wall seconds, zerogpt's
     own host-step seconds (engine.last_host_step_s) and with `count_syncs` the device syncs per step after them.
-    `on_built` is called once the system is built, before the first step.
+    `on_built(facts)` is called once the system is built, before the first step, with what the build alone tells
+    (params, build_s, build_peak_host_gib): a step that fails or is killed later still leaves them.
     With `chunked_loss` the loss is the model's own (`model(x, labels=y).loss`, GPTConfig.chunked_loss);
     `chunked_loss_ran` says every micro-batch's output came without logits (the chunked path ran)."""
     from torch.profiler import record_function
@@ -242,8 +243,8 @@ def measure(spec: Spec, on_built=lambda: None) -> dict:
     if cuda:
         torch.cuda.synchronize()
     build_s = time.perf_counter() - t_build
-    on_built()
     build_peak_host = _host_peak_bytes()  # the build's peak (the process's, since start-up)
+    on_built(dict(params=num_params, build_s=build_s, build_peak_host_gib=build_peak_host / 2**30))
     # peaks from here on: the training steps, not the model's construction
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -439,19 +440,25 @@ def worker_main(specs_json: str, result_path: str) -> int:
     results = []
     progress = result_path + ".progress"  # which spec and part runs now: a kill's row says where it stopped
 
-    def mark(index: int, part: str) -> None:
+    def mark(index: int, part: str, built: dict | None = None) -> None:
         with open(progress, "w") as f:
-            json.dump(dict(index=index, part=part, since=time.time()), f)
+            json.dump(dict(index=index, part=part, since=time.time(), built=built), f)
     try:
         for index, spec in enumerate(specs):
             mark(index, "build")
+            built: dict = {}  # the build's facts, kept in a failed step's row
+
+            def on_built(facts: dict, index: int = index) -> None:
+                built.update(facts)
+                mark(index, "train", facts)
             try:
-                results.append(measure(spec, on_built=lambda: mark(index, "train")))
+                results.append(measure(spec, on_built=on_built))
             except torch.cuda.OutOfMemoryError as e:
-                results.append(dict(spec=asdict(spec), error="gpu_oom", detail=str(e).splitlines()[0]))
+                results.append(dict(spec=asdict(spec), error="gpu_oom", detail=str(e).splitlines()[0],
+                                    built=built or None))
             except Exception as e:
                 results.append(dict(spec=asdict(spec), error=type(e).__name__,
-                                    detail=str(e).splitlines()[0] if str(e) else ""))
+                                    detail=str(e).splitlines()[0] if str(e) else "", built=built or None))
             with open(result_path, "w") as f:
                 json.dump(results, f)
             gc.collect()  # the last system's engine, model and optimizer state, before the next is built

@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+import zerogpt
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench")
 SCRIPT = os.path.join(BENCH, "gpu_check.py")
@@ -118,6 +120,7 @@ def test_goal_statuses_and_figures_taken_together(tmp_path, slices):
     largest = rows["largest model"]
     assert largest["status"] == "unmet" and "3.90B at 25.6 B/param" in largest["text"]
     assert "vs DeepSpeed 67 s" in largest["text"] and "newest try: 8.03B (32 layers): host_ram" in largest["text"]
+    assert "tokens/s" not in largest["text"]  # a record from before the shipped step was measured: nothing shown
     assert rows["MFU without offload"]["status"] == "unmet"
     assert rows["`pytest -m gpu`"]["status"] == "unmeasured"
     syncs = [g for g in rec.GOALS if g.keys[0] == "syncs_per_step_max"][0]
@@ -134,6 +137,9 @@ def test_goal_statuses_and_figures_taken_together(tmp_path, slices):
     assert rec._status(goal, dict(v, deepspeed_unbuilt_after_s=60.0)) == "partly measured"  # not known to be slower
     assert rec._status(goal, dict(v, deepspeed_unbuilt_after_s=None, deepspeed_build_s=70.0)) == "unmet"
     assert rec._status(goal, dict(v, largest_state_dtype="fp32")) == "unmet"
+    shipped_8b = dict(v, largest_tokens_per_s=12345.4, largest_step_shape="8 x 8192 tokens, chunked loss")
+    assert "; shipped config's step (8 x 8192 tokens, chunked loss) 12,345 tokens/s" in rec._text(goal, shipped_8b, {})
+    assert rec._status(goal, shipped_8b) == "met"  # a figure beside the goal, not part of it
     assert rec._status(rec.GOALS[0], {}) == "unmeasured" and rec._text(rec.GOALS[0], {}, {}) == "no figure yet"
     assert rec._status(rec.GOALS[0], dict(train_gpt_tokens_per_s=30000.0)) == "partly measured"
 
@@ -184,13 +190,24 @@ def test_full_size_plans(slices):
     assert slices.largest.params_at(32, args) == 8_030_261_248  # Llama-3.1-8B
     depth = slices.largest.choose_depth(args)
     assert 1 <= depth["layers"] <= 32 and depth["params"] == slices.largest.params_at(depth["layers"], args)
+    # zerogpt at the shipped 8B config's step, read from its file; DeepSpeed (no chunked loss) at 1 x --seq
+    cfg = zerogpt.Config.from_file(os.path.join(REPO, slices.largest.SHIPPED_CONFIG))
+    step = slices.largest.shipped_step(args)
+    z, d = (slices.largest.spec_for(s, args, depth, step) for s in ("zerogpt", "deepspeed"))
+    assert (z.batch, z.seq, z.accum) == (cfg.BATCH_SIZE, cfg.SEQ_LEN, cfg.GRADIENT_ACCUMULATION)
+    assert (z.chunked_loss, z.checkpoint) == (cfg.model["chunked_loss"], cfg.model["checkpoint"])
+    assert (z.bucket_mb, z.prefetch) == (cfg.zero["shard_strategy"].bucket_mb, cfg.zero["prefetch"])
+    assert (z.stage, z.offload, z.state_dtype, z.steps, z.warmup) == (3, "cpu+param", "bf16", 1, 1)
+    assert (d.batch, d.seq, d.chunked_loss, d.state_dtype, d.checkpoint) == (1, 1024, False, None, True)
+    assert z.shape == d.shape == (depth["layers"], 32, 4096)
+    assert slices.largest.step_shape(step).startswith(f"{cfg.BATCH_SIZE} x {cfg.SEQ_LEN}")
 
 
 # -- the tiny forms, end to end ----------------------------------------------------------------------------------
 
 @no_cuda
 @pytest.mark.timeout(300)  # one process and its six children: about 40 s of CPU
-def test_every_slice_runs_in_tiny_form(tmp_path):
+def test_every_slice_runs_in_tiny_form(tmp_path, slices):
     res = run_check("--slice", "verify,offload,largest,compute", "--out", str(tmp_path), "--commit", "abc1234",
                     timeout=280)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -230,6 +247,21 @@ def test_every_slice_runs_in_tiny_form(tmp_path):
     assert row["spec"]["offload"] == "cpu+param" and row["params"] == big["depth"]["params"]
     assert big["figures"]["largest_params"] == row["params"] and big["figures"]["largest_build_s"] > 0
     assert big["figures"]["largest_host_bytes_per_param"] == pytest.approx(row["host_bytes_per_param"])
+    # zerogpt at the shipped 8B config's step, shrunk to 2 x 64 tokens: its knobs, its loss, tokens/s
+    step, full = big["shipped_step"], slices.largest.shipped_step(argparse.Namespace(tiny=False))
+    assert (step["batch"], step["seq"]) == (2, 64) and all(
+        step[k] == full[k] for k in ("accum", "checkpoint", "chunked_loss", "bucket_mb", "prefetch"))
+    assert {k: row["spec"][k] for k in ("batch", "seq", "accum", "bucket_mb", "prefetch", "loss_chunk_size",
+                                        "chunked_loss", "checkpoint")} == step
+    assert row["chunked_loss_ran"] == step["chunked_loss"]
+    tok = big["figures"]["largest_tokens_per_s"]
+    assert tok > 0 and tok == row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
+    assert big["figures"]["largest_step_shape"] == slices.largest.step_shape(step)
+    # as the goals table shows it, were this a GPU's record
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "gpu_h100_2026-12-01_largest.json").write_text(json.dumps(dict(big, tiny=False)))
+    assert f"; shipped config's step ({big['figures']['largest_step_shape']}) {tok:,.0f} tokens/s" in \
+        slices.record.goals_markdown(str(tmp_path / "results"))
 
     c = got["compute"]
     table = {(r["system"], r["stage"], r["variant"]): r for r in c["table"]}
@@ -241,6 +273,17 @@ def test_every_slice_runs_in_tiny_form(tmp_path):
         assert not eager["chunked_loss_ran"] and chunked["first_loss"] == pytest.approx(eager["first_loss"], rel=1e-5)
         assert table[("zerogpt", stage, "fp8")]["error"]  # float8 needs CUDA: an error row, and the slice goes on
     assert len(c["errors"]) == 2 and c["figures"]["mfu_best"] is None  # no MFU without a known peak
+
+
+@no_cuda
+@pytest.mark.timeout(120)
+def test_a_try_killed_while_training_keeps_its_build_figures(slices):
+    """The largest slice's 8B step may not finish in its share: the build's params, seconds and host peak stay."""
+    spec = slices.runner.Spec("zerogpt", (2, 2, 32), batch=1, seq=16, steps=10**6, warmup=0, vocab=64)
+    (row,) = slices.runner.run_specs([spec], timeout_s=25, reserve_bytes=0)
+    assert row["error"] and row["stopped_in"] == "train", row
+    built = row["built"]
+    assert built["params"] > 0 and 0 < built["build_s"] < 25 and built["build_peak_host_gib"] > 0, built
 
 
 @no_cuda

@@ -115,7 +115,8 @@ GOALS = (
     Goal("host step for 1.56B", "≤ 0.8 s", (("host_step_s",),)),
     Goal("largest model", "≥ 8B at ≤ 12 host bytes/param with bf16 moments, built no slower than DeepSpeed",
          (("largest_params", "largest_host_bytes_per_param", "largest_state_dtype", "largest_build_s",
-           "deepspeed_build_s", "deepspeed_unbuilt_after_s"), ("largest_tried",))),
+           "deepspeed_build_s", "deepspeed_unbuilt_after_s", "largest_tokens_per_s", "largest_step_shape"),
+          ("largest_tried",))),
     Goal("MFU without offload", "≥ 50%", (("mfu_best", "mfu_best_what"),)),
     # the verify slice's two, from the text rather than its table
     Goal("`pytest -m gpu`", "every GPU test passes", (("cuda_checks_failed", "gpu_tests_passed"),)),
@@ -209,9 +210,12 @@ def _text(goal: Goal, v: dict, notes: dict) -> str:
         params, ds_unbuilt = v.get("largest_params"), v.get("deepspeed_unbuilt_after_s")
         ds = f"not built after {ds_unbuilt:,.0f}" if v.get("deepspeed_build_s") is None and ds_unbuilt else \
             num(v.get("deepspeed_build_s"))
+        tok = v.get("largest_tokens_per_s")  # the shipped 8B config's step at the size above; older records: none
+        step = f"; shipped config's step ({v.get('largest_step_shape')}) {num(tok)} tokens/s" if tok is not None else ""
         text = (f"{num(params and params / 1e9, '{:.2f}')}B at {num(v.get('largest_host_bytes_per_param'), '{:.1f}')}"
                 f" B/param, moments {v.get('largest_state_dtype') or 'fp32'}; build {num(v.get('largest_build_s'))} s"
-                f" vs DeepSpeed {ds} s" + (f"; newest try: {v['largest_tried']}" if v.get("largest_tried") else ""))
+                f" vs DeepSpeed {ds} s{step}"
+                + (f"; newest try: {v['largest_tried']}" if v.get("largest_tried") else ""))
     extra = list(dict.fromkeys(notes[key] for key in goal.keys if key in notes))
     return text + (f" ({'; '.join(extra)})" if extra else "")
 

@@ -158,7 +158,8 @@ def run_specs(specs: list[Spec], timeout_s: float, reserve_bytes: int) -> list[d
     for k, spec in enumerate(specs[len(results):]):
         row = dict(spec=asdict(spec), error=error)
         if k == 0 and progress and progress["index"] == len(results):
-            row.update(stopped_in=progress["part"], part_s=run["ended_at"] - progress["since"])
+            row.update(stopped_in=progress["part"], part_s=run["ended_at"] - progress["since"],
+                       built=progress.get("built"))
         if k == 0:
             row["detail"] = " | ".join(output.strip().splitlines()[-3:])[-600:]
         results.append(row)
