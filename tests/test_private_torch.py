@@ -71,3 +71,10 @@ def test_every_private_torch_name_zerogpt_uses_is_listed():
                       if (owner, name) not in listed)
     assert not unlisted, ("private torch APIs missing from zerogpt/private_torch.py (add each, with where it is "
                           "used and why no public API does it): " + "; ".join(unlisted))
+
+
+def test_private_torch_comes_from_at_most_eight_owners():
+    """Each owner (a private module or class) is one more place a torch upgrade can break zerogpt: keep them few,
+    and reach for a public API or a few lines of our own before adding one."""
+    owners = sorted({owner for owner, _, _ in PRIVATE_TORCH_APIS})
+    assert len(owners) <= 8, f"{len(owners)} owners of private torch APIs, at most 8 allowed: {owners}"

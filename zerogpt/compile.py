@@ -13,12 +13,14 @@ released. So the blocks' parameters are first moved to block granularity (`Stage
 one hook pair on the block gathers and releases all of them), and the compiled forward sees plain full-size
 parameters. Under tensor parallelism the blocks compile with their DTensor parameters (chunk.py bind_param keeps
 each wrapper's storage offset its slot's, which dynamo checks); with dropout on, the modules that draw from a rank's
-own stream run eagerly between compiled graphs (parallel/rng.py). There AOTAutograd's cache is turned off for the
-process: in torch 2.13 a graph of DTensors split by such a module, loaded from that cache, computes wrong gradients
-for the parameters before the split under sequence parallelism (the same loss; tests/parallel/test_rng.py), while
-the graph compiled afresh is right. A block's arguments that are still in flight from an asynchronous DTensor
-redistribution (AsyncCollectiveTensor, e.g. a Llama's embedding output) are waited on before the compiled code
-runs (`_waited_inputs`). Pipeline stages compile their own blocks.
+own stream run eagerly between compiled graphs (parallel/rng.py). There the compiler's caches are turned off for
+the process: in torch 2.13 a graph of DTensors split by such a module, loaded from AOTAutograd's cache, computes
+wrong gradients for the parameters before the split under sequence parallelism (the same loss;
+tests/parallel/test_rng.py), while the graph compiled afresh is right. The public switch
+(`torch.compiler.config.force_disable_caches`) takes inductor's other caches with it: a restarted run compiles
+afresh instead of loading its graphs, which costs compile time, not step time. A block's arguments that are still
+in flight from an asynchronous DTensor redistribution (AsyncCollectiveTensor, e.g. a Llama's embedding output) are
+waited on before the compiled code runs (`_waited_inputs`). Pipeline stages compile their own blocks.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch._functorch.config
+import torch.compiler.config
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -67,7 +69,7 @@ def compile_blocks(model: nn.Module, *, backend: str | Callable = "inductor",
     """
     blocks = find_blocks(model)
     if any(isinstance(p, DTensor) for block in blocks for p in block.parameters()):
-        torch._functorch.config.enable_autograd_cache = False  # see the module docstring
+        torch.compiler.config.force_disable_caches = True  # see the module docstring
     if gather_hooks is not None:
         gather_hooks.gather_per_block(blocks)
     for block in blocks:

@@ -21,13 +21,9 @@ PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
     ("torch.utils._pytree", "tree_map", "zero/init_modes.py, init_record.py: encode and decode op arguments"),
     ("torch.utils._pytree", "tree_flatten", "zero/init_modes.py, init_record.py: the tensors among an op's "
                                             "arguments and outputs"),
-    ("torch._ops", "OpOverload", "zero/init_modes.py, init_record.py: the type of a recorded op"),
     ("torch.ops.aten.add.Tensor", "_schema", "zero/init_modes.py: which arguments an op writes (`Tensor(a!)`)"),
     ("torch.ops.aten", "_local_scalar_dense", "zero/init_modes.py: a value read (x.item()) answered by a replay"),
     ("torch.ops.aten", "_to_copy", "zero/init_modes.py: a copy to the CPU answered by a replay"),
-    ("torch._C._nn", "_parse_to", "zero/init_modes.py: parse Tensor.to's arguments in the CPU facade"),
-    ("torch._C", "DisableTorchFunction", "zero/init_ctx.py: look past the CPU facade"),
-    ("torch.UntypedStorage", "_cdata", "zero/init_record.py: identify a storage across views and Parameters"),
     ("torch.Tensor", "_version", "zero/init_modes.py, init_record.py, init_ctx.py: a tensor changed in place after "
                                  "it was recorded"),
     # Stage 3 (zero/gather_hooks.py): a saved view of a parameter is kept as (parameter, size, stride, offset).
@@ -42,16 +38,12 @@ PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
     ("torch.Tensor", "_dtensor__new__", "zero/chunk.py _match_wrapper_offset: a data-less wrapper storage of the "
                                         "slot's offset and size"),
     ("torch.distributed.tensor.DTensor", "_spec", "zero/chunk.py _match_wrapper_offset: the parameter's placement"),
-    ("torch._functorch.config", "enable_autograd_cache", "compile.py compile_blocks: off under tensor parallelism, "
-                                                         "where a cached graph of DTensors gave wrong gradients"),
     # A Llama's first block under TP takes the embedding's output as an AsyncCollectiveTensor (a pending
     # all-reduce); dynamo would trace a second graph for it, whose backward fails. There is no public wait.
     ("torch.distributed._functional_collectives", "AsyncCollectiveTensor",
      "compile.py: recognise a pending collective's result among a compiled block's inputs"),
     ("torch.distributed._functional_collectives", "wait_tensor",
      "compile.py: wait on it (on the wrapper itself, so autograd keeps the embedding's gradient)"),
-    ("torch.utils._mode_utils", "no_dispatch", "zero/chunk.py _match_wrapper_offset: set_ the wrapper itself, "
-                                               "not its local tensor"),
     # Multi-tensor kernels, as torch.optim uses them (there is no public torch.foreach): cpu_adam.py's per-slot
     # weight decay (decay_slices, which zero/chunk_state.py calls for any optimizer) and its Adam without bias
     # correction (torch's Adam kernels always correct).

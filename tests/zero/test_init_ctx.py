@@ -178,6 +178,45 @@ def test_value_reads_inside_the_context_see_plain_values():
     assert torch.equal(torch.get_rng_state(), ref_rng)
 
 
+_TO_CALLS = [  # Tensor.to's three forms, positional and by keyword ("other" stands for a float16 tensor)
+    ((torch.float16,), {}), (("cpu",), {}), ((None,), {}), (("cpu", torch.float64), {}), (("other",), {}),
+    ((), {"tensor": "other"}), ((), {"dtype": torch.float64, "copy": True}), ((torch.float32, False, True), {}),
+    (("cpu", torch.float32, True, True), {}), (("cpu",), {"memory_format": torch.channels_last}),
+    (("other", True), {}), ((), {"device": torch.device("cpu"), "non_blocking": True}),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,kwargs", _TO_CALLS, ids=[f"{a}-{k}" for a, k in _TO_CALLS])
+def test_tensor_to_inside_the_context_acts_as_on_the_cpu(args, kwargs):
+    """The facade parses Tensor.to's arguments itself: every form gives what it gives on a plain CPU tensor (the
+    dtype, the layout, the values, the same tensor back when nothing changes), with no device but the CPU."""
+    def to(x: torch.Tensor, other: torch.Tensor) -> tuple:
+        fill = lambda a: other if isinstance(a, str) and a == "other" else a  # noqa: E731
+        y = x.to(*map(fill, args), **{k: fill(v) for k, v in kwargs.items()})
+        return y.dtype, y.device, y.stride(), y is x, y.tolist()
+
+    torch.manual_seed(SEED)
+    plain = to(torch.randn(2, 3, 4, 5), torch.zeros(1, dtype=torch.float16))
+    torch.manual_seed(SEED)
+    with ZeroInitContext():
+        assert to(torch.randn(2, 3, 4, 5), torch.zeros(1, dtype=torch.float16)) == plain
+
+
+@pytest.mark.timeout(60)
+def test_tensor_to_inside_the_context_rejects_what_torch_rejects():
+    with ZeroInitContext():
+        x = torch.zeros(2)
+        with pytest.raises(TypeError):
+            x.to(torch.float16, device="cpu")  # the dtype form takes no device
+        with pytest.raises(TypeError):
+            x.to("cpu", "cpu")
+        with pytest.raises(RuntimeError, match=r"builds on the CPU.*got device='cuda'"):
+            x.to("cuda", torch.float16)
+        with pytest.raises(RuntimeError, match=r"builds on the CPU.*got device='cuda'"):
+            x.to(device="cuda")
+
+
 @pytest.mark.timeout(60)
 def test_unsupported_ops_name_the_op_and_the_parameter():
     before = _torch_state()

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor
-from torch.utils._mode_utils import no_dispatch
 
 from zerogpt.config.strategy import ShardStrategy, chunk_groups
 from zerogpt.zero.comm import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
@@ -191,14 +190,13 @@ def _match_wrapper_offset(param: DTensor, local: torch.Tensor) -> None:
     torch.compile fakeifies a DTensor by rebuilding it from its local tensor, then checks that the rebuilt
     wrapper's offset is the original's; a wrapper left at offset 0 over a slot at offset k fails that check
     ("Attempted to set the storage ... on different device meta"). The wrapper's storage holds no data, so a
-    data-less storage of the right size from a fresh wrapper is swapped in; nothing aliases the chunk.
+    fresh wrapper over `local` (a data-less storage of the slot's size, at its offset) lends its TensorImpl's
+    storage, offset, sizes and strides through `.data =`, which DTensor's dispatch never sees; the Parameter
+    object, its `_local_tensor`, autograd state and version stay. Nothing aliases the chunk.
     """
-    offset = local.storage_offset()
-    if param.storage_offset() == offset:
+    if param.storage_offset() == local.storage_offset():
         return
-    holder = torch.Tensor._dtensor__new__(DTensor, local, param._spec, requires_grad=False)
-    with torch.no_grad(), no_dispatch():
-        param.set_(holder.untyped_storage(), offset, param.size(), param.stride())
+    param.data = torch.Tensor._dtensor__new__(DTensor, local, param._spec, requires_grad=False)
 
 
 def _empty_like_param(param: torch.Tensor) -> torch.Tensor:

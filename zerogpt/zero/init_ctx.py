@@ -94,9 +94,11 @@ class ZeroInitContext:
 
     def _on_register(self, module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
         self._modules[id(module)] = module
-        with torch._C.DisableTorchFunction():  # past the facade: is it really meta?
-            if _is_meta(tensor) and _key(tensor) in self._recording.roots:
-                root = self._recording.roots[_key(tensor)]
+        # Under the facade every tensor reports is_meta=False, but only meta storages are recorded: a recorded
+        # storage is the test (of a strided tensor: a sparse one has no storage to ask for)
+        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+            root = self._recording.roots.get(_key(tensor))
+            if root is not None:
                 root.label = root.label or f"{type(module).__name__}.{name} {tuple(tensor.shape)}"
 
 

@@ -11,7 +11,7 @@ instead of somewhere inside a model's init.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -31,7 +31,7 @@ def _is_meta(a: Any) -> bool:
     return isinstance(a, torch.Tensor) and a.is_meta
 
 
-def _mutated(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
+def _mutated(func: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
     """The arguments an op writes into, from its schema (`Tensor(a!)`)."""
     out = []
     for i, arg in enumerate(func._schema.arguments):
@@ -68,6 +68,39 @@ def _device_error(device: Any) -> RuntimeError:
                         f"rank's shards to ctx.device")
 
 
+# Tensor.to's three forms, as Python signatures: binding the caller's arguments to one gives Python's own errors.
+def _to_device(device=None, dtype=None, non_blocking=False, copy=False, *, memory_format=None):
+    return (None if device is None else torch.device(device)), dtype, non_blocking, copy, memory_format
+
+
+def _to_dtype(dtype, non_blocking=False, copy=False, *, memory_format=None):
+    return None, dtype, non_blocking, copy, memory_format
+
+
+def _to_tensor(tensor, non_blocking=False, copy=False, *, memory_format=None):
+    return tensor.device, tensor.dtype, non_blocking, copy, memory_format
+
+
+def _parse_to(*args: Any, **kwargs: Any) -> tuple[torch.device | None, torch.dtype | None, bool, bool,
+                                                   torch.memory_format | None]:
+    """(device, dtype, non_blocking, copy, memory_format) of a `Tensor.to(*args, **kwargs)` call; None where
+    not given. `to(tensor)` takes the tensor's device and dtype; the first positional argument (or `tensor=`)
+    picks the form, as torch's own parser does."""
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor) or "tensor" in kwargs:
+        form = _to_tensor
+    elif isinstance(first, torch.dtype):
+        form = _to_dtype
+    else:
+        form = _to_device
+    parsed = form(*args, **kwargs)
+    # (a dtype goes into the facade's own .to call positionally, where a device would also be taken; the other
+    # values go in by keyword, and that call checks them)
+    if parsed[1] is not None and not isinstance(parsed[1], torch.dtype):
+        raise TypeError(f"to() got {parsed[1]!r} where it takes a dtype; pass a torch.dtype, e.g. torch.float16")
+    return parsed
+
+
 class _CpuFacade(TorchFunctionMode):
     """Sends tensor factories to meta and shows meta tensors to Python code as CPU tensors.
 
@@ -102,9 +135,7 @@ class _CpuFacade(TorchFunctionMode):
         if func is torch.Tensor.cpu:
             return this
         if func is torch.Tensor.to:  # to("cpu") is a no-op on a CPU tensor: keep the alias, apply only a dtype
-            kw = dict(kwargs)
-            copy = kw.pop("copy", False)
-            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kw)
+            device, dtype, non_blocking, copy, memory_format = _parse_to(*args[1:], **kwargs)
             if device is not None and device.type not in ("cpu", "meta"):
                 raise _device_error(device)
             return this.to(dtype or this.dtype, non_blocking=non_blocking, copy=copy,

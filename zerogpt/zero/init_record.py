@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+
 def _key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage (views, detached aliases and Parameters of one storage share it)."""
-    return t.untyped_storage()._cdata
+    """Identity of a tensor's storage (views, detached aliases and Parameters of one storage share it).
+
+    torch keeps one Python object per storage for as long as the storage lives (`t.untyped_storage()` returns the
+    same object each time), and each recorded storage's object is held by its `_Root`, so no id is reused.
+    """
+    return id(t.untyped_storage())
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ _META = _MetaDevice()
 
 @dataclass
 class _Op:
-    func: torch._ops.OpOverload
+    func: Callable[..., Any]  # an aten op overload (torch.ops.aten.<op>.<overload>)
     args: Any  # (args, kwargs) with tensors encoded as _Ref / _Real
     rng: tuple[torch.Generator, torch.Tensor] | None  # generator and its state just before a random op
     out_index: int | None = None  # set on a storage's first op: which flat output it is
@@ -56,7 +61,7 @@ class _Op:
 
 @dataclass
 class _Root:
-    storage: torch.UntypedStorage  # the meta storage, held so its address is never reused for another
+    storage: torch.UntypedStorage  # the meta storage, held so its id (_key) is never reused for another
     log: list[_Op]
     parents: tuple[int, ...] = ()  # storages the creating op read, to describe an unregistered tensor
     label: str | None = None  # "Linear.weight (4, 3)" once registered on a module, for error messages
