@@ -360,8 +360,10 @@ def _build_chunks(params, plan: EnginePlan, ctx: DistContext, placement: Placeme
                       shard_device=placement.torch_device(home),
                       pin_memory=plan.config.zero.offload_param.pin_memory, shard_home=home,
                       transport=transport, traffic=traffic)
-        if init_values is not None:  # meta model: this rank fills only its shard; params leave meta
-            chunk.load_shard(init_values.chunk_shard(chunk_plan, chunk.shard_index, plan.compute_dtype))
+        if init_values is not None:  # meta model: this rank fills only its shard, in place; params leave meta
+            with torch.no_grad():
+                init_values.fill_shard(chunk_plan, chunk.shard_index, chunk.shard)
+            chunk.all_gather_full()
             swap_meta_for_empty(chunk_params)
         else:
             chunk.load_full(torch.cat([to_local(p).detach().reshape(-1).to(ctx.device, plan.compute_dtype)

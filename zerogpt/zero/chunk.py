@@ -277,17 +277,6 @@ class Chunk:
         else:
             self.shard.copy_(padded[lo:hi])
 
-    def load_shard(self, flat_shard: torch.Tensor) -> None:
-        """Set this rank's shard (shard_numel long); stages 0-2 then all-gather the rest of `full`.
-
-        Lets a rank build only its own part of the parameters (ZeroInitContext); all ranks must call it.
-        """
-        if flat_shard.numel() != self.plan.shard_numel:
-            raise ValueError(f"chunk {self.plan.index}: load_shard got {flat_shard.numel()} values, "
-                             f"its shard has {self.plan.shard_numel}")
-        self.shard.copy_(flat_shard.view(-1))
-        self.all_gather_full()
-
     # -- parameters -------------------------------------------------------------------------
 
     @property

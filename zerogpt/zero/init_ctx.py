@@ -110,7 +110,7 @@ class ZeroInitContext:
 class RecordedInit:
     """The recorded initialisation of one model's meta parameters and buffers, by name.
 
-    `chunk_shard` replays only the parameters overlapping one shard; `param_value` one whole parameter.
+    `fill_shard` replays only the parameters overlapping one shard; `param_value` one whole parameter.
     Real (non-meta) tensors of the model are read as they are.
     """
 
@@ -121,15 +121,13 @@ class RecordedInit:
         """The full value of parameter `name` (CPU, its own dtype), as plain construction would have made it."""
         return _value_of(self.params[name])
 
-    def chunk_shard(self, plan: ChunkPlan, shard_index: int, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shard of a chunk (shard_numel, `dtype`, CPU; padding zero).
+    def fill_shard(self, plan: ChunkPlan, shard_index: int, out: torch.Tensor) -> None:
+        """Write this rank's shard of a chunk into `out` (the chunk's own shard, padding left as it is).
 
-        Peak memory: the shard plus one parameter, since each overlapping parameter is replayed in turn.
+        Peak memory: one parameter, since each overlapping parameter is replayed in turn.
         """
-        out = torch.zeros(plan.shard_numel, dtype=dtype)
         for name, start, end, at in plan.shard_pieces(shard_index):
             out[at : at + end - start].copy_(self.param_value(name).reshape(-1)[start:end])
-        return out
 
     def buffer_values(self) -> dict[str, torch.Tensor]:
         """Every meta buffer, materialised whole (buffers are small); a tied buffer is one tensor under each name."""

@@ -29,15 +29,15 @@ class RangeInit:
     model: nn.Module
     params: dict[str, nn.Parameter]
 
-    def chunk_shard(self, plan: ChunkPlan, shard_index: int, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shard of a chunk (shard_numel, `dtype`, CPU; padding zero).
+    def fill_shard(self, plan: ChunkPlan, shard_index: int, out: torch.Tensor) -> None:
+        """Write this rank's shard of a chunk into `out` (the chunk's own shard, padding left as it is), converting
+        to its dtype and device while copying: no second copy of the shard is made.
 
-        Peak memory: the shard plus what `init_param_range` needs for one piece (GPT: the piece and one block).
+        Peak memory: what `init_param_range` needs for one piece (GPT: the piece and one block; a checkpoint's
+        reader: the piece's rows in the file's dtype).
         """
-        out = torch.zeros(plan.shard_numel, dtype=dtype)
         for name, start, end, at in plan.shard_pieces(shard_index):
             out[at : at + end - start].copy_(self._values(name, start, end))
-        return out
 
     def buffer_values(self) -> dict[str, torch.Tensor]:
         """Nothing to fill: `range_init` refuses a model with meta buffers."""
