@@ -49,8 +49,9 @@ setup(
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        # the pipeline's tests run a local Ray; the W&B hook's test runs wandb offline; tests/test_fp8.py converts
-        "dev": ["pytest", "pytest-timeout", "ray[data]>=2.40", "wandb", "torchao"],
+        # the pipeline's tests run a local Ray; the W&B hook's test runs wandb offline; tests/test_fp8.py converts;
+        # tests/zerogpt_tools/test_megatron_core.py reads and writes checkpoints with Megatron-Core's own model and files
+        "dev": ["pytest", "pytest-timeout", "ray[data]>=2.40", "wandb", "torchao", "megatron-core==0.16.1"],
         "ray": ["ray[data]>=2.40"],  # `python -m data_pipeline all --executor ray`
         # accelerate: transformers' HfDeepSpeedConfig, DeepSpeed's way into from_pretrained (bench/load_memory.py)
         "deepspeed": ["deepspeed", "accelerate>=1.1.0"],
