@@ -34,6 +34,7 @@ from zerogpt.zero.grad_path import GradPath
 from zerogpt.zero.init_ctx import recorded_init, swap_meta_for_empty
 from zerogpt.zero.meta_init import range_init
 from zerogpt.zero.offload import Placement, Traffic, check_disk_path
+from zerogpt.zero.shard_map import ShardMap
 from zerogpt.zero.sharded_optim import ShardedOptimizer
 from zerogpt.zero.shm import open_transport
 from zerogpt.zero.step_wait_hooks import StepWaitHooks
@@ -361,9 +362,7 @@ def _build_chunks(params, plan: EnginePlan, ctx: DistContext, placement: Placeme
                       pin_memory=plan.config.zero.offload_param.pin_memory, shard_home=home,
                       transport=transport, traffic=traffic)
         if init_values is not None:  # meta model: this rank fills only its shard, in place; params leave meta
-            with torch.no_grad():
-                init_values.fill_shard(chunk_plan, chunk.shard_index, chunk.shard)
-            chunk.all_gather_full()
+            _fill_shard(chunk, init_values)
             swap_meta_for_empty(chunk_params)
         else:
             chunk.load_full(torch.cat([to_local(p).detach().reshape(-1).to(ctx.device, plan.compute_dtype)
@@ -371,6 +370,16 @@ def _build_chunks(params, plan: EnginePlan, ctx: DistContext, placement: Placeme
         chunk.bind_params()
         chunks.append(chunk)
     return chunks
+
+
+def _fill_shard(chunk: Chunk, init_values: Any) -> None:
+    """Write this rank's shard of a meta model's chunk from `init_values.range_values(name, start, end)` (RangeInit,
+    RecordedInit), straight into the chunk's own shard, casting while copying (no staging copy); stages 0-2 then
+    all-gather the rest of the chunk."""
+    with torch.no_grad():
+        for piece in ShardMap.of(chunk.plan, chunk.shard_index).pieces:
+            chunk.shard[piece.shard_slice].copy_(init_values.range_values(piece.name, piece.start, piece.end))
+    chunk.all_gather_full()
 
 
 def _place_buffers(model: nn.Module, device: torch.device, init: dict[str, torch.Tensor]) -> None:

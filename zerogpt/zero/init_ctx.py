@@ -21,7 +21,6 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from zerogpt.zero.chunk import ChunkPlan
 from zerogpt.zero.init_modes import _CpuFacade, _is_meta, _Recorder
 from zerogpt.zero.init_record import _key, _Recording, _Ref
 
@@ -110,7 +109,7 @@ class ZeroInitContext:
 class RecordedInit:
     """The recorded initialisation of one model's meta parameters and buffers, by name.
 
-    `fill_shard` replays only the parameters overlapping one shard; `param_value` one whole parameter.
+    `range_values` replays the one parameter a range is of; `param_value` gives it whole.
     Real (non-meta) tensors of the model are read as they are.
     """
 
@@ -121,13 +120,9 @@ class RecordedInit:
         """The full value of parameter `name` (CPU, its own dtype), as plain construction would have made it."""
         return _value_of(self.params[name])
 
-    def fill_shard(self, plan: ChunkPlan, shard_index: int, out: torch.Tensor) -> None:
-        """Write this rank's shard of a chunk into `out` (the chunk's own shard, padding left as it is).
-
-        Peak memory: one parameter, since each overlapping parameter is replayed in turn.
-        """
-        for name, start, end, at in plan.shard_pieces(shard_index):
-            out[at : at + end - start].copy_(self.param_value(name).reshape(-1)[start:end])
+    def range_values(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened parameter `name`. Peak memory: that one parameter, replayed."""
+        return self.param_value(name).reshape(-1)[start:end]
 
     def buffer_values(self) -> dict[str, torch.Tensor]:
         """Every meta buffer, materialised whole (buffers are small); a tied buffer is one tensor under each name."""

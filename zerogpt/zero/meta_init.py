@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerogpt.zero.chunk import ChunkPlan
 from zerogpt.zero.init_ctx import built_in_context
 
 __all__ = ["RangeInit", "range_init"]
@@ -29,21 +28,16 @@ class RangeInit:
     model: nn.Module
     params: dict[str, nn.Parameter]
 
-    def fill_shard(self, plan: ChunkPlan, shard_index: int, out: torch.Tensor) -> None:
-        """Write this rank's shard of a chunk into `out` (the chunk's own shard, padding left as it is), converting
-        to its dtype and device while copying: no second copy of the shard is made.
-
-        Peak memory: what `init_param_range` needs for one piece (GPT: the piece and one block; a checkpoint's
-        reader: the piece's rows in the file's dtype).
-        """
-        for name, start, end, at in plan.shard_pieces(shard_index):
-            out[at : at + end - start].copy_(self._values(name, start, end))
-
     def buffer_values(self) -> dict[str, torch.Tensor]:
         """Nothing to fill: `range_init` refuses a model with meta buffers."""
         return {}
 
-    def _values(self, name: str, start: int, end: int) -> torch.Tensor:
+    def range_values(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened parameter `name` as initialised.
+
+        Peak memory: what `init_param_range` needs for one range (GPT: the range and one block; a checkpoint's
+        reader: the range's rows in the file's dtype).
+        """
         param = self.params[name]
         if not param.is_meta:
             return param.detach().reshape(-1)[start:end]
