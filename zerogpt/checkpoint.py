@@ -301,8 +301,8 @@ def save_engine(engine: CheckpointedEngine, directory: str, extra_state: dict | 
     return final
 
 
-def _finish_save(engine: CheckpointedEngine, state: dict, ctx: DistContext, gathered: list[dict], extra_json: dict, tmp: str,
-                 final: str) -> None:
+def _finish_save(engine: CheckpointedEngine, state: dict, ctx: DistContext, gathered: list[dict], extra_json: dict,
+                 tmp: str, final: str) -> None:
     """Rank 0: meta.json from every rank's part, config.py, then the rename that makes the checkpoint."""
     parent, name = os.path.split(final)
     meta = {
@@ -332,8 +332,8 @@ def _finish_save(engine: CheckpointedEngine, state: dict, ctx: DistContext, gath
 
 def _planned_bytes(state: dict, ctx: DistContext) -> int:
     """About what this rank's shard files take (fp32 pieces; the small RNG and buffer files left out)."""
-    return sum(4 * (piece.end - piece.start) * len(_shard_sources(state, shard))
-               for shard in state["shards"].values() if _saves(shard, ctx) for piece in shard.pieces)
+    return sum(4 * len(_shard_sources(state, shard)) * sum(piece.end - piece.start for piece in shard.pieces)
+               for shard in state["shards"].values() if _saves(shard, ctx))
 
 
 def _merge_rank_meta(gathered: list[dict], tmp: str) -> dict:
@@ -416,10 +416,11 @@ def load_engine(engine: CheckpointedEngine, directory: str) -> dict:
 
     The engine's own `state_dict()` names what to read and where each local tensor lies in the unsharded
     parameters: each rank reads its shard ranges straight into the live tensors from the files that hold them
-    (peak extra memory: one chunk's shard), then `engine.load_state_dict()` puts it in force. A last pipeline stage's copy of the tied head is read from the canonical parameter (wte). Returns the
-    extra_state saved with it. RNG states are restored when (T, P, D) is the same (exact resume); at another
-    layout each rank keeps the seed it was launched with. A checkpoint of weights alone (meta's optimizer state
-    None, with a reason: an import from Megatron-LM) loads the masters and starts the optimizer fresh, saying so.
+    (peak extra memory: one chunk's shard), then `engine.load_state_dict()` puts it in force. A last pipeline
+    stage's copy of the tied head is read from the canonical parameter (wte). Returns the extra_state saved with
+    it. RNG states are restored when (T, P, D) is the same (exact resume); at another layout each rank keeps the
+    seed it was launched with. A checkpoint of weights alone (meta's optimizer state None, with a reason: an import
+    from Megatron-LM) loads the masters and starts the optimizer fresh, saying so.
     """
     ctx = engine.ctx
     reader = CheckpointReader(directory)

@@ -75,7 +75,8 @@ def megatron_model(args, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = GPTModel(config, get_gpt_layer_local_spec(normalization=config.normalization), parallel_output=False,
                      vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                     position_embedding_type=args.position_embedding_type, rotary_base=getattr(args, "rotary_base", 10000),
+                     position_embedding_type=args.position_embedding_type,
+                     rotary_base=getattr(args, "rotary_base", 10000),
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
     with torch.no_grad():  # Megatron starts norms at 1 and biases at 0: make them tell a mix-up
         for name, p in model.named_parameters():
@@ -169,11 +170,10 @@ def _rank(rank: int, world: int, init: str, root: str) -> None:
         dist.barrier()
         back = megatron_model(args, seed=1)
         not_loaded = load_megatron(back, os.path.join(where, "back"), fmt)
+        # tensor parallel: every rank runs the forwards; rank 0 keeps them
+        logits = dict(megatron=megatron_logits(model), back=megatron_logits(back), not_loaded=not_loaded)
         if rank == 0:
-            out[(world, family, fmt)].update(megatron=megatron_logits(model), back=megatron_logits(back),
-                                             not_loaded=not_loaded)
-        else:
-            megatron_logits(model), megatron_logits(back)  # tensor parallel: every rank runs the forward
+            out[(world, family, fmt)].update(logits)
     if rank == 0:
         torch.save(out, os.path.join(root, f"results_tp{world}.pt"))
     dist.destroy_process_group()
