@@ -1,22 +1,28 @@
 """zerogpt's GPU figures in slices that fit one lent machine: each run measures the next missing slice (issue 42).
 
-    python bench/gpu_check.py --next --out DIR        # on the GPU: the next slice, inside 9 minutes, installs and
-                                                      # builds included; writes DIR/gpu_<device>_<date>_<slice>.json
+    python bench/gpu_check.py --next --out DIR        # on the GPU: the next slice, then more while the 9 minutes
+                                                      # allow, installs and builds included; writes
+                                                      # DIR/gpu_<device>_<date>_<slice>.json as each ends
     python bench/gpu_check.py --slice offload --out DIR   # a named slice (several: a,b, one after another)
     python bench/gpu_check.py --status                # here: the goals table from bench/results/ and the next slice
     python bench/gpu_check.py --record FILE...        # here: copy device results into bench/results/ and rewrite
                                                       # bench/README.md's goals table
-    python bench/gpu_check.py --slice verify,offload,largest,compute --tiny --out /tmp/g   # the CPU forms
+    python bench/gpu_check.py --slice verify,offload,largest,compute,llama1b,llama3b --tiny --out /tmp/g   # CPU forms
 
 Slices, in this order (bench/gpu_slices/): verify (pytest -m gpu, the shipped config through train_gpt.py, device
 syncs per step at stages 0-3 with and without offload), offload (the shipped config's shape and 16k tokens per
 step, zerogpt against DeepSpeed ZeRO-Offload), largest (Llama-3.1-8B's shape, everything offloaded, bf16 moments,
 DeepSpeed at the same size), compute (MFU without offload at stages 0 and 3 on GPT-2 XL: eager, compile, FP8,
-chunked loss). --next takes the first with no result in bench/results/, else the one whose latest result is the
-oldest. The budget (--budget-s, 540) counts from this process's start: the installs from .carry/ (which
-bench/gpu_prepare.sh fills here) and the CPU Adam op builds are inside it; every measurement runs in a watched
-child process that is killed at its share of the budget, and the result file is rewritten after each, so a run
-cut short still leaves what it measured. Without CUDA every slice runs in tiny form (fp32, tiny models, no
+chunked loss; micro-batch 12 and max-autotune), llama1b and llama3b (Llama-3.2-1B at 2048 tokens, Llama-3.2-3B at
+4096, at the largest micro-batch that fits: eager, compile, chunked loss, FP8 + compile at stages 0 and 3, and
+transformers' LlamaForCausalLM beside them). --next takes the first with no result in bench/results/, else the
+one whose latest result is the oldest; when it ends, --next goes on to the next slice whose expected seconds (its
+last recorded elapsed_s, gpu_slices.EXPECTED_S before it has one) fit in what is left of the budget, and so on.
+The budget (--budget-s, 540) counts from this process's start: the installs from .carry/ (which
+bench/gpu_prepare.sh fills here) and the CPU Adam op builds are inside it, and with --next it is the whole run's,
+every slice's included; with --slice each named slice has its own. Every measurement runs in a watched child
+process that is killed at its share of the budget, and the result file is rewritten after each, so a run cut
+short still leaves what it measured. Without CUDA every slice runs in tiny form (fp32, tiny models, no
 DeepSpeed): its numbers say nothing about a GPU, and it is never recorded.
 """
 from __future__ import annotations
@@ -48,7 +54,8 @@ RESULTS = os.path.join(_HERE, "results")
 README = os.path.join(_HERE, "README.md")
 # what each slice needs on a bare machine: DeepSpeed (from the carried sdist), the CPU Adam ops
 NEEDS = dict(verify=dict(deepspeed=False, ops=True), offload=dict(deepspeed=True, ops=True),
-             largest=dict(deepspeed=True, ops=True), compute=dict(deepspeed=False, ops=False))
+             largest=dict(deepspeed=True, ops=True), compute=dict(deepspeed=False, ops=False),
+             llama1b=dict(deepspeed=False, ops=False), llama3b=dict(deepspeed=False, ops=False))
 TINY_VOCAB = 512
 LLAMA3_VOCAB = 128256
 
@@ -75,8 +82,11 @@ def _on_alarm(signum, frame):
     raise BudgetSpent()
 
 
-def run_slice(name: str, args, start: float) -> str:
-    """Run one slice under its budget from `start`; the result file's path (written however the slice ends)."""
+def run_slice(name: str, args, start: float, began: float | None = None) -> str:
+    """Run one slice under the budget that counts from `start` (the slice's own start, or with --next the run's);
+    `began`: when the slice itself began (default `start`), what its elapsed_s counts from. The result file's path
+    (written however the slice ends)."""
+    began = start if began is None else began
     from gpu_slices.runner import MARGIN_S, Budget, commit_info, environment, kill_children, log, setup
 
     env, commit = environment(), commit_info(args.commit)
@@ -89,7 +99,7 @@ def run_slice(name: str, args, start: float) -> str:
     path = os.path.join(args.out, record.result_name(env["device"], result["date"], name))
 
     def save() -> None:
-        result["elapsed_s"] = time.monotonic() - start
+        result["elapsed_s"] = time.monotonic() - began
         with open(path + ".tmp", "w") as f:
             json.dump(result, f, indent=1)
         os.replace(path + ".tmp", path)  # never a half-written file, whenever the run is stopped
@@ -121,6 +131,25 @@ def run_slice(name: str, args, start: float) -> str:
     return path
 
 
+def run_next(args, order: list[str], expected: dict[str, float]) -> list[str]:
+    """--next: slice_order's first, then (record.chain_next) each next slice whose expected seconds fit in what is
+    left of the run's budget, every one under that budget from T0; the result files' paths."""
+    from gpu_slices.runner import log
+
+    paths, done = [], set()
+    name = order[0]
+    while name is not None:
+        paths.append(run_slice(name, args, T0, began=T0 if not done else time.monotonic()))
+        done.add(name)
+        left = args.budget_s - (time.monotonic() - T0)
+        name, passed = record.chain_next(order, done, expected, left)
+        for line in passed:
+            log(f"--next: passed over {line}")
+        log(f"--next: {len(done)} slice(s) done, {left:.0f} s of the budget left; "
+            + (f"going on to {name} (expected {expected[name]:.0f} s)" if name else "stopping"))
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_mutually_exclusive_group(required=True)
@@ -135,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(bench/results)")
     p.add_argument("--readme", default=README, help="the README whose goals table --record rewrites")
     p.add_argument("--budget-s", type=float, default=540.0,
-                   help="seconds per slice from the process's start, installs and builds included (540: a 10-minute "
-                        "device call with room to spare)")
+                   help="seconds from the process's start, installs and builds included: --next's whole run, "
+                        "each --slice's own (540: a 10-minute device call with room to spare)")
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU (the default without CUDA)")
     p.add_argument("--commit", default=None, help="the commit measured (default: git, else .carry/COMMIT)")
     p.add_argument("--systems", default=None, help="zerogpt,deepspeed,torch (tiny: zerogpt,torch: DeepSpeed's CPU "
@@ -165,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out:
         p.error("--out DIR is required to measure (on the device: --out $OUT)")
-    names = [record.next_slice(args.results)] if args.next else [s.strip() for s in args.slice.split(",") if s.strip()]
+    order = record.slice_order(args.results) if args.next else []
+    names = order[:1] if args.next else [s.strip() for s in args.slice.split(",") if s.strip()]
     unknown = [s for s in names if s not in SLICES]
     if unknown:
         p.error(f"--slice: unknown slice(s) {unknown}; valid: {', '.join(SLICES)}")
@@ -190,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"gpu_check {time.strftime('%Y-%m-%d %H:%M:%S')}: slices {names}" + (" (--next)" if args.next else "")
         + f", systems {args.systems}" + (", TINY: no CUDA, numbers say nothing about a GPU" if tiny else ""))
     paths = []
-    for k, name in enumerate(names):
+    if args.next:
+        paths = run_next(args, order, record.expected_seconds(args.results))
+    for k, name in enumerate([] if args.next else names):
         paths.append(run_slice(name, args, T0 if k == 0 else time.monotonic()))
     log(f"files in {args.out}: {sorted(os.listdir(args.out))}")
     log("record them here with: python bench/gpu_check.py --record " + " ".join(os.path.basename(x) for x in paths))

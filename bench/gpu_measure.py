@@ -3,7 +3,9 @@ PyTorch) on one device, train a few steps, report tokens/s, TFLOPS, MFU, the tra
 memory and host RSS, build seconds, the first step's seconds (torch.compile's time when compiling), CPU
 user/sys seconds per step, (time_step) the optimizer-step call's wall time, zerogpt's own host-step seconds,
 (count_syncs) the device syncs per step, and optionally profile one more step. The model is model_zoo's GPT
-or, with model="llama3_8b", its Llama at Llama-3.1-8B's widths and any depth.
+or a model_zoo Llama at a published size's widths (llama3_8b, llama3_2_1b, llama3_2_3b) and any depth; plain
+PyTorch runs transformers' LlamaForCausalLM (SDPA) at the same shape. `fit_batch` halves the micro-batch after a
+GPU out-of-memory until one fits; `compile_mode` is torch.compile's mode (zerogpt: its inductor options).
 
     python bench/gpu_measure.py SPECS_JSON RESULT_PATH    # run by gpu_check.py; SPECS_JSON: a list of Specs
 
@@ -27,7 +29,7 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+from dataclasses import asdict, dataclass, replace  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -41,7 +43,7 @@ class Spec:
     """One measurement: system x model shape x ZeRO setting x batch."""
 
     system: str  # zerogpt | deepspeed | torch
-    shape: tuple  # (n_layer, n_head, n_embd); llama3_8b: (num_hidden_layers, num_attention_heads, hidden_size)
+    shape: tuple  # (n_layer, n_head, n_embd); a Llama: (num_hidden_layers, num_attention_heads, hidden_size)
     stage: int = 3
     offload: str = "none"  # none | cpu | cpu+param | disk | disk+param (disk: the optimizer state, zerogpt only)
     batch: int = 8  # micro-batch (sequences)
@@ -63,8 +65,10 @@ class Spec:
     time_step: bool = False  # time the optimizer-step call of each timed step (one more device sync per step)
     chunked_loss: bool = False  # GPTConfig.chunked_loss: the loss from model(x, labels=y), no whole-batch logits
     loss_chunk_size: int | None = None  # GPTConfig.loss_chunk_size, tokens (None: its default, 256)
-    model: str = "gpt"  # gpt (model_zoo.gpt) | llama3_8b (model_zoo.llama: Llama-3.1-8B's widths, shape's depth)
+    model: str = "gpt"  # gpt (model_zoo.gpt) | a model_zoo.llama SIZES name: its widths at shape's depth
     count_syncs: int = 0  # steps after the timed ones run under torch.cuda.set_sync_debug_mode("warn"), counted
+    fit_batch: bool = False  # after a GPU out-of-memory, measure again at half the batch, down to 1
+    compile_mode: str | None = None  # torch.compile's mode (with compile); zerogpt: that mode's inductor options
 
 
 def _reset_host_peak() -> None:
@@ -80,28 +84,75 @@ def _host_peak_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+LLAMA_MODELS = ("llama3_8b", "llama3_2_1b", "llama3_2_3b")
+"""The model_zoo.llama sizes a Spec may name."""
+
+
+def llama_shape(spec: Spec) -> dict:
+    """The LlamaConfig keys of a Llama Spec: the named size's, at the Spec's depth and vocabulary; a narrower
+    (n_head, n_embd) than the size's (the tiny CPU form) gets SwiGLU 3.5x (the 8B's 14336 / 4096) and 4 query
+    heads per k/v head."""
+    from model_zoo.llama import SIZES
+
+    if spec.model not in LLAMA_MODELS:
+        raise ValueError(f"Spec.model={spec.model!r}: valid are 'gpt' and {', '.join(map(repr, LLAMA_MODELS))}")
+    n_layer, n_head, n_embd = spec.shape
+    shape = dict(SIZES[spec.model], num_hidden_layers=n_layer, vocab_size=spec.vocab)
+    if (n_head, n_embd) != (shape["num_attention_heads"], shape["hidden_size"]):
+        shape.update(num_attention_heads=n_head, hidden_size=n_embd, intermediate_size=7 * n_embd // 2,
+                     num_key_value_heads=max(1, n_head // 4), head_dim=n_embd // n_head)
+    return shape
+
+
 def build_model(spec: Spec, device: torch.device) -> torch.nn.Module:
     """The spec's model, built under whatever device or init context the caller holds."""
     n_layer, n_head, n_embd = spec.shape
     chunk = {} if spec.loss_chunk_size is None else dict(loss_chunk_size=spec.loss_chunk_size)
     torch.manual_seed(0)
-    if spec.model == "llama3_8b":
-        from model_zoo.llama import SIZES, llama3_8b
-
-        widths = {}
-        if (n_head, n_embd) != (SIZES["llama3_8b"]["num_attention_heads"], SIZES["llama3_8b"]["hidden_size"]):
-            # a narrower Llama-3 (the tiny CPU form): SwiGLU 3.5x as the 8B's 14336 / 4096, 4 q heads per k/v head
-            widths = dict(num_attention_heads=n_head, hidden_size=n_embd, intermediate_size=7 * n_embd // 2,
-                          num_key_value_heads=max(1, n_head // 4))
-        return llama3_8b(num_hidden_layers=n_layer, vocab_size=spec.vocab, checkpoint=spec.checkpoint,
-                         chunked_loss=spec.chunked_loss, **widths, **chunk)
     if spec.model != "gpt":
-        raise ValueError(f"Spec.model={spec.model!r}: valid are 'gpt' and 'llama3_8b'")
+        from model_zoo.llama import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(**llama_shape(spec), checkpoint=spec.checkpoint, chunked_loss=spec.chunked_loss,
+                                 **chunk))
     from model_zoo.gpt import gpt2_small
 
     return gpt2_small(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=spec.vocab, dropout=0.0,
                       max_position_embeddings=spec.seq, checkpoint=spec.checkpoint, chunked_loss=spec.chunked_loss,
                       **chunk)
+
+
+def build_hf_llama(spec: Spec) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM at the Spec's Llama shape, SDPA attention: plain PyTorch's Llama."""
+    import transformers
+
+    shape = llama_shape(spec)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+            "rope_scaling", "tie_word_embeddings")
+    config = transformers.LlamaConfig(**{k: shape[k] for k in keys if k in shape})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def flops_per_token(spec: Spec, model: torch.nn.Module) -> int:
+    """PaLM FLOPs per token: model_zoo GPT's own count; a Llama's from its shape (gpu_slices/mfu.py: GQA and the
+    whole vocabulary's head counted), the same figure for zerogpt's Llama and transformers'."""
+    if spec.model == "gpt":
+        return model.flops_per_token(spec.seq)
+    from gpu_slices.mfu import llama_flops_per_token
+
+    return llama_flops_per_token(llama_shape(spec), spec.seq)
+
+
+def inductor_options(mode: str | None) -> dict:
+    """The inductor settings torch.compile's `mode` stands for ({} for None or "default"): zerogpt compiles its
+    blocks with torch.compile's defaults, so a mode is measured there by setting these for the whole process."""
+    if mode in (None, "default"):
+        return {}
+    import torch._inductor
+
+    return torch._inductor.list_mode_options(mode)
 
 
 def zerogpt_config(spec: Spec, precision: str) -> dict:
@@ -188,16 +239,20 @@ def _make_torch(spec: Spec, device: torch.device, precision: str):
     if spec.offload != "none" or spec.precision == "fp8":
         raise ValueError(f"plain torch runs without offload in bf16/fp32; got offload={spec.offload}, "
                          f"precision={spec.precision}")
+    hf = spec.model != "gpt"  # a Llama: transformers' own, as a plain PyTorch user trains it
+    if hf and spec.chunked_loss:
+        raise ValueError("plain torch's Llama is transformers' LlamaForCausalLM: no chunked loss; got chunked_loss")
     with device:
-        model = build_model(spec, device)
+        model = build_hf_llama(spec) if hf else build_model(spec, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    run = torch.compile(model) if spec.compile else model
+    run = torch.compile(model, mode=spec.compile_mode) if spec.compile else model
     micro = [0]
 
     def forward(x, **kwargs):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            return run(x, **kwargs)
+            out = run(x, **kwargs)
+        return out.logits if hf else out  # (B, T, vocab), as model_zoo's models return them
 
     def backward(loss):
         (loss / spec.accum).backward()
@@ -237,7 +292,7 @@ def measure(spec: Spec, on_built=lambda facts: None) -> dict:
     with torch.device("meta"):
         meta_model = build_model(spec, device)
         num_params = sum(p.numel() for p in meta_model.parameters())  # tied head counted once
-        flops_per_token = meta_model.flops_per_token(spec.seq)
+        model_flops_per_token = flops_per_token(spec, meta_model)
     t_build = time.perf_counter()
     forward, backward, step, optimizer, close = make(spec, device, precision)
     if cuda:
@@ -310,10 +365,11 @@ def measure(spec: Spec, on_built=lambda facts: None) -> dict:
     engine_host_s = [s for s in engine_host_s if s is not None]
     tokens_per_step = spec.batch * spec.seq * spec.accum
     tokens_per_s = tokens_per_step * spec.steps / seconds
-    tflops = tokens_per_s * flops_per_token / 1e12
+    tflops = tokens_per_s * model_flops_per_token / 1e12
     peak = device_peak_tflops(device)
     traffic = getattr(forward, "last_step_traffic", None)  # zerogpt's engine: the last step's host<->device bytes
-    out = dict(spec=asdict(spec), params=num_params, step_s=seconds / spec.steps, tokens_per_step=tokens_per_step,
+    out = dict(spec=asdict(spec), params=num_params, flops_per_token=model_flops_per_token,
+               step_s=seconds / spec.steps, tokens_per_step=tokens_per_step,
                tokens_per_s=tokens_per_s, tflops=tflops, mfu=tflops / peak if peak else None, losses=losses,
                peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                peak_host_gib=_host_peak_bytes() / 2**30, build_peak_host_gib=build_peak_host / 2**30,
@@ -422,6 +478,32 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 
+def batch_after_oom(spec: Spec, row: dict) -> int | None:
+    """The batch to try next after `row`: half of spec.batch when it ran out of GPU memory and fit_batch is set,
+    else None (the row is the result)."""
+    if spec.fit_batch and row.get("error") == "gpu_oom" and spec.batch > 1:
+        return spec.batch // 2
+    return None
+
+
+def measure_or_error(spec: Spec, on_built, built: dict) -> dict:
+    """measure(spec), under its compile mode's inductor options; a failure is a row too (gpu_oom, or the
+    exception's class), with the build's facts when the build had finished."""
+    try:
+        options = inductor_options(spec.compile_mode) if spec.compile and spec.system == "zerogpt" else {}
+        if options:
+            from torch._inductor import config as inductor_config
+
+            with inductor_config.patch(options):
+                return measure(spec, on_built=on_built)
+        return measure(spec, on_built=on_built)
+    except torch.cuda.OutOfMemoryError as e:
+        return dict(spec=asdict(spec), error="gpu_oom", detail=str(e).splitlines()[0], built=built or None)
+    except Exception as e:
+        return dict(spec=asdict(spec), error=type(e).__name__, detail=str(e).splitlines()[0] if str(e) else "",
+                    built=built or None)
+
+
 def worker_main(specs_json: str, result_path: str) -> int:
     """Child process: one world-1 process group (NCCL on CUDA, as DeepSpeed and zerogpt use it), the specs in
     turn; the results file is rewritten after each, so a kill keeps the ones before it."""
@@ -451,19 +533,25 @@ def worker_main(specs_json: str, result_path: str) -> int:
             def on_built(facts: dict, index: int = index) -> None:
                 built.update(facts)
                 mark(index, "train", facts)
-            try:
-                results.append(measure(spec, on_built=on_built))
-            except torch.cuda.OutOfMemoryError as e:
-                results.append(dict(spec=asdict(spec), error="gpu_oom", detail=str(e).splitlines()[0],
-                                    built=built or None))
-            except Exception as e:
-                results.append(dict(spec=asdict(spec), error=type(e).__name__,
-                                    detail=str(e).splitlines()[0] if str(e) else "", built=built or None))
+            tried = []  # fit_batch: the batches that ran out of GPU memory
+            while True:
+                built.clear()
+                row = measure_or_error(spec, on_built, built)
+                gc.collect()  # the last system's engine, model and optimizer state, before the next is built
+                if cuda:
+                    torch.cuda.empty_cache()
+                smaller = batch_after_oom(spec, row)
+                if smaller is None:
+                    break
+                tried.append(spec.batch)
+                print(f"{spec.label}: GPU out of memory at batch {spec.batch}, trying {smaller}", flush=True)
+                spec = replace(spec, batch=smaller, label=spec.label.replace(f"b{spec.batch}x", f"b{smaller}x"))
+                mark(index, "build")
+            if tried:
+                row["oom_batches"] = tried
+            results.append(row)
             with open(result_path, "w") as f:
                 json.dump(results, f)
-            gc.collect()  # the last system's engine, model and optimizer state, before the next is built
-            if cuda:
-                torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
         shutil.rmtree(rdzv, ignore_errors=True)

@@ -14,7 +14,8 @@ import re
 import shutil
 from dataclasses import dataclass
 
-from gpu_slices import SLICES
+from gpu_slices import EXPECTED_S, SLICES
+from gpu_slices.mfu import table_figures
 
 RESULT_NAME = re.compile(r"^gpu_(?P<device>[a-z0-9]+)_(?P<date>\d{4}-\d{2}-\d{2})_(?P<slice>[a-z0-9]+)"
                          r"(?:_(?P<suffix>[a-z]))?\.json$")
@@ -40,8 +41,17 @@ def load_records(results_dir: str) -> list[dict]:
             continue
         rec.setdefault("date", m["date"])
         rec.setdefault("device", m["device"])
-        out.append(dict(rec, file=name))
+        out.append(dict(rec, file=name, figures=with_table_figures(rec)))
     return out
+
+
+def with_table_figures(rec: dict) -> dict:
+    """The record's figures, plus those its compute table gives that it lacks (a GPT-2 XL compute result recorded
+    before issue 46's per-stage MFU and speed ratios were figures): the same mfu.table_figures the slice uses."""
+    if rec.get("slice") != "compute" or not rec.get("table"):
+        return rec["figures"]
+    derived = {k: v for k, v in table_figures("gpt2xl", rec["table"]).items() if k not in rec["figures"]}
+    return {**rec["figures"], **derived}
 
 
 def _when(rec: dict) -> str:
@@ -58,14 +68,48 @@ def latest_by_slice(records: list[dict]) -> dict[str, dict | None]:
     return by
 
 
-def next_slice(results_dir: str) -> str:
-    """The slice to measure next: the first (in SLICES order) with no result, else the one whose latest result is
-    the oldest, ties to the earlier in SLICES. A partial result counts: the record moves on by one slice."""
+def slice_order(results_dir: str) -> list[str]:
+    """Every slice, the one to measure next first: those with no result (in SLICES order), then the others by
+    their latest result, oldest first, ties to the earlier in SLICES. A partial result counts: the record moves on
+    by one slice."""
     latest = latest_by_slice(load_records(results_dir))
     missing = [s for s in SLICES if latest[s] is None]
-    if missing:
-        return missing[0]
-    return min(SLICES, key=lambda s: (_when(latest[s]), SLICES.index(s)))
+    return missing + sorted((s for s in SLICES if latest[s] is not None),
+                            key=lambda s: (_when(latest[s]), SLICES.index(s)))
+
+
+def next_slice(results_dir: str) -> str:
+    """The slice to measure next (slice_order's first)."""
+    return slice_order(results_dir)[0]
+
+
+def expected_seconds(results_dir: str) -> dict[str, float]:
+    """Seconds each slice is expected to take: its latest result's elapsed_s when that run completed, the larger
+    of it and EXPECTED_S when it was cut short (a cut run says only that the slice takes longer), EXPECTED_S
+    without a result."""
+    latest = latest_by_slice(load_records(results_dir))
+    out = {}
+    for s in SLICES:
+        rec, default = latest[s], EXPECTED_S[s]
+        elapsed = (rec or {}).get("elapsed_s")
+        out[s] = default if elapsed is None else elapsed if rec.get("complete") else max(elapsed, default)
+    return out
+
+
+def chain_next(order: list[str], done: set[str], expected: dict[str, float], left_s: float) -> tuple[str | None,
+                                                                                                       list[str]]:
+    """After `done` ran, the next slice `--next` goes on to with `left_s` seconds of its budget left: the first of
+    `order` not done whose expected seconds fit; a slice that does not fit is passed over for a later one that
+    does (the first slice of a call is always slice_order's first, so a long slice is never starved). Returns it
+    (None: nothing fits) and a line for each slice passed over."""
+    passed = []
+    for s in order:
+        if s in done:
+            continue
+        if expected[s] <= left_s:
+            return s, passed
+        passed.append(f"{s}: expected {expected[s]:.0f} s, {left_s:.0f} s left")
+    return None, passed
 
 
 def record(paths: list[str], results_dir: str) -> list[str]:
@@ -94,7 +138,7 @@ def record(paths: list[str], results_dir: str) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------------
-# the goals (issue 42): each holds named figures against a target
+# the goals (issues 42 and 46): each holds named figures against a target
 
 @dataclass(frozen=True)
 class Goal:
@@ -102,10 +146,26 @@ class Goal:
     target: str
     groups: tuple[tuple[str, ...], ...]
     """The figures it reads, in groups taken together from one record: the newest that gives the group's first."""
+    minimum: float | None = None
+    """A threshold goal (issue 46's): met when every figure of `held` is at least this."""
+    held: tuple[tuple[str, str, str], ...] = ()
+    """(key, label, format) of each figure held against `minimum`; its record's `<key>_what` is shown beside it."""
+    shown: tuple[tuple[str, str, str], ...] = ()
+    """(key, label, format) of figures shown beside the held ones, not held (plain PyTorch's MFU, the batch)."""
 
     @property
     def keys(self) -> tuple[str, ...]:
         return tuple(k for g in self.groups for k in g)
+
+
+def threshold(figure: str, target: str, minimum: float, held: tuple, shown: tuple = ()) -> Goal:
+    """A goal that every figure of `held` is at least `minimum`; each held figure is read with its `_what` from
+    the newest record that gives it, each shown one from the newest that gives it."""
+    groups = tuple((key, f"{key}_what") for key, _, _ in held) + tuple((key,) for key, _, _ in shown)
+    return Goal(figure, target, groups, minimum=minimum, held=held, shown=shown)
+
+
+PCT, RATIO, TOKENS = "{:.1%}", "{:.2f}×", "{:,.0f} tokens/s"
 
 
 GOALS = (
@@ -117,7 +177,21 @@ GOALS = (
          (("largest_params", "largest_host_bytes_per_param", "largest_state_dtype", "largest_build_s",
            "deepspeed_build_s", "deepspeed_unbuilt_after_s", "largest_tokens_per_s", "largest_step_shape"),
           ("largest_tried",))),
-    Goal("MFU without offload", "≥ 50%", (("mfu_best", "mfu_best_what"),)),
+    # issue 46: MFU without offload, and what the chunked loss, FP8 and offload must pay
+    threshold("MFU without offload, GPT-2 XL, stage 0", "≥ 52%", 0.52, (("gpt2xl_mfu_stage0", "", PCT),)),
+    threshold("MFU without offload, GPT-2 XL, stage 3", "≥ 50%", 0.50, (("gpt2xl_mfu_stage3", "", PCT),)),
+    threshold("MFU without offload, Llama-3.2-3B", "≥ 50%", 0.50, (("llama3b_mfu_best", "", PCT),),
+              shown=(("llama3b_batch", "micro-batch", "{:d} x 4096"), ("llama3b_torch_mfu", "transformers", PCT),
+                     ("llama1b_mfu_best", "Llama-3.2-1B", PCT), ("llama1b_torch_mfu", "its transformers", PCT))),
+    threshold("chunked loss vs the plain loss", "≥ 1.0× tokens/s at vocab 50k and 128k", 1.0,
+              (("gpt2xl_chunked_ratio", "GPT-2 XL (50k)", RATIO), ("llama3b_chunked_ratio", "Llama-3.2-3B (128k)",
+                                                                    RATIO),
+               ("llama1b_chunked_ratio", "Llama-3.2-1B (128k)", RATIO))),
+    threshold("FP8 + compile vs bf16 compile, Llama widths", "≥ 1.2×", 1.2,
+              (("llama3b_fp8_ratio", "Llama-3.2-3B", RATIO), ("llama1b_fp8_ratio", "Llama-3.2-1B", RATIO))),
+    threshold("FP8 + compile vs bf16 compile, GPT-2 XL's width", "≥ 1.03×", 1.03, (("gpt2xl_fp8_ratio", "", RATIO),)),
+    threshold("offload at 16k tokens per step, GPT-2 XL", "≥ 28,000 tokens/s", 28_000.0,
+              (("k16_zerogpt_tokens_per_s", "", TOKENS),)),
     # the verify slice's two, from the issue's text rather than its table
     Goal("`pytest -m gpu`", "every GPU test passes", (("cuda_checks_failed", "gpu_tests_passed"),)),
     Goal("device syncs between log steps, stages 0-3 with and without offload", "0",
@@ -142,10 +216,31 @@ def goal_figures(goal: Goal, records: list[dict]) -> tuple[dict, dict, list[dict
     return values, notes, list({r["file"]: r for r in sources}.values())
 
 
+def _threshold_status(goal: Goal, v: dict) -> str:
+    values = [v.get(key) for key, _, _ in goal.held]
+    known = [x for x in values if x is not None]
+    if not known:
+        return "unmeasured"
+    if any(x < goal.minimum for x in known):
+        return "unmet"
+    return "met" if len(known) == len(values) else "partly measured"
+
+
+def _threshold_text(goal: Goal, v: dict) -> str:
+    def one(key: str, label: str, fmt: str, what: str | None = None) -> str:
+        value = "not measured" if v.get(key) is None else fmt.format(v[key])
+        return (f"{label} " if label else "") + value + (f" ({what})" if what else "")
+    parts = [one(key, label, fmt, v.get(f"{key}_what")) for key, label, fmt in goal.held]
+    parts += [one(key, label, fmt) for key, label, fmt in goal.shown if v.get(key) is not None]
+    return "; ".join(parts)
+
+
 def _status(goal: Goal, v: dict) -> str:
     """met / unmet / partly measured / unmeasured, from the figures found (None where none)."""
     def known(*keys):
         return all(v.get(k) is not None for k in keys)
+    if goal.minimum is not None:
+        return _threshold_status(goal, v)
     if goal.keys[0] == "train_gpt_tokens_per_s":
         tok, ds = v.get("train_gpt_tokens_per_s"), v.get("shipped_deepspeed_tokens_per_s")
         if tok is None:
@@ -167,8 +262,6 @@ def _status(goal: Goal, v: dict) -> str:
             return "unmeasured"
         return "unmet" if v["syncs_per_step_max"] > 0 else "met" if not v.get("sync_rows_failed") else \
             "partly measured"
-    if goal.keys[0] == "mfu_best":
-        return "unmeasured" if v.get("mfu_best") is None else ("met" if v["mfu_best"] >= 0.5 else "unmet")
     params, bpp = v.get("largest_params"), v.get("largest_host_bytes_per_param")
     if params is None:
         return "unmeasured"
@@ -190,7 +283,9 @@ def _text(goal: Goal, v: dict, notes: dict) -> str:
     if not any(v.get(key) is not None for key in goal.keys):
         return "no figure yet"
     k = goal.keys[0]
-    if k == "train_gpt_tokens_per_s":
+    if goal.minimum is not None:
+        text = _threshold_text(goal, v)
+    elif k == "train_gpt_tokens_per_s":
         tok, ds = v.get("train_gpt_tokens_per_s"), v.get("shipped_deepspeed_tokens_per_s")
         ratio = f" = {tok / ds:.2f}×" if tok and ds else ""
         text = f"{num(tok)} tok/s; DeepSpeed at its shape {num(ds)}{ratio}"
@@ -204,8 +299,6 @@ def _text(goal: Goal, v: dict, notes: dict) -> str:
     elif k == "syncs_per_step_max":
         text = f"at most {num(v.get('syncs_per_step_max'), '{:g}')} per step" + (
             f"; {v['sync_rows_failed']} rows failed" if v.get("sync_rows_failed") else "")
-    elif k == "mfu_best":
-        text = f"{num(v.get('mfu_best'), '{:.1%}')}" + (f" ({v['mfu_best_what']})" if v.get("mfu_best_what") else "")
     else:
         params, ds_unbuilt = v.get("largest_params"), v.get("deepspeed_unbuilt_after_s")
         ds = f"not built after {ds_unbuilt:,.0f}" if v.get("deepspeed_build_s") is None and ds_unbuilt else \
@@ -243,12 +336,13 @@ def goals_markdown(results_dir: str) -> str:
         status = row["status"] if row["status"] in ("unmeasured", "partly measured") else f"**{row['status']}**"
         lines.append(f"| {row['goal'].figure} | {row['goal'].target} | {row['text']} | {status} | "
                      + ("; ".join(_source(r) for r in row["sources"]) or "none") + " |")
-    latest = latest_by_slice(records)
-    lines += ["", "| slice | latest result | complete |", "|---|---|---|"]
+    latest, expected = latest_by_slice(records), expected_seconds(results_dir)
+    lines += ["", "| slice | latest result | complete | expected s (--next) |", "|---|---|---|---|"]
     for s in SLICES:
         rec = latest[s]
         lines.append(f"| {s} | " + (_source(rec) if rec else "none yet") + " | "
                      + ("" if rec is None else "yes" if rec.get("complete") else "no (budget or error: see file)")
+                     + f" | {expected[s]:.0f}" + ("" if rec and rec.get("elapsed_s") is not None else " (estimate)")
                      + " |")
     lines += ["", f"Next slice (`python bench/gpu_check.py --next`): **{next_slice(results_dir)}**.", "", END]
     return "\n".join(lines)
