@@ -296,8 +296,9 @@ def test_full_size_plans(slices):
     assert (3, "cpu", False, False, "bf16") in rows
     plan = slices.compute.plan(args)
     rows = {(s.system, v, s.stage, s.batch, s.compile_mode) for g in plan.values() for v, s in g}
-    assert {r for r in rows if r[3] == 8 and r[4] is None} == {("zerogpt", v, t, 8, None) for t in (0, 3) for v in (
-        "eager", "chunked loss", "compile", "compile+chunked loss", "fp8", "fp8+compile")} | {("torch", "eager", 0, 8, None)}
+    variants = ("eager", "chunked loss", "compile", "compile+chunked loss", "fp8", "fp8+compile")
+    assert {r for r in rows if r[3] == 8 and r[4] is None} == {
+        ("zerogpt", v, t, 8, None) for t in (0, 3) for v in variants} | {("torch", "eager", 0, 8, None)}
     # the levers: micro-batch 12 (the 49.9% anchor's) with plain PyTorch's compile beside it, max-autotune
     assert {r for r in rows if r[3] != 8 or r[4]} == {
         ("zerogpt", "compile", 0, 12, None), ("zerogpt", "compile", 3, 12, None), ("torch", "compile", 0, 12, None),
@@ -313,8 +314,8 @@ def test_full_size_plans(slices):
         assert all(s.model == model and s.seq == seq and s.batch == 4 and s.vocab == 128256 for s in specs)
         assert {(v, s.stage) for g in groups.values() for v, s in g if s.system == "zerogpt"} == {
             (v, t) for v in ("eager", "compile", "chunked loss", "fp8+compile") for t in (0, 3)}
-        assert [(s.compile, s.precision, s.chunked_loss) for g in groups.values() for _, s in g if s.system == "torch"] \
-            == [(False, None, False)]
+        torch_rows = [s for g in groups.values() for _, s in g if s.system == "torch"]
+        assert [(s.compile, s.precision, s.chunked_loss) for s in torch_rows] == [(False, None, False)]
         assert sum(s.fit_batch for s in specs) == 1 and slices.compute_llama.plan(name, args)["fit"][0][1].batch == 8
     assert slices.largest.params_at(32, args) == 8_030_261_248  # Llama-3.1-8B
     depth = slices.largest.choose_depth(args)
