@@ -9,7 +9,8 @@
 # JIT-builds at first use, which gpu_check does before measuring), the pure-Python wheels it needs that the image
 # lacks (hjson, pydantic and its three, typing_extensions for pydantic), torchao (precision="fp8" in the compute
 # slice), and COMMIT: the commit and the count of tracked files changed since (the device's copy of the tree has no
-# .git). Versions follow this machine's .venv, so both sides run the same DeepSpeed. Files of other versions are
+# .git). transformers (the Llama slices' plain-PyTorch rows, the Llama GPU tests) is on the GPU image already.
+# Versions follow this machine's .venv, so both sides run the same DeepSpeed. Files of other versions are
 # removed: two versions of one package stop the whole install there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,4 +81,4 @@ fi
 echo
 echo "device call: run(command=\"PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --next --out \$OUT\","
 echo "                carry=[\".carry\"], timeout_s=600), then give_back; afterwards, here:"
-echo "  python bench/gpu_check.py --record <files_at>/gpu_<device>_<date>_<slice>.json"
+echo "  python bench/gpu_check.py --record <files_at>/gpu_<device>_<date>_*.json   # every slice the call ran"
