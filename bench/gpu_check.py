@@ -94,8 +94,8 @@ def run_slice(name: str, args, start: float, began: float | None = None) -> str:
     result = dict(slice=name, device=env["device"], gpu=env["gpu"], date=now.strftime("%Y-%m-%d"),
                   measured_at=now.strftime("%Y-%m-%dT%H:%M:%SZ"), commit=commit.get("commit"),
                   dirty_files=commit.get("dirty_files"), commit_source=commit.get("source"), tiny=args.tiny,
-                  budget_s=args.budget_s, complete=False, stopped_by=None, env=env, setup=None, figures={},
-                  skipped=[], errors=[])
+                  budget_s=args.budget_s, began_at_s=began - start, complete=False, stopped_by=None, env=env,
+                  setup=None, figures={}, skipped=[], errors=[])
     path = os.path.join(args.out, record.result_name(env["device"], result["date"], name))
 
     def save() -> None:

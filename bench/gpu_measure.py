@@ -480,8 +480,10 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 
 def batch_after_oom(spec: Spec, row: dict) -> int | None:
     """The batch to try next after `row`: half of spec.batch when it ran out of GPU memory and fit_batch is set,
-    else None (the row is the result)."""
-    if spec.fit_batch and row.get("error") == "gpu_oom" and spec.batch > 1:
+    else None (the row is the result). An allocation that failed where torch re-raised it as another error (a
+    hook, a worker thread) still says "CUDA out of memory" in its detail."""
+    oom = row.get("error") == "gpu_oom" or "out of memory" in str(row.get("detail", "")).lower()
+    if spec.fit_batch and oom and spec.batch > 1:
         return spec.batch // 2
     return None
 

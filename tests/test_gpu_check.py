@@ -249,7 +249,9 @@ def test_a_gpu_oom_halves_the_batch_only_when_fitting(slices):
     fit = m.Spec("zerogpt", (2, 2, 32), batch=8, fit_batch=True)
     assert m.batch_after_oom(fit, dict(error="gpu_oom")) == 4
     assert m.batch_after_oom(m.Spec("zerogpt", (2, 2, 32), batch=1, fit_batch=True), dict(error="gpu_oom")) is None
-    assert m.batch_after_oom(fit, dict(error="RuntimeError")) is None and m.batch_after_oom(fit, {}) is None
+    assert m.batch_after_oom(fit, dict(error="RuntimeError", detail="CUDA out of memory. Tried to ...")) == 4
+    assert m.batch_after_oom(fit, dict(error="RuntimeError", detail="shape mismatch")) is None
+    assert m.batch_after_oom(fit, {}) is None
     assert m.batch_after_oom(m.Spec("zerogpt", (2, 2, 32), batch=8), dict(error="gpu_oom")) is None
     assert m.inductor_options(None) == {} and m.inductor_options("default") == {}
     assert m.inductor_options("max-autotune-no-cudagraphs")["max_autotune"] is True
@@ -445,6 +447,7 @@ def test_next_runs_more_slices_while_the_budget_allows_in_tiny_form(tmp_path, sl
     first, second = (json.loads(next(out.glob(f"gpu_cpu_*_{n}.json")).read_text()) for n in ("compute", "llama1b"))
     assert first["stopped_by"] is None and second["stopped_by"] is None and second["table"], second
     assert 0 < second["elapsed_s"] < 150 and first["budget_s"] == second["budget_s"] == 150  # one run's budget
+    assert first["began_at_s"] == 0 and second["began_at_s"] >= first["elapsed_s"]  # seconds into the call
 
 
 @no_cuda

@@ -31,6 +31,9 @@ VARIANTS = (("A", "eager", None, False, False, (0, 3), None, None),
             ("C", "fp8+compile", "fp8", True, False, (0, 3), None, None),
             ("D", "compile", None, True, False, (0, 3), LEVER_BATCH, None),
             ("E", f"compile {LEVER_MODE}", None, True, False, (0,), None, LEVER_MODE))
+# TODO(issue 46.3): library loss kernels (Apple's cut-cross-entropy, Liger's fused linear-CE) go here as variants
+# beside "chunked loss", once model_zoo/loss.py names how a model selects one (a Spec field passed to the model's
+# config, as chunked_loss is); compute_llama.VARIANTS takes the same rows at 128k.
 TORCH_ROWS = (("A", "eager", False, None), ("D", "compile", True, LEVER_BATCH))  # (group, variant, compile, batch)
 WEIGHTS = dict(A=20, B=20, C=20, D=20, E=20)
 TINY_LOSS_CHUNK = 32  # tokens per chunk in the tiny form: 4 chunks of a 2 x 64 micro-batch
