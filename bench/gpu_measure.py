@@ -23,6 +23,7 @@ if __name__ == "__main__":  # run as gpu_check's worker: this checkout's package
     sys.path.insert(0, os.path.dirname(_HERE))
 
 import collections  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
@@ -271,6 +272,20 @@ def _cpu_seconds() -> tuple[float, float]:
     return r.ru_utime, r.ru_stime
 
 
+@contextlib.contextmanager
+def closed_on_error(close):
+    """close() the system when the block raises (a GPU out-of-memory mid-step): its hooks, threads and memory go
+    before the next try (fit_batch) or spec. A close that fails too is ignored: the first error is the row's."""
+    try:
+        yield
+    except BaseException:
+        try:
+            close()
+        except Exception:
+            pass
+        raise
+
+
 def measure(spec: Spec, on_built=lambda facts: None) -> dict:
     """Train `spec` for warmup + steps optimizer steps of `accum` micro-batches each; tokens/s, TFLOPS, MFU, peak
     GPU memory and host RSS of the steps, build seconds and the build's host peak, the first step's seconds,
@@ -295,98 +310,99 @@ def measure(spec: Spec, on_built=lambda facts: None) -> dict:
         model_flops_per_token = flops_per_token(spec, meta_model)
     t_build = time.perf_counter()
     forward, backward, step, optimizer, close = make(spec, device, precision)
-    if cuda:
-        torch.cuda.synchronize()
-    build_s = time.perf_counter() - t_build
-    build_peak_host = _host_peak_bytes()  # the build's peak (the process's, since start-up)
-    on_built(dict(params=num_params, build_s=build_s, build_peak_host_gib=build_peak_host / 2**30))
-    # peaks from here on: the training steps, not the model's construction
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    _reset_host_peak()
-    loss_fn = GPTLMLoss(shift=False)
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g).to(device) for _ in range(2)]
-
-    def sync():
+    with closed_on_error(close):
         if cuda:
             torch.cuda.synchronize()
+        build_s = time.perf_counter() - t_build
+        build_peak_host = _host_peak_bytes()  # the build's peak (the process's, since start-up)
+        on_built(dict(params=num_params, build_s=build_s, build_peak_host_gib=build_peak_host / 2**30))
+        # peaks from here on: the training steps, not the model's construction
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        _reset_host_peak()
+        loss_fn = GPTLMLoss(shift=False)
+        g = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g).to(device) for _ in range(2)]
 
-    step_call_s = []
-    without_logits = []  # chunked_loss: per micro-batch, whether the model's output had no logits
+        def sync():
+            if cuda:
+                torch.cuda.synchronize()
 
-    def micro_loss(x: torch.Tensor) -> torch.Tensor:
-        """The loss of one (B, T+1) token window: from the logits, or the model's chunked loss."""
-        if not spec.chunked_loss:
-            return loss_fn(forward(x[:, :-1]), x[:, 1:])
-        out = forward(x[:, :-1], labels=x[:, 1:])  # GPTOutput(loss, logits=None): no (B, T, vocab) logits
-        without_logits.append(out.logits is None)
-        return out.loss
+        step_call_s = []
+        without_logits = []  # chunked_loss: per micro-batch, whether the model's output had no logits
 
-    def train_step(i: int, time_step: bool = False) -> torch.Tensor:
-        """One optimizer step: `accum` micro-batches, the step called after each (it acts on the last).
-        The phases are named for the profiler (no-ops without one)."""
-        for micro in range(spec.accum):
-            x = batches[(i * spec.accum + micro) % 2]
-            with record_function("forward"):
-                loss = micro_loss(x)
-            with record_function("backward"):
-                backward(loss)
-            last = micro == spec.accum - 1
-            if last and time_step:
-                sync()
-                t = time.perf_counter()
-            with record_function("step"):
-                step()
-            if last and time_step:
-                sync()
-                step_call_s.append(time.perf_counter() - t)
-        return loss
+        def micro_loss(x: torch.Tensor) -> torch.Tensor:
+            """The loss of one (B, T+1) token window: from the logits, or the model's chunked loss."""
+            if not spec.chunked_loss:
+                return loss_fn(forward(x[:, :-1]), x[:, 1:])
+            out = forward(x[:, :-1], labels=x[:, 1:])  # GPTOutput(loss, logits=None): no (B, T, vocab) logits
+            without_logits.append(out.logits is None)
+            return out.loss
 
-    t0 = time.perf_counter()
-    losses = [train_step(0).item()] if spec.warmup else []
-    sync()
-    first_step_s = time.perf_counter() - t0  # with compile=True: torch.compile's tracing and codegen too
-    losses += [train_step(i).item() for i in range(1, spec.warmup)]
-    sync()
-    cpu0 = _cpu_seconds()
-    t0 = time.perf_counter()
-    engine_host_s = []  # zerogpt: the seconds its chunk steps took, as the engine reports them after each step
-    for i in range(spec.steps):
-        loss = train_step(i, time_step=spec.time_step)
-        engine_host_s.append(getattr(forward, "last_host_step_s", None))
-    sync()
-    seconds = time.perf_counter() - t0
-    cpu1 = _cpu_seconds()
-    losses.append(loss.item())
-    # the engine's figure right after a step may be the one before (the host step behind the next forward): the
-    # last timed step's is read once every step has finished
-    engine_host_s = engine_host_s[1:] + [getattr(forward, "last_host_step_s", None)]
-    engine_host_s = [s for s in engine_host_s if s is not None]
-    tokens_per_step = spec.batch * spec.seq * spec.accum
-    tokens_per_s = tokens_per_step * spec.steps / seconds
-    tflops = tokens_per_s * model_flops_per_token / 1e12
-    peak = device_peak_tflops(device)
-    traffic = getattr(forward, "last_step_traffic", None)  # zerogpt's engine: the last step's host<->device bytes
-    out = dict(spec=asdict(spec), params=num_params, flops_per_token=model_flops_per_token,
-               step_s=seconds / spec.steps, tokens_per_step=tokens_per_step,
-               tokens_per_s=tokens_per_s, tflops=tflops, mfu=tflops / peak if peak else None, losses=losses,
-               peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-               peak_host_gib=_host_peak_bytes() / 2**30, build_peak_host_gib=build_peak_host / 2**30,
-               build_s=build_s, first_step_s=first_step_s if spec.warmup else None,
-               cpu_user_s_per_step=(cpu1[0] - cpu0[0]) / spec.steps,
-               cpu_sys_s_per_step=(cpu1[1] - cpu0[1]) / spec.steps,
-               host_step_s=sum(step_call_s) / len(step_call_s) if step_call_s else None,
-               h2d_bytes=traffic.h2d_bytes if traffic is not None else None,
-               d2h_bytes=traffic.d2h_bytes if traffic is not None else None,
-               engine_host_step_s=sum(engine_host_s) / len(engine_host_s) if engine_host_s else None,
-               chunked_loss_ran=bool(without_logits) and all(without_logits))
-    if spec.count_syncs:
-        out.update(count_syncs(lambda: [train_step(i) for i in range(spec.count_syncs)], spec.count_syncs, cuda))
+        def train_step(i: int, time_step: bool = False) -> torch.Tensor:
+            """One optimizer step: `accum` micro-batches, the step called after each (it acts on the last).
+            The phases are named for the profiler (no-ops without one)."""
+            for micro in range(spec.accum):
+                x = batches[(i * spec.accum + micro) % 2]
+                with record_function("forward"):
+                    loss = micro_loss(x)
+                with record_function("backward"):
+                    backward(loss)
+                last = micro == spec.accum - 1
+                if last and time_step:
+                    sync()
+                    t = time.perf_counter()
+                with record_function("step"):
+                    step()
+                if last and time_step:
+                    sync()
+                    step_call_s.append(time.perf_counter() - t)
+            return loss
+
+        t0 = time.perf_counter()
+        losses = [train_step(0).item()] if spec.warmup else []
         sync()
-    if spec.profile_to:
-        out["profile"] = profile_step(train_step, optimizer, spec, sync, cuda)
-    close()
+        first_step_s = time.perf_counter() - t0  # with compile=True: torch.compile's tracing and codegen too
+        losses += [train_step(i).item() for i in range(1, spec.warmup)]
+        sync()
+        cpu0 = _cpu_seconds()
+        t0 = time.perf_counter()
+        engine_host_s = []  # zerogpt: the seconds its chunk steps took, as the engine reports them after each step
+        for i in range(spec.steps):
+            loss = train_step(i, time_step=spec.time_step)
+            engine_host_s.append(getattr(forward, "last_host_step_s", None))
+        sync()
+        seconds = time.perf_counter() - t0
+        cpu1 = _cpu_seconds()
+        losses.append(loss.item())
+        # the engine's figure right after a step may be the one before (the host step behind the next forward): the
+        # last timed step's is read once every step has finished
+        engine_host_s = engine_host_s[1:] + [getattr(forward, "last_host_step_s", None)]
+        engine_host_s = [s for s in engine_host_s if s is not None]
+        tokens_per_step = spec.batch * spec.seq * spec.accum
+        tokens_per_s = tokens_per_step * spec.steps / seconds
+        tflops = tokens_per_s * model_flops_per_token / 1e12
+        peak = device_peak_tflops(device)
+        traffic = getattr(forward, "last_step_traffic", None)  # zerogpt's engine: the last step's host<->device bytes
+        out = dict(spec=asdict(spec), params=num_params, flops_per_token=model_flops_per_token,
+                   step_s=seconds / spec.steps, tokens_per_step=tokens_per_step,
+                   tokens_per_s=tokens_per_s, tflops=tflops, mfu=tflops / peak if peak else None, losses=losses,
+                   peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                   peak_host_gib=_host_peak_bytes() / 2**30, build_peak_host_gib=build_peak_host / 2**30,
+                   build_s=build_s, first_step_s=first_step_s if spec.warmup else None,
+                   cpu_user_s_per_step=(cpu1[0] - cpu0[0]) / spec.steps,
+                   cpu_sys_s_per_step=(cpu1[1] - cpu0[1]) / spec.steps,
+                   host_step_s=sum(step_call_s) / len(step_call_s) if step_call_s else None,
+                   h2d_bytes=traffic.h2d_bytes if traffic is not None else None,
+                   d2h_bytes=traffic.d2h_bytes if traffic is not None else None,
+                   engine_host_step_s=sum(engine_host_s) / len(engine_host_s) if engine_host_s else None,
+                   chunked_loss_ran=bool(without_logits) and all(without_logits))
+        if spec.count_syncs:
+            out.update(count_syncs(lambda: [train_step(i) for i in range(spec.count_syncs)], spec.count_syncs, cuda))
+            sync()
+        if spec.profile_to:
+            out["profile"] = profile_step(train_step, optimizer, spec, sync, cuda)
+        close()
     return out
 
 
