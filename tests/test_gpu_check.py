@@ -4,6 +4,7 @@ the four slices' tiny CPU forms end to end in one run."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -256,6 +257,30 @@ def test_a_gpu_oom_halves_the_batch_only_when_fitting(slices):
     assert m.inductor_options(None) == {} and m.inductor_options("default") == {}
     assert m.inductor_options("max-autotune-no-cudagraphs")["max_autotune"] is True
     assert "triton.cudagraphs" not in m.inductor_options("max-autotune-no-cudagraphs")
+
+
+def test_the_worker_halves_a_fitting_batch_until_it_trains(slices, tmp_path, monkeypatch):
+    """gpu_measure's worker with a measure() that runs out of GPU memory above batch 2: the fit row is measured at
+    8, 4, then 2, says so, and is relabelled; a row that is not fitting keeps its error."""
+    m = slices.measure
+    tried = []
+
+    def measure(spec, on_built):
+        tried.append(spec.batch)
+        if spec.batch > 2:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory at batch {spec.batch}")
+        return dict(spec=dataclasses.asdict(spec), tokens_per_s=1.0)
+    monkeypatch.setattr(m, "measure", measure)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "DS_ACCELERATOR"):
+        monkeypatch.delenv(key, raising=False)  # the worker sets them: put back as they were afterwards
+    specs = [m.Spec("zerogpt", (2, 2, 32), batch=8, fit_batch=True, label="fit b8x16"),
+             m.Spec("zerogpt", (2, 2, 32), batch=8, label="plain b8x16")]
+    out = tmp_path / "rows.json"
+    assert m.worker_main(json.dumps([dataclasses.asdict(s) for s in specs]), str(out)) == 0
+    fit, plain = json.loads(out.read_text())
+    assert tried == [8, 4, 2, 8]
+    assert fit["spec"]["batch"] == 2 and fit["oom_batches"] == [8, 4] and fit["spec"]["label"] == "fit b2x16"
+    assert plain["error"] == "gpu_oom" and "oom_batches" not in plain
 
 
 def test_readme_goals_block_matches_bench_results(slices):
