@@ -133,15 +133,16 @@ def run_slice(name: str, args, start: float, began: float | None = None) -> str:
 
 def run_next(args, order: list[str], expected: dict[str, float]) -> list[str]:
     """--next: slice_order's first, then (record.chain_next) each next slice whose expected seconds fit in what is
-    left of the run's budget, every one under that budget from T0; the result files' paths."""
-    from gpu_slices.runner import log
+    left of the run's budget less the margin every slice keeps for its result, every one under that budget from
+    T0; the result files' paths."""
+    from gpu_slices.runner import MARGIN_S, log
 
     paths, done = [], set()
     name = order[0]
     while name is not None:
         paths.append(run_slice(name, args, T0, began=T0 if not done else time.monotonic()))
         done.add(name)
-        left = args.budget_s - (time.monotonic() - T0)
+        left = args.budget_s - (time.monotonic() - T0) - MARGIN_S  # a slice's measurements end MARGIN_S early
         name, passed = record.chain_next(order, done, expected, left)
         for line in passed:
             log(f"--next: passed over {line}")
