@@ -67,11 +67,12 @@ def plan(args) -> dict[str, list[tuple[str, Spec]]]:
     return groups
 
 
-def omitted_in_tiny(args) -> list[str]:
-    """The full form's rows the tiny form leaves out (compile: minutes of C++ codegen on the CPU)."""
+def omitted_in_tiny(args, plan_of=None) -> list[str]:
+    """The labels of the full form's rows (`plan_of(args)`, default this slice's plan) that the tiny form leaves out
+    (compile: minutes of C++ codegen on the CPU); [] for a full run."""
     if not args.tiny:
         return []
-    full = plan(type(args)(**dict(vars(args), tiny=False)))
+    full = (plan_of or plan)(type(args)(**dict(vars(args), tiny=False)))
     return [s.label for g in full.values() for _, s in g if s.compile]
 
 

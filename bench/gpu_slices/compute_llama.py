@@ -11,7 +11,7 @@ the chunked loss at both, plain PyTorch; (B) compile; (C) FP8 + compile. MFU is 
 """
 from __future__ import annotations
 
-from gpu_slices.compute import measure_groups, summarize
+from gpu_slices.compute import measure_groups, omitted_in_tiny, summarize
 from gpu_slices.mfu import table_figures
 from gpu_slices.runner import Spec, log, note_failures
 
@@ -40,7 +40,7 @@ def plan(slice_name: str, args, batch: int | None = None) -> dict[str, list[tupl
     batch = batch or (TINY_BATCH if args.tiny else START_BATCH)
     groups: dict[str, list[tuple[str, Spec]]] = {}
     for group, variant, system, precision, compile, chunked, stages in VARIANTS:
-        if (args.tiny and compile) or system not in args.systems:
+        if (args.tiny and compile) or (system not in args.systems and group != "fit"):  # the fit row always runs
             continue
         for stage in stages:
             label = f"{system} {name}" + (f" stage {stage}" if system == "zerogpt" else "") + \
@@ -55,11 +55,8 @@ def plan(slice_name: str, args, batch: int | None = None) -> dict[str, list[tupl
 
 def run(slice_name: str, args, budget, result: dict, save) -> None:
     """The fit row, then the other groups at the batch it found; the table and the figures under `slice_name`."""
-    if args.tiny:
-        result["tiny_omitted"] = [s.label for g in plan(slice_name, type(args)(**dict(vars(args), tiny=False)))
-                                  .values() for _, s in g if s.compile]
-    groups = plan(slice_name, args)
-    fit = measure_groups(args, budget, result, save, {"fit": groups["fit"]}, WEIGHTS,
+    result["tiny_omitted"] = omitted_in_tiny(args, lambda a: plan(slice_name, a))
+    fit = measure_groups(args, budget, result, save, {"fit": plan(slice_name, args)["fit"]}, WEIGHTS,
                          later_weight=sum(w for g, w in WEIGHTS.items() if g != "fit"))
     fitted = [r for r in fit if "error" not in r]
     if fitted:
@@ -69,7 +66,7 @@ def run(slice_name: str, args, budget, result: dict, save) -> None:
                                   if fitted[0].get("oom_batches") else ""))
         rest = {g: rows for g, rows in plan(slice_name, args, batch).items() if g != "fit"}
         measure_groups(args, budget, result, save, rest, WEIGHTS)
-    else:
+    elif fit:  # (not started: the budget's `skipped` line says so)
         result["errors"].append("the fit row found no batch that trains: no other row was run")
     rows = result["rows"]
     note_failures(result, rows)
