@@ -272,7 +272,8 @@ def test_the_worker_halves_a_fitting_batch_until_it_trains(slices, tmp_path, mon
         return dict(spec=dataclasses.asdict(spec), tokens_per_s=1.0)
     monkeypatch.setattr(m, "measure", measure)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "DS_ACCELERATOR"):
-        monkeypatch.delenv(key, raising=False)  # the worker sets them: put back as they were afterwards
+        monkeypatch.setenv(key, "")  # recorded, so the worker's values go afterwards (a later launch would read
+        monkeypatch.delenv(key)  # a RANK with no MASTER_PORT); then unset, as a fresh worker process finds them
     specs = [m.Spec("zerogpt", (2, 2, 32), batch=8, fit_batch=True, label="fit b8x16"),
              m.Spec("zerogpt", (2, 2, 32), batch=8, label="plain b8x16")]
     out = tmp_path / "rows.json"
