@@ -162,3 +162,13 @@ def test_no_import_cycles_among_zerogpt_subpackages():
                 packages.setdefault(node_of(module), {}).setdefault(node_of(target), line)
     cycles = _cycles(packages)
     assert not cycles, "import cycles between zerogpt's packages:\n" + _describe(cycles, graph, node_of)
+
+
+def test_no_import_cycles_among_zerogpt_tools_modules():
+    """What both exporters share (the model plugin, the dtype names) lives below both (zerogpt_tools/model_plugin.py),
+    and a run's tokenizer in run_tokenizer.py: export.py may hand --format megatron to export_megatron.py, which
+    never imports export.py back."""
+    graph = _zerogpt_imports("zerogpt_tools")
+    assert "zerogpt_tools.export_megatron" in graph["zerogpt_tools.export"], "the import graph came out empty"
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles in zerogpt_tools:\n" + _describe(cycles, graph)

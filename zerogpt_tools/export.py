@@ -5,40 +5,33 @@
 The output loads with `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`:
 GPT2LMHeadModel for model_zoo's GPT, LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / MistralForCausalLM
 for its Llama family. Peak memory is one safetensors shard plus one tensor. The conversion is found through the
-model class the checkpoint records: a transformers class is written as is; any other "pkg.mod.Cls" plugs in
-through `hf_config` and `to_hf_tensor` in its adapter module (the class's `adapter` attribute, else "pkg.mod") and
-`model_from_config` in "pkg.mod" (model_zoo's families have them; see ModelPlugin). The weights' dtype defaults to the one the model's source checkpoint was stored in
-(fp32 for a model trained from scratch); bos/eos ids come from the shipped tokenizer.
+model class the checkpoint records (zerogpt_tools/model_plugin.py, which export_megatron.py shares). The weights'
+dtype defaults to the one the model's source checkpoint was stored in (fp32 for a model trained from scratch);
+bos/eos ids come from the shipped tokenizer, found as zerogpt_tools/run_tokenizer.py finds a run's.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from data_pipeline.cli_args import parse_size
 from data_pipeline.files import atomic_dir as atomic_output_dir  # the output directory appears whole or not at all
 from data_pipeline.tokenizer import load_tokenizer
-from model_zoo.hf import check_safetensors, quiet_model_import
-from zerogpt.amp import TORCH_DTYPES
+from model_zoo.hf import check_safetensors
 from zerogpt.cli import HelpFormatter
-from zerogpt.config.dtypes import DTYPES as DTYPE_NAMES
+from zerogpt_tools.model_plugin import AUTO, DTYPES, ModelPlugin, resolve_dtype
+from zerogpt_tools.run_tokenizer import TOKENIZER_HINT, find_tokenizer, save_tokenizer
 
 __all__ = ["export_checkpoint", "ShardWriter", "iter_hf_weights", "ModelPlugin", "find_tokenizer",
            "save_tokenizer", "atomic_output_dir", "resolve_dtype", "set_special_ids", "main"]
 
-DTYPES = TORCH_DTYPES  # --dtype NAME -> torch dtype: the one table of dtype names (zerogpt/config/dtypes.py)
-AUTO = "auto"  # --dtype default: the source checkpoint's dtype (ModelPlugin.source_dtype), else fp32
-_DTYPE_NAMES = {d.torch_name: name for name, d in DTYPE_NAMES.items()}  # config.json's spelling -> ours
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_TOKENIZER_HINT = ("pass --tokenizer DIR (the tokenizer the model was trained with, e.g. the run's data.tokenizer "
-                   "or a `python -m data_pipeline train-tokenizer` output)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,120 +123,7 @@ def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ------------------------------------------------------------------------------------------------
-# the model plugin: how a recorded model class converts to Hugging Face
-
-
-def _import_class(class_path: str) -> type:
-    module_name, _, cls_name = class_path.rpartition(".")
-    try:
-        with quiet_model_import():  # a transformers model class's import logs torchao's noise
-            return getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"the checkpoint's model class {class_path!r} cannot be imported ({e}); run from the "
-                         f"directory that holds its package (e.g. the zerogpt checkout for model_zoo)") from None
-
-
-class ModelPlugin:
-    """How a checkpoint's recorded model class converts to Hugging Face and is rebuilt (see the module docstring).
-
-    Example:
-        >>> plugin = ModelPlugin(CheckpointReader(ckpt).meta["model"])      # doctest: +SKIP
-        >>> plugin.hf_config().vocab_size, plugin.to_hf_tensor("transformer.wte.weight", w)[1].shape  # doctest: +SKIP
-    """
-
-    def __init__(self, model_meta: dict) -> None:
-        self.class_path, self.config = model_meta.get("class"), model_meta.get("config")
-        if not self.class_path or self.config is None:
-            raise ValueError(f"the checkpoint records no model class/config ({model_meta!r}): it was saved from a "
-                             f"model without a `config` attribute, which cannot be converted or rebuilt")
-        self.cls = _import_class(self.class_path)
-        # A transformers class is already an HF model: same names, same layout, its own config class.
-        self.is_transformers = self.class_path.startswith("transformers.")
-        self.module = sys.modules[self.cls.__module__]
-        # The conversion rules live in the family's adapter module when the class names one (model_zoo's GPT and
-        # Llama: `adapter = "model_zoo.hf"`, "model_zoo.llama_adapter"), else beside the class.
-        adapter = getattr(self.cls, "adapter", None)
-        self.adapter = importlib.import_module(adapter) if isinstance(adapter, str) else self.module
-
-    def _hook(self, name: str, module: Any = None) -> Callable:
-        module = module or self.adapter
-        if not hasattr(module, name):
-            raise ValueError(f"model class {self.class_path} has no Hugging Face conversion: its module "
-                             f"{module.__name__} defines no {name}() (see ModelPlugin in zerogpt_tools/export.py)")
-        return getattr(module, name)
-
-    def hf_config(self) -> Any:
-        if self.is_transformers:
-            return self.cls.config_class.from_dict(dict(self.config))
-        return self._hook("hf_config")(self.config)
-
-    def source_dtype(self) -> str | None:
-        """The dtype config.json gave for the weights this model was loaded from ("bfloat16"), or None.
-
-        A Llama-family model built from a Hugging Face checkpoint keeps config.json's torch_dtype / dtype in its
-        config's `extra`; a transformers config holds it itself; a model trained from scratch has none.
-        """
-        extra = self.config.get("extra")
-        for where in (extra if isinstance(extra, dict) else {}, self.config):
-            for key in ("dtype", "torch_dtype"):
-                if isinstance(where.get(key), str):
-                    return where[key].removeprefix("torch.")
-        return None
-
-    def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        return (name, tensor) if self.is_transformers else self._hook("to_hf_tensor")(name, tensor, self.config)
-
-    def build(self) -> torch.nn.Module:
-        """A freshly initialised model of the recorded class and config (to load checkpoint tensors into)."""
-        if self.is_transformers:
-            return self.cls(self.hf_config())
-        return self._hook("model_from_config", self.module)(self.config)
-
-
-# ------------------------------------------------------------------------------------------------
-# tokenizer: find the run's, load it with transformers alone
-
-
-def find_tokenizer(explicit: str | None, reader: Any = None, model_dir: str | None = None) -> str | None:
-    """The tokenizer path to use: --tokenizer, else an HF dir's own files, else the run config's data.tokenizer."""
-    if explicit:
-        if not os.path.exists(explicit):
-            raise ValueError(f"--tokenizer {explicit}: no such file or directory")
-        return explicit
-    if model_dir and {"tokenizer.json", "tokenizer_config.json", "vocab.json"} & set(os.listdir(model_dir)):
-        return model_dir
-    if reader is not None and reader.config_path:
-        from zerogpt.config import Config, data_config
-
-        try:
-            path = data_config(Config.from_file(reader.config_path)).tokenizer
-        except Exception as e:  # the recorded config imports code that is not importable here, or no longer loads
-            raise ValueError(f"cannot read data.tokenizer from the run config {reader.config_path} "
-                             f"({type(e).__name__}: {e}); {_TOKENIZER_HINT}") from e
-        if path and not os.path.exists(path):
-            raise ValueError(f"the run config {reader.config_path} names data.tokenizer={path!r}, which does not "
-                             f"exist from {os.getcwd()} (a relative path is resolved from the current directory); "
-                             f"{_TOKENIZER_HINT}")
-        return path
-    return None
-
-
-def save_tokenizer(tok: Any, out_dir: str, model_max_length: int | None = None) -> None:
-    """Save `tok` so AutoTokenizer loads it in transformers 4 and 5 (as data_pipeline's tokenizer dirs do)."""
-    tok.save_pretrained(out_dir)
-    config_path = os.path.join(out_dir, "tokenizer_config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    if config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast", None):
-        # transformers 5's generic class name is unknown to 4.x; this one means "tokenizer.json as is" in both.
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        config.pop("backend", None)
-    for key in ("is_local", "local_files_only"):  # load-time arguments that transformers 5 writes back
-        config.pop(key, None)
-    if model_max_length:
-        config["model_max_length"] = model_max_length
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=2)
+# config.json and the tokenizer's special ids
 
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -293,24 +173,6 @@ def write_configs(hf_config: Any, out_dir: str, dtype: torch.dtype) -> None:
 # export
 
 
-def resolve_dtype(dtype: str, plugin: ModelPlugin) -> tuple[str, str | None]:
-    """(the DTYPES key to write, a note saying why when --dtype auto chose it from the source checkpoint).
-
-    auto writes what the model's Hugging Face source was stored in, so a continued bf16 Llama exports as the
-    bf16 files it came as (half the bytes of fp32, and what transformers' dtype="auto" loads); a model trained
-    from scratch has no source and exports its fp32 masters exactly.
-    """
-    if dtype != AUTO:
-        return dtype, None
-    source = plugin.source_dtype()
-    chosen = _DTYPE_NAMES.get(source, "fp32")
-    if chosen != "fp32":
-        return chosen, f"the source checkpoint's {source}; --dtype fp32 writes the fp32 masters"
-    if source is not None and source not in _DTYPE_NAMES:
-        return "fp32", f"the source checkpoint's {source} is not one of {', '.join(DTYPES)}; wrote the fp32 masters"
-    return "fp32", None
-
-
 def export_checkpoint(path: str, out_dir: str, dtype: str = AUTO, tokenizer: str | None = None,
                       max_shard_bytes: int = 10**9, with_tokenizer: bool = True) -> dict:
     """Write checkpoint (or run dir) `path` as a Hugging Face model directory at `out_dir`, atomically.
@@ -343,8 +205,8 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = AUTO, tokenizer: str
     if with_tokenizer:
         tok_path = find_tokenizer(tokenizer, reader)
         if tok_path is None:
-            raise ValueError(f"no tokenizer found for {path}: the checkpoint's run config sets no data.tokenizer; "
-                             f"{_TOKENIZER_HINT}, or --no-tokenizer to export the weights alone")
+            raise ValueError(f"no tokenizer found for {path}: its run has no tokenizer/ and its run config sets no "
+                             f"data.tokenizer; {TOKENIZER_HINT}, or --no-tokenizer to export the weights alone")
         tok = load_tokenizer(tok_path)
         check_vocab(tokenizer=(len(tok), f"tokenizer {tok_path}"), dataset=run_data_vocab(reader.config_path),
                     model=(hf_config.vocab_size, f"vocab_size of {reader.directory}"))

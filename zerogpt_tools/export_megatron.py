@@ -20,9 +20,10 @@ from typing import Any, Iterator
 import torch
 
 from zerogpt_tools.megatron_files import write_checkpoint
+from zerogpt_tools.model_plugin import DTYPES, ModelPlugin, resolve_dtype
 from zerogpt_tools.megatron_layout import CORE, FAMILIES, LEGACY, MegatronLayoutError, family_of_class
 
-__all__ = ["export_megatron", "megatron_vocab_rows"]
+__all__ = ["export_megatron", "megatron_vocab_rows", "trained_seq_length"]
 
 _DTYPE_ARGS = {"fp32": dict(fp16=False, bf16=False, params_dtype=torch.float32),
                "bf16": dict(fp16=False, bf16=True, params_dtype=torch.bfloat16),
@@ -40,6 +41,18 @@ def megatron_vocab_rows(vocab_size: int, rows: int, tp: int) -> tuple[int, int]:
         if math.ceil(vocab_size / (d * tp)) * d * tp == rows:
             return rows, d
     return rows, 128  # none does: Megatron, loading with a vocabulary file, pads its own way and refuses the rows
+
+
+def trained_seq_length(trainer: dict, max_position_embeddings: int) -> int:
+    """Megatron's seq_length: the sequence length the run trained at (tokens_seen / consumed_samples, both
+    counted per sample by the trainer), not the model's context; max_position_embeddings for a run with no step.
+
+    Megatron's consumed_train_samples x seq_length is the tokens the model has seen, and import_megatron reads it
+    back so: the context (often twice the training length) would double the count after a round trip. A run
+    that changed its sequence length between resumes gets the mean, rounded down.
+    """
+    samples, tokens = int(trainer.get("consumed_samples", 0)), int(trainer.get("tokens_seen", 0))
+    return tokens // samples if samples and tokens else max_position_embeddings
 
 
 def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -60,7 +73,6 @@ def export_megatron(path: str, out_dir: str, tp: int = 1, pp: int = 1, core: boo
         dict(checkpoint, out, iteration, layout, files, dtype, notes).
     """
     from zerogpt.checkpoint import CheckpointReader, resolve_checkpoint
-    from zerogpt_tools.export import DTYPES, ModelPlugin, resolve_dtype
 
     if dist and not core:
         raise ValueError("--dist writes Megatron-Core's torch_dist format; add --core")
@@ -81,10 +93,11 @@ def export_megatron(path: str, out_dir: str, tp: int = 1, pp: int = 1, core: boo
     extra = reader.meta.get("extra_state") or {}
     trainer = extra.get("trainer") or {}
     iteration = int(trainer.get("step", reader.meta.get("global_step", 0)))
+    samples = int(trainer.get("consumed_samples", 0))
     args.update(padded_vocab_size=rows, make_vocab_size_divisible_by=divisible_by, vocab_size=config["vocab_size"],
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                seq_length=args["max_position_embeddings"], consumed_valid_samples=0,
-                consumed_train_samples=int(trainer.get("consumed_samples", 0)),
+                seq_length=trained_seq_length(trainer, args["max_position_embeddings"]), consumed_valid_samples=0,
+                consumed_train_samples=samples,
                 tokenizer_type="GPT2BPETokenizer" if family == "gpt" and config["vocab_size"] == 50257
                 else "HuggingFaceTokenizer",
                 ckpt_format="torch_dist" if dist else "torch", use_legacy_models=not core, use_mcore_models=core,

@@ -107,7 +107,7 @@ def generate_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: 
 
 def _load_checkpoint_model(reader: Any) -> torch.nn.Module:
     """Rebuild the recorded model class and fill it from the checkpoint, one tensor at a time."""
-    from zerogpt_tools.export import ModelPlugin
+    from zerogpt_tools.model_plugin import ModelPlugin
 
     model = ModelPlugin(reader.meta["model"]).build()
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -127,13 +127,14 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
                dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
     """(model in eval mode on `device`, tokenizer) from an HF dir or a checkpoint / run dir.
 
-    The tokenizer is `tokenizer` if given, else an HF dir's own tokenizer files, else the run config's
-    data.tokenizer; ValueError naming the fix when there is none.
+    The tokenizer is `tokenizer` if given, else an HF dir's own tokenizer files, else the run's own RUN/tokenizer
+    (import_megatron --tokenizer writes it), else the run config's data.tokenizer; ValueError naming the fix when
+    there is none.
     """
     from data_pipeline.tokenizer import load_tokenizer
     from model_zoo.hf import check_hf_dir, quiet_model_import
     from zerogpt.preflight import check_vocab, run_data_vocab
-    from zerogpt_tools.export import find_tokenizer
+    from zerogpt_tools.run_tokenizer import find_tokenizer
 
     if not os.path.isdir(path):
         raise ValueError(f"--model {path}: no such directory (an exported HF dir, a run dir or a checkpoint dir)")
@@ -153,8 +154,9 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
         tok_path = find_tokenizer(tokenizer, reader)
         dataset = run_data_vocab(reader.config_path)
     if tok_path is None:
-        raise ValueError(f"no tokenizer found for {path} (no tokenizer files there and no data.tokenizer in its run "
-                         f"config); pass --tokenizer DIR, the tokenizer the model was trained with")
+        raise ValueError(f"no tokenizer found for {path} (no tokenizer files there, no tokenizer/ in its run "
+                         f"directory and no data.tokenizer in its run config); pass --tokenizer DIR, the tokenizer "
+                         f"the model was trained with")
     tok = load_tokenizer(tok_path)
     check_vocab(tokenizer=(len(tok), f"tokenizer {tok_path}"), dataset=dataset,
                 model=(model.config.vocab_size, f"vocab_size of {path}"))
@@ -196,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zerogpt_tools.export import DTYPES
+    from zerogpt_tools.model_plugin import DTYPES
 
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
