@@ -9,8 +9,9 @@ with grouped-query attention, qkv bias, qk-layernorm), the weights through the f
 RUN_DIR/checkpoints/step_<iteration>/ (and checkpoints/latest): a one-rank, stage-0 zerogpt checkpoint whose fp32
 masters are the weights and which holds no optimizer state (Megatron's is not imported; load_engine starts the
 optimizer fresh and says so), with the trainer at Megatron's iteration so the LR schedule continues there. It loads
-at any ZeRO stage and world size, as every zerogpt checkpoint does. --tokenizer copies the tokenizer to
-RUN_DIR/tokenizer and gives the real vocabulary size.
+at any ZeRO stage and world size, as every zerogpt checkpoint does. --tokenizer saves that tokenizer, and only
+it, to RUN_DIR/tokenizer (transformers' save_pretrained: the tokenizer files, never the weights or config.json a
+model directory also holds) and gives the real vocabulary size; export and generate find it there.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from zerogpt.cli import HelpFormatter
 from zerogpt_tools.megatron_files import MegatronCheckpoint, open_checkpoint, read_tensors
 from zerogpt_tools.megatron_layout import FAMILIES, MegatronLayoutError, family_of_args
 
-__all__ = ["import_megatron", "vocab_padding", "write_weights_checkpoint", "model_line", "main"]
+__all__ = ["import_megatron", "vocab_padding", "write_weights_checkpoint", "save_run_tokenizer", "model_line", "main"]
 
 NO_OPTIMIZER_REASON = ("imported from a Megatron-LM checkpoint by zerogpt_tools.import_megatron, which does not import "
                        "Megatron's optimizer state")
@@ -152,6 +153,18 @@ def write_weights_checkpoint(directory: str, class_path: str, config: Any, tenso
     os.replace(tmp, final)
 
 
+def save_run_tokenizer(tok: Any, target: str, model_max_length: int | None = None) -> None:
+    """The tokenizer's own files (transformers' save_pretrained) as `target`, written beside it and renamed: a
+    model directory given as --tokenizer also holds weights and config.json, which the run must not copy."""
+    from zerogpt_tools.run_tokenizer import save_tokenizer
+
+    tmp = os.path.join(os.path.dirname(os.path.abspath(target)), f".{os.path.basename(target)}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_tokenizer(tok, tmp, model_max_length)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+
+
 def model_line(family: str, config: Any) -> str:
     """The `model = dict(...)` a run config needs to build this shape: the nearest factory and what differs
     (vocab_size is left to the run's tokenizer, as for any model_zoo factory)."""
@@ -170,11 +183,13 @@ def model_line(family: str, config: Any) -> str:
 
 def _trainer_state(ckpt: MegatronCheckpoint) -> dict:
     """extra_state for Trainer.load_state_dict: Megatron's iteration as the step (the LR schedule continues
-    from it), the data position at zerogpt's start (Megatron's sample order is its own, not zerogpt's)."""
+    from it), its samples and tokens as the trainer's counters (both count from the model's start, so a run
+    continued from here and exported again writes seq_length = tokens / samples back), and the data position at
+    zerogpt's start (Megatron's sample order is its own, not zerogpt's)."""
     samples = int(ckpt.args.get("consumed_train_samples") or 0)
     seq = int(ckpt.args.get("seq_length") or 0)
     step = ckpt.iteration
-    return {"trainer": {"step": step, "epoch": 0, "micro_step": 0, "consumed_samples": 0, "epoch_samples": 0,
+    return {"trainer": {"step": step, "epoch": 0, "micro_step": 0, "consumed_samples": samples, "epoch_samples": 0,
                         "tokens_seen": samples * seq, "skipped_steps": 0},
             "hooks": {}, "lr_scheduler": {"last_epoch": step, "_step_count": step + 1, "lr_lambdas": []},
             "data": {"epoch": 0, "epoch_samples": 0, "consumed_samples": 0, "world_size": 1},
@@ -195,12 +210,14 @@ def import_megatron(path: str, run_dir: str, tokenizer: str | None = None, vocab
         raise ValueError(f"{run_dir} already holds a run's checkpoints ({latest}); import into a new --out directory")
     ckpt = open_checkpoint(path)
     family = family_of_args(ckpt.args)
+    tok = None
     if tokenizer is not None:
         from data_pipeline.tokenizer import load_tokenizer
 
         if not os.path.exists(tokenizer):
             raise ValueError(f"--tokenizer {tokenizer}: no such file or directory")
-        vocab_size = len(load_tokenizer(tokenizer))
+        tok = load_tokenizer(tokenizer)
+        vocab_size = len(tok)
     vocab_size, multiple, vocab_note = vocab_padding(ckpt.args, vocab_size)
     adapter = _adapter(family)
     config, params, tied = _meta_model(family, adapter.config_from_megatron(ckpt.args, vocab_size, multiple))
@@ -218,14 +235,8 @@ def import_megatron(path: str, run_dir: str, tokenizer: str | None = None, vocab
                              NO_OPTIMIZER_REASON)
     with open(os.path.join(run_dir, "checkpoints", "latest"), "w") as f:
         f.write(f"step_{ckpt.iteration}\n")
-    if tokenizer is not None:
-        target = os.path.join(run_dir, "tokenizer")
-        shutil.rmtree(target, ignore_errors=True)
-        if os.path.isdir(tokenizer):
-            shutil.copytree(tokenizer, target)
-        else:
-            os.makedirs(target)
-            shutil.copy(tokenizer, target)
+    if tok is not None:
+        save_run_tokenizer(tok, os.path.join(run_dir, "tokenizer"), getattr(config, "max_position_embeddings", None))
     return dict(checkpoint=os.path.abspath(out), family=family, config=config, iteration=ckpt.iteration,
                 tensors=len(params), notes=([vocab_note] if vocab_note else []) + ckpt.notes,
                 model_line=model_line(family, config), source=ckpt)
@@ -238,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "or one iter_N / release directory")
     p.add_argument("--out", required=True, help="zerogpt run directory; the checkpoint goes to "
                                                 "OUT/checkpoints/step_<iteration>")
-    p.add_argument("--tokenizer", default=None, help="the Megatron run's tokenizer (HF dir or file): copied to "
-                                                     "OUT/tokenizer, and its size is the real vocabulary")
+    p.add_argument("--tokenizer", default=None, help="the Megatron run's tokenizer (HF dir or file): its tokenizer "
+                                                     "files are saved to OUT/tokenizer, and its size is the real "
+                                                     "vocabulary")
     p.add_argument("--vocab-size", type=int, default=None, help="the real vocabulary size, without --tokenizer")
     return p
 

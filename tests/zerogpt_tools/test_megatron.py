@@ -249,7 +249,7 @@ def test_imported_checkpoint_continues_at_zero3_on_two_ranks(tmp_path, capsys):
 
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(ref.VOCAB)}, unk_token="w0")).save(str(tmp_path / "tok.json"))
     assert import_main([src, "--out", str(tmp_path / "run"), "--tokenizer", str(tmp_path / "tok.json")]) == 0
-    assert (tmp_path / "run" / "tokenizer" / "tok.json").is_file()
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
     printed = capsys.readouterr().out
     assert "optimizer state, which is not imported" in printed and "the optimizer starts fresh" in printed
     assert "model = dict(type=gpt2_tiny" in printed
@@ -372,3 +372,64 @@ def test_import_reads_files_without_running_their_code(tmp_path):
     state = load_pt(os.path.join(path, f"iter_{ITERATION:07d}", "mp_rank_00", "model_optim_rng.pt"))
     assert "not imported" in repr(state["args"].attention_backend)
     assert not (tmp_path / "pwned").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 48: the token count survives a round trip; --tokenizer saves the tokenizer alone, and the tools find it
+
+
+def _trainer_counters(run: str) -> dict:
+    return CheckpointReader(os.path.join(run, "checkpoints", f"step_{ITERATION}")).meta["extra_state"]["trainer"]
+
+
+def test_round_trip_keeps_the_tokens_seen(tmp_path):
+    """Megatron's consumed_train_samples x seq_length is the tokens seen: the export writes the length the run
+    trained at (tokens_seen / consumed_samples), not the model's context, so a run exported and imported again
+    closes with the tokens it really saw (issue 48: 76,800 where 46,080 were seen, the context being twice the
+    training length)."""
+    args = ref.gpt_args(seq_length=ref.gpt_args().max_position_embeddings // 2)
+    src = ref.write_megatron(str(tmp_path / "megatron"), args, ref.random_weights(args), ITERATION)
+    import_megatron(src, str(tmp_path / "run"))
+    first = _trainer_counters(str(tmp_path / "run"))
+    assert first["tokens_seen"] == args.consumed_train_samples * args.seq_length
+    assert first["consumed_samples"] == args.consumed_train_samples
+    assert export_main([str(tmp_path / "run"), "--format", "megatron", "--out", str(tmp_path / "mg")]) == 0
+    written = load_pt(str(tmp_path / "mg" / f"iter_{ITERATION:07d}" / "mp_rank_00" / "model_optim_rng.pt"))["args"]
+    assert (written.seq_length, written.consumed_train_samples) == (args.seq_length, args.consumed_train_samples)
+    import_megatron(str(tmp_path / "mg"), str(tmp_path / "again"))
+    assert _trainer_counters(str(tmp_path / "again"))["tokens_seen"] == first["tokens_seen"]
+
+
+def test_trained_seq_length_is_the_runs_not_the_context():
+    from zerogpt_tools.export_megatron import trained_seq_length
+
+    steps, batch, seq, context = 30, 4, 256, 512  # the issue's run: 1,024 tokens a step, a context of 512
+    trainer = {"consumed_samples": steps * batch, "tokens_seen": steps * batch * seq}
+    assert trained_seq_length(trainer, context) == seq
+    assert trained_seq_length({"consumed_samples": 0, "tokens_seen": 0}, context) == context  # no step yet
+
+
+def test_import_saves_the_tokenizer_alone_and_generate_and_export_find_it(tmp_path):
+    """--tokenizer given a model directory (weights, config.json and tokenizer files) saves the tokenizer's files
+    only, through transformers' save_pretrained; generate's load_model and export read RUN/tokenizer."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from zerogpt_tools.export import export_checkpoint
+    from zerogpt_tools.generate import load_model
+
+    model_dir = tmp_path / "hf_model"
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(ref.VOCAB)}, unk_token="w0"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="w1").save_pretrained(str(model_dir))
+    (model_dir / "model.safetensors").write_bytes(b"\0" * 4096)  # what a real model directory also holds
+    (model_dir / "config.json").write_text('{"model_type": "gpt2"}')
+    args = ref.gpt_args()
+    src = ref.write_megatron(str(tmp_path / "megatron"), args, ref.random_weights(args), ITERATION)
+    assert import_main([src, "--out", str(tmp_path / "run"), "--tokenizer", str(model_dir)]) == 0
+    saved = set(os.listdir(tmp_path / "run" / "tokenizer"))
+    assert "tokenizer.json" in saved and not saved & {"model.safetensors", "config.json"}, saved
+    assert not [p for p in os.listdir(tmp_path / "run") if p.startswith(".")]  # the temporary one was renamed
+    model, tok = load_model(str(tmp_path / "run"))
+    assert len(tok) == ref.VOCAB == model.config.vocab_size
+    stats = export_checkpoint(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert "tokenizer.json" in stats["files"] and stats["vocab_size"] == ref.VOCAB
