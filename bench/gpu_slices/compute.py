@@ -6,9 +6,8 @@ and torch.compile's max-autotune-no-cudagraphs mode.
 Five processes, each with its share of the budget, cheapest first, so a slow compile cuts only the rows after
 it: (A) eager and chunked loss, then plain PyTorch eager beside them; (B) compile=True and compile + chunked
 loss; (C) FP8 and FP8 + compile; (D) micro-batch 12, compiled, zerogpt and plain PyTorch; (E) max-autotune,
-last (its autotuning is the slowest compile). MFU
-counts model FLOPs (PaLM) over the GPU's dense bf16 peak (989 TFLOPS on an H100 or H200), FP8 rows too; the
-compile time is a row's first step less its eager twin's. torch.compile's disk caches outlive a process: a
+last (its autotuning is the slowest compile). MFU counts model FLOPs (PaLM) over the GPU's dense bf16 peak (989
+TFLOPS on an H100 or H200), FP8 rows too; the compile time is a row's first step less its eager twin's. torch.compile's disk caches outlive a process: a
 compile time is a cold one only on a fresh machine. Tiny (CPU) form: group A and the FP8 rows (an error row there:
 float8 needs CUDA) in one process; no compile (minutes on the CPU), listed under `tiny_omitted`.
 
@@ -20,7 +19,7 @@ from gpu_slices.mfu import table_figures
 from gpu_slices.runner import Spec, log, measure_group, note_failures
 
 XL, TINY_XL = (48, 25, 1600), (4, 2, 64)
-LEVER_BATCH, TINY_LEVER_BATCH = 12, 3
+LEVER_BATCH = 12
 LEVER_MODE = "max-autotune-no-cudagraphs"
 # (group, variant, precision, compile, chunked_loss, stages, batch: None = the slice's, compile mode)
 VARIANTS = (("A", "eager", None, False, False, (0, 3), None, None),
@@ -46,9 +45,7 @@ def plan(args) -> dict[str, list[tuple[str, Spec]]]:
 
     def spec(system, stage, variant, precision, compile, chunked, batch, mode):
         chunk = TINY_LOSS_CHUNK if args.tiny and chunked else None  # None: GPTConfig's 256 tokens
-        if args.tiny and batch == LEVER_BATCH:
-            batch = TINY_LEVER_BATCH
-        batch = batch or base_batch
+        batch = batch or base_batch  # the levers' own (compiled: never in the tiny form)
         return Spec(system, TINY_XL if args.tiny else XL, stage=stage, batch=batch, seq=args.seq,
                     steps=args.steps + 2, warmup=args.warmup, vocab=args.vocab, precision=precision, compile=compile,
                     chunked_loss=chunked, loss_chunk_size=chunk, compile_mode=mode,
