@@ -212,7 +212,7 @@ def setup(cfg, train, data, ctx, dims, resume):
     #    parallelism, its own part of it only (DESIGN §11).
     model_cfg = dict(cfg.model)
     with torch.device("meta") if builds_on_meta(model_cfg) else contextlib.nullcontext():
-        model = build_model(model_cfg, vocab_size=vocab_size)
+        model = build_model(model_cfg, vocab_size=vocab_size, log=ctx.logger.info)  # an HF dir: the path taken
     check_run_vocab(train_dl.dataset, data, model)
     flops = model.flops_per_token(cfg.SEQ_LEN) if hasattr(model, "flops_per_token") else None
     if ctx.mesh is not None:   # this rank's part of it, and what the engine must know of the plans

@@ -7,7 +7,7 @@ LM loads through transformers (hf.load_hf_causal_lm). Knows nothing about ZeRO o
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -39,7 +39,8 @@ def builds_on_meta(model_cfg: dict[str, Any]) -> bool:
     return factory in GPT_FACTORIES + LLAMA_FACTORIES and model_cfg.get("pretrained") is None
 
 
-def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None) -> nn.Module:
+def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None,
+                log: Callable[[str], None] | None = None) -> nn.Module:
     """Build the model a config describes.
 
     Args:
@@ -48,7 +49,9 @@ def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None) -> nn.
             weights streamed from the files (pretrained.from_pretrained; kwargs are LlamaConfig fields such as
             checkpoint=True), any other through transformers (hf.load_hf_causal_lm; generic=True forces this path).
         vocab_size: the tokenizer's vocabulary; passed to a callable as vocab_size unless the config sets it or
-            names a checkpoint (pretrained=DIR), and checked against an HF model's embedding size.
+            names a checkpoint (pretrained=DIR), and checked against an HF model's config.json vocab_size.
+        log: gets, before an HF model loads, the line saying which path it takes and what that costs
+            (pretrained.LoadPath.describe), and a note where config.json's label and fields disagree.
     Example:
         >>> build_model(dict(type=gpt2_tiny, checkpoint=True), vocab_size=512).config.vocab_size
         512
@@ -59,17 +62,24 @@ def build_model(model_cfg: dict[str, Any], vocab_size: int | None = None) -> nn.
     kind = kwargs.pop("type")
     if kind == "hf":
         from model_zoo.hf import load_hf_causal_lm
-        from model_zoo.pretrained import is_native
+        from model_zoo.pretrained import load_path
 
         if "path" not in kwargs:
             raise ValueError("model = dict(type='hf') needs path=DIR (a local save_pretrained directory)")
         path, generic = kwargs.pop("path"), kwargs.pop("generic", False)
-        native = not generic and is_native(path)
-        model = from_pretrained(path, **kwargs) if native else load_hf_causal_lm(path, **kwargs)
-        rows = model.get_input_embeddings().num_embeddings
-        if vocab_size is not None and vocab_size > rows:
-            raise ValueError(f"the tokenizer has {vocab_size} tokens but the HF model's embedding has only {rows} "
-                             f"rows; use the model's own tokenizer (data.tokenizer) or resize the model")
+        how = load_path(path, generic)
+        if log is not None:
+            log(how.describe())
+            if how.note:
+                log(f"note: {how.note}")
+        model = from_pretrained(path, **kwargs) if how.native else load_hf_causal_lm(path, **kwargs)
+        # config.json's vocab_size, not the embedding's rows: a native model pads them (1000 -> 1024), and the
+        # padding rows are no tokens
+        real = getattr(model.config, "vocab_size", None) or model.get_input_embeddings().num_embeddings
+        if vocab_size is not None and vocab_size > real:
+            raise ValueError(f"the tokenizer has {vocab_size} tokens but {path}/config.json's vocab_size is {real}; "
+                             f"use the model's own tokenizer (data.tokenizer) or resize the model "
+                             f"(python -m zerogpt_tools.extend_vocab)")
         return model
     if not callable(kind):
         raise TypeError(f"model.type must be a callable (e.g. gpt2_small) or 'hf', got {kind!r}")

@@ -18,11 +18,40 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "hf_config", "to_hf_tensor", "hf_name", "VOCAB_ROWS",
-           "config_from_megatron", "megatron_args", "to_megatron", "from_megatron"]
+__all__ = ["ARCHITECTURES", "MODEL_TYPES", "GENERIC_PATH", "native_architecture", "config_from_hf", "hf_config",
+           "to_hf_tensor", "hf_name", "VOCAB_ROWS", "config_from_megatron", "megatron_args", "to_megatron",
+           "from_megatron"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 """The Hugging Face classes the family reproduces (LlamaConfig.architecture names the one it exports as)."""
+
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "mistral": "MistralForCausalLM"}
+"""config.json's model_type -> the class: what its fields are (transformers' AutoModelForCausalLM goes by it)."""
+
+GENERIC_PATH = ("transformers' generic path, model = dict(type='hf', path=DIR) (AutoModelForCausalLM; the whole "
+                "model on every rank while loading)")
+
+
+def native_architecture(hf: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(the native class a config.json loads as, or None; a note when its `architectures` label contradicts
+    its fields).
+
+    The label (`architectures[0]`) chooses; `model_type` names what the fields are, and transformers'
+    AutoModelForCausalLM builds by it. When the two disagree and model_type is one of the four, the fields win:
+    the model loads natively as model_type's class, with a note (a hand-edited label, FalconForCausalLM over
+    Llama's keys, is still a Llama). When model_type is not one of the four, the model is not native whatever
+    its label says.
+    """
+    label = (hf.get("architectures") or [None])[0]
+    model_type = hf.get("model_type")
+    if model_type is None:
+        return (label, None) if label in ARCHITECTURES else (None, None)
+    arch = MODEL_TYPES.get(model_type)
+    if arch is None or label in (None, arch):
+        return arch, None
+    return arch, (f"config.json's architectures says {label} but its model_type {model_type!r} and fields are "
+                  f"{arch}'s; loaded natively as {arch}, the class transformers' AutoModelForCausalLM builds for it")
 
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # (padded_vocab_size, hidden): pad rows not in HF
 
@@ -70,11 +99,11 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, 
     Args:
         where: the file it came from, for error messages.
     """
-    arch = (hf.get("architectures") or [None])[0]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{where}: architectures={hf.get('architectures')!r} is not a Llama-family model "
-                         f"({', '.join(ARCHITECTURES)}); other causal LMs train through the generic "
-                         f"transformers path, model = dict(type='hf', path=DIR, generic=True)")
+    arch, _ = native_architecture(hf)
+    if arch is None:
+        raise ValueError(f"{where}: architectures={hf.get('architectures')!r} (model_type "
+                         f"{hf.get('model_type')!r}) is not one of the four native architectures "
+                         f"({', '.join(ARCHITECTURES)}); other causal LMs train through {GENERIC_PATH}")
     bad = {k: hf[k] for k in ("mlp_bias",) if hf.get(k)}
     if hf.get("hidden_act", "silu") != "silu":
         bad["hidden_act"] = hf["hidden_act"]

@@ -119,13 +119,84 @@ def test_loading_at_stage_3_never_holds_a_whole_parameter(tmp_path):
 # bad checkpoints: one line naming the file and what is wrong
 
 
-def test_unknown_architecture_goes_to_the_generic_path_or_is_named(tmp_path):
+def _relabel(path, **fields) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_a_label_that_contradicts_the_fields_loads_natively_with_a_note(tmp_path):
+    """FalconForCausalLM over a Llama's config.json (model_type "llama", Llama's keys and tensors): the fields
+    win, as transformers' AutoModelForCausalLM lets them, and the path taken says so (issue 48.5)."""
+    hf = make_hf_model("llama", tmp_path)
+    _relabel(tmp_path, architectures=["FalconForCausalLM"])
+    said = []
+    model = build_model(dict(type="hf", path=str(tmp_path)), log=said.append)
+    assert said[0] == (f"model: {tmp_path} (LlamaForCausalLM) loads natively, streamed: model_zoo's Llama on the "
+                       f"meta device, each rank reading only its own shards from the safetensors files")
+    assert said[1] == (f"note: config.json's architectures says FalconForCausalLM but its model_type 'llama' and "
+                       f"fields are LlamaForCausalLM's; loaded natively as LlamaForCausalLM, the class transformers' "
+                       f"AutoModelForCausalLM builds for it")
+    assert len(said) == 2 and model.config.architecture == "LlamaForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(from_pretrained(str(tmp_path), device="cpu")(IDS), hf(IDS).logits,
+                                   atol=1e-5, rtol=0)
+
+
+def test_each_path_says_what_it_costs(tmp_path):
+    """A native directory loads in one line and no note; any other causal LM says it takes transformers' generic
+    path with the whole model on every rank, and names the four native architectures."""
+    from model_zoo.pretrained import load_path
+
+    make_hf_model("qwen3", tmp_path / "qwen3")
+    native = load_path(str(tmp_path / "qwen3"))
+    assert native.native and native.architecture == "Qwen3ForCausalLM" and native.note is None
+    (tmp_path / "neox").mkdir()
+    (tmp_path / "neox" / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"],
+                                                               "model_type": "gpt_neox"}))
+    generic = load_path(str(tmp_path / "neox"))
+    assert not generic.native and generic.note is None
+    assert generic.describe() == (
+        f"model: {tmp_path / 'neox'} (GPTNeoXForCausalLM) loads through transformers' generic path "
+        f"(AutoModelForCausalLM): the whole model on every rank while loading, ~9.5 bytes/param of host memory per "
+        f"rank at peak; the native, streamed architectures are LlamaForCausalLM, Qwen2ForCausalLM, "
+        f"Qwen3ForCausalLM, MistralForCausalLM")
+    forced = load_path(str(tmp_path / "qwen3"), generic=True)
+    assert not forced.native and forced.note == "generic=True in the model dict (it is native as Qwen3ForCausalLM)"
+
+
+def test_unknown_architecture_names_the_native_ones_and_the_generic_path(tmp_path):
     make_hf_model("llama", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["architectures"] = ["FalconForCausalLM"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="not a Llama-family model"):
+    _relabel(tmp_path, architectures=["FooForCausalLM"], model_type="foo")
+    native = ("(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)")
+    with pytest.raises(ValueError) as e:
+        build_model(dict(type="hf", path=str(tmp_path)))
+    assert str(e.value) == (f"{tmp_path}/config.json: architectures=['FooForCausalLM'] (model_type 'foo') is neither "
+                            f"one of the four native architectures {native} nor a causal LM the installed "
+                            f"transformers knows, which transformers' generic path, model = dict(type='hf', path=DIR)"
+                            f" (AutoModelForCausalLM; the whole model on every rank while loading) needs")
+    with pytest.raises(ValueError) as e:
         from_pretrained(str(tmp_path))
+    assert str(e.value) == (f"{tmp_path}/config.json: architectures=['FooForCausalLM'] (model_type 'foo') is not one "
+                            f"of the four native architectures {native}; other causal LMs train through "
+                            f"transformers' generic path, model = dict(type='hf', path=DIR) (AutoModelForCausalLM; "
+                            f"the whole model on every rank while loading)")
+
+
+def test_the_vocabulary_error_names_config_json_vocab_size_not_the_padded_rows(tmp_path):
+    """A native model pads its embedding (1000 -> 1024 rows); the tokenizer is compared with config.json's
+    vocab_size, and the message names that number (issue 48.6)."""
+    make_hf_model("llama", tmp_path, vocab_size=1000)
+    model = from_pretrained(str(tmp_path))
+    rows, real = model.get_input_embeddings().num_embeddings, model.config.vocab_size
+    assert rows > real == 1000
+    with pytest.raises(ValueError) as e:
+        build_model(dict(type="hf", path=str(tmp_path)), vocab_size=rows + 1)
+    assert str(e.value) == (f"the tokenizer has {rows + 1} tokens but {tmp_path}/config.json's vocab_size is {real}; "
+                            f"use the model's own tokenizer (data.tokenizer) or resize the model "
+                            f"(python -m zerogpt_tools.extend_vocab)")
+    with pytest.raises(ValueError, match=f"tokenizer has {real + 1} tokens"):  # a padding row is no token
+        build_model(dict(type="hf", path=str(tmp_path)), vocab_size=real + 1)
 
 
 def test_missing_or_misshapen_tensor_is_named(tmp_path):
