@@ -86,7 +86,7 @@ def test_config_type_hf_builds_any_local_causal_lm(tmp_path):
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, load_hf(path)(x).logits)
-    with pytest.raises(ValueError, match="only 100"):
+    with pytest.raises(ValueError, match="config.json.s vocab_size is 100;"):
         build_model(dict(type="hf", path=str(path)), vocab_size=5000)
     with pytest.raises(ValueError, match="no config.json"):
         build_model(dict(type="hf", path=str(tmp_path / "missing")))
