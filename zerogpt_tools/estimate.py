@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
               if getattr(args, k)}
     args.model_name = args.model if not custom else "custom"
     if args.world % args.nodes:
-        raise SystemExit(f"--world {args.world} must be a multiple of --nodes {args.nodes}")
+        raise SystemExit(f"error: --world {args.world} must be a multiple of --nodes {args.nodes}")
     try:
         if custom:  # kv_heads, head_dim and ffn left unset follow the new hidden/heads (their family's defaults)
             shape = ModelShape(**{**asdict(shape), **custom})
