@@ -24,6 +24,7 @@ from model_zoo.factory_args import check_overrides
 from model_zoo.hf import GELU_APPROXIMATE
 from model_zoo.layers import CausalAttention, LMHead, RealVocab
 from model_zoo.loss import GPTLMLoss
+from model_zoo.meta_weights import weights_are_real
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "CausalAttention", "MLP", "LMHead", "GPTOutput",
            "gpt2_tiny", "gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "SIZES", "as_gpt_config",
@@ -200,6 +201,7 @@ class GPT(nn.Module):
         # later split a parameter or drop it from this rank (a pipeline stage), and a stage's own copy of the
         # tied head must still draw wte's values.
         self._init_numel = {name: p.numel() for name, p in self.named_parameters()}
+        self._weights_real = False  # meta_weights.weights_are_real said so once: not asked again
         self.reset_parameters()
 
     @torch.no_grad()
@@ -239,6 +241,8 @@ class GPT(nn.Module):
         """Args: input_ids (B, T) int64 token ids < vocab_size; labels (B, T) aligned targets or None;
         past_key_values from a previous call with use_cache=True. Returns logits (B, T, vocab_size) or GPTOutput.
         """
+        if not self._weights_real and not torch.compiler.is_compiling():
+            self._weights_real = weights_are_real(self, input_ids)  # a meta model called directly: one line
         B, T = input_ids.shape[:2]
         T_past = past_key_values[0][0].size(2) if past_key_values is not None else 0
         if T_past + T > self.config.max_position_embeddings:

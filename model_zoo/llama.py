@@ -25,6 +25,7 @@ from model_zoo.factory_args import check_overrides
 from model_zoo.layers import CausalAttention, LMHead, RealVocab
 from model_zoo.llama_adapter import ARCHITECTURES
 from model_zoo.loss import GPTLMLoss
+from model_zoo.meta_weights import weights_are_real
 from model_zoo.safetensors_source import SafetensorsDir, read_hf_config
 from model_zoo.weight_init import draw_range
 
@@ -282,6 +283,7 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._init_numel = {name: p.numel() for name, p in self.named_parameters()}
         self._init_shape = {name: tuple(p.shape) for name, p in self.named_parameters()}
+        self._weights_real = False  # meta_weights.weights_are_real said so once: not asked again
         self.reset_parameters()
 
     @torch.no_grad()
@@ -326,6 +328,8 @@ class Llama(nn.Module):
                 past_key_values: KVCache | None = None, use_cache: bool = False) -> torch.Tensor | LlamaOutput:
         """Args: input_ids (B, T) int64 ids < vocab_size (or, on a later pipeline stage, hidden states (B, T, C));
         labels (B, T) aligned targets or None; past_key_values from a previous use_cache=True call."""
+        if not self._weights_real and not torch.compiler.is_compiling():
+            self._weights_real = weights_are_real(self, input_ids)  # a meta model called directly: one line
         T = input_ids.size(1)
         T_past = past_key_values[0][0].size(2) if past_key_values is not None else 0
         window = self.config.sliding_window

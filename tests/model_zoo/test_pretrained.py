@@ -7,6 +7,7 @@ loading at stage 3; bad checkpoints are one line naming the file and tensor.
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -245,3 +246,44 @@ def test_factory_pretrained_checks_the_shape(tmp_path):
         llama_tiny(pretrained=str(tmp_path))
     model = from_pretrained(str(tmp_path), checkpoint=True)
     assert model.config.checkpoint and model.config.vocab_size == VOCAB
+
+
+# ----------------------------------------------------------------------------------------------
+# a meta model called directly says what it is (issue 48.8)
+
+
+def test_a_meta_model_called_directly_says_what_to_do(tmp_path):
+    """from_pretrained(DIR) is on the meta device by default, for zerogpt.initialize; called as transformers' model
+    is, it raises one line naming both ways out, not torch's "not on the expected device meta"."""
+    from model_zoo import gpt2_tiny
+
+    make_hf_model("llama", tmp_path)
+    fix = ('load them with model_zoo.from_pretrained(DIR, device="cpu") (or "cuda"), or give the model to '
+           'zerogpt.initialize, which fills each rank\'s shards')
+    with pytest.raises(RuntimeError) as e:
+        from_pretrained(str(tmp_path))(IDS)
+    assert str(e.value) == ("Llama's weights are on the meta device (model.embed_tokens.weight has no values: "
+                            "model_zoo.from_pretrained(DIR) and a meta build leave them there for "
+                            "zerogpt.initialize); " + fix)
+    with torch.device("meta"):
+        gpt = gpt2_tiny(vocab_size=VOCAB)
+    assert gpt(IDS.to("meta")).shape == (*IDS.shape, VOCAB)  # shape propagation on meta inputs stays allowed
+    with pytest.raises(RuntimeError, match="^GPT's weights are on the meta device .*" + re.escape(fix) + "$"):
+        gpt(IDS)
+    assert from_pretrained(str(tmp_path), device="cpu")(IDS).shape == (*IDS.shape, VOCAB)
+
+
+def test_the_docs_describe_the_paths_the_code_takes():
+    """docs/models.md shows the load lines LoadPath prints, and docs/configs.md's `model` row says what models.md
+    says: the four native architectures stream, and only the generic path loads the whole model on every rank."""
+    from model_zoo.llama_adapter import ARCHITECTURES
+    from model_zoo.pretrained import LoadPath
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    models = open(os.path.join(root, "docs", "models.md")).read()
+    assert LoadPath("ckpt/Llama-3.2-1B", True, "LlamaForCausalLM").describe() in models
+    assert LoadPath("ckpt/falcon-7b", False, "FalconForCausalLM").describe() in models
+    row = next(line for line in open(os.path.join(root, "docs", "configs.md")) if line.startswith("| `model` |"))
+    native, _, generic = row.partition("generic path")
+    assert all(arch in native for arch in ARCHITECTURES) and "stream" in native, row
+    assert "every rank loads all of it" in generic and "every rank loads all of it" not in native, row
