@@ -43,16 +43,33 @@ def megatron_vocab_rows(vocab_size: int, rows: int, tp: int) -> tuple[int, int]:
     return rows, 128  # none does: Megatron, loading with a vocabulary file, pads its own way and refuses the rows
 
 
-def trained_seq_length(trainer: dict, max_position_embeddings: int) -> int:
-    """Megatron's seq_length: the sequence length the run trained at (tokens_seen / consumed_samples, both
-    counted per sample by the trainer), not the model's context; max_position_embeddings for a run with no step.
+def trained_seq_length(trainer: dict, imported: dict | None, config_seq_len: int | None,
+                       max_position_embeddings: int) -> int:
+    """Megatron's seq_length: the sequence length the run trained at, not the model's context.
 
-    Megatron's consumed_train_samples x seq_length is the tokens the model has seen, and import_megatron reads it
-    back so: the context (often twice the training length) would double the count after a round trip. A run
-    that changed its sequence length between resumes gets the mean, rounded down.
+    Megatron's consumed_train_samples x seq_length is the tokens the model has seen, and import_megatron reads
+    them back so; the context (often twice the training length) would double the count after a round trip.
+    In order: the run config's SEQ_LEN; a Megatron import not trained since, its own seq_length; the trainer's
+    tokens_seen / consumed_samples (both per sample); max_position_embeddings for a run with no step.
     """
+    if config_seq_len:
+        return config_seq_len
+    if imported and imported.get("seq_length"):
+        return int(imported["seq_length"])
     samples, tokens = int(trainer.get("consumed_samples", 0)), int(trainer.get("tokens_seen", 0))
     return tokens // samples if samples and tokens else max_position_embeddings
+
+
+def _config_seq_len(config_path: str | None) -> int | None:
+    """SEQ_LEN of the run config a checkpoint recorded; None without one, or when it no longer loads here."""
+    if not config_path:
+        return None
+    from zerogpt.config import Config
+
+    try:
+        return int(Config.from_file(config_path).SEQ_LEN)
+    except Exception:  # its code is not importable here: the counters decide instead
+        return None
 
 
 def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -93,10 +110,15 @@ def export_megatron(path: str, out_dir: str, tp: int = 1, pp: int = 1, core: boo
     extra = reader.meta.get("extra_state") or {}
     trainer = extra.get("trainer") or {}
     iteration = int(trainer.get("step", reader.meta.get("global_step", 0)))
-    samples = int(trainer.get("consumed_samples", 0))
+    # The model's tokens as samples of the trained length: what a re-import multiplies back (the trainer's own
+    # consumed_samples excludes the samples of a Megatron run it was imported from; its tokens_seen does not).
+    seq_length = trained_seq_length(trainer, extra.get("megatron"), _config_seq_len(reader.config_path),
+                                    args["max_position_embeddings"])
+    tokens = int(trainer.get("tokens_seen", 0))
+    samples = tokens // seq_length if tokens else int(trainer.get("consumed_samples", 0))
     args.update(padded_vocab_size=rows, make_vocab_size_divisible_by=divisible_by, vocab_size=config["vocab_size"],
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                seq_length=trained_seq_length(trainer, args["max_position_embeddings"]), consumed_valid_samples=0,
+                seq_length=seq_length, consumed_valid_samples=0,
                 consumed_train_samples=samples,
                 tokenizer_type="GPT2BPETokenizer" if family == "gpt" and config["vocab_size"] == 50257
                 else "HuggingFaceTokenizer",

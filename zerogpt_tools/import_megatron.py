@@ -183,19 +183,19 @@ def model_line(family: str, config: Any) -> str:
 
 def _trainer_state(ckpt: MegatronCheckpoint) -> dict:
     """extra_state for Trainer.load_state_dict: Megatron's iteration as the step (the LR schedule continues
-    from it), its samples and tokens as the trainer's counters (both count from the model's start, so a run
-    continued from here and exported again writes seq_length = tokens / samples back), and the data position at
-    zerogpt's start (Megatron's sample order is its own, not zerogpt's)."""
+    from it), its tokens (consumed_train_samples x seq_length) as the tokens seen, and the data position at
+    zerogpt's start (Megatron's sample order is its own, not zerogpt's: the trainer's consumed_samples is where
+    the sampler resumes, so it starts at 0). Megatron's seq_length is kept for the way back (export_megatron)."""
     samples = int(ckpt.args.get("consumed_train_samples") or 0)
     seq = int(ckpt.args.get("seq_length") or 0)
     step = ckpt.iteration
-    return {"trainer": {"step": step, "epoch": 0, "micro_step": 0, "consumed_samples": samples, "epoch_samples": 0,
+    return {"trainer": {"step": step, "epoch": 0, "micro_step": 0, "consumed_samples": 0, "epoch_samples": 0,
                         "tokens_seen": samples * seq, "skipped_steps": 0},
             "hooks": {}, "lr_scheduler": {"last_epoch": step, "_step_count": step + 1, "lr_lambdas": []},
             "data": {"epoch": 0, "epoch_samples": 0, "consumed_samples": 0, "world_size": 1},
             "megatron": {"checkpoint": ckpt.directory, "iteration": ckpt.iteration, "format": ckpt.format,
                          "checkpoint_version": ckpt.version, "tp": ckpt.tp, "pp": ckpt.pp,
-                         "consumed_train_samples": samples}}
+                         "consumed_train_samples": samples, "seq_length": seq}}
 
 
 def import_megatron(path: str, run_dir: str, tokenizer: str | None = None, vocab_size: int | None = None) -> dict:

@@ -392,7 +392,7 @@ def test_round_trip_keeps_the_tokens_seen(tmp_path):
     import_megatron(src, str(tmp_path / "run"))
     first = _trainer_counters(str(tmp_path / "run"))
     assert first["tokens_seen"] == args.consumed_train_samples * args.seq_length
-    assert first["consumed_samples"] == args.consumed_train_samples
+    assert first["consumed_samples"] == 0  # where zerogpt's sampler starts: Megatron's data order is its own
     assert export_main([str(tmp_path / "run"), "--format", "megatron", "--out", str(tmp_path / "mg")]) == 0
     written = load_pt(str(tmp_path / "mg" / f"iter_{ITERATION:07d}" / "mp_rank_00" / "model_optim_rng.pt"))["args"]
     assert (written.seq_length, written.consumed_train_samples) == (args.seq_length, args.consumed_train_samples)
@@ -401,12 +401,29 @@ def test_round_trip_keeps_the_tokens_seen(tmp_path):
 
 
 def test_trained_seq_length_is_the_runs_not_the_context():
+    """The issue's run (30 steps of 4 x 256 tokens, a context of 512), from scratch and after an import: the run
+    config's SEQ_LEN wins; an import not trained since keeps Megatron's; else the trainer's own ratio."""
     from zerogpt_tools.export_megatron import trained_seq_length
 
-    steps, batch, seq, context = 30, 4, 256, 512  # the issue's run: 1,024 tokens a step, a context of 512
-    trainer = {"consumed_samples": steps * batch, "tokens_seen": steps * batch * seq}
-    assert trained_seq_length(trainer, context) == seq
-    assert trained_seq_length({"consumed_samples": 0, "tokens_seen": 0}, context) == context  # no step yet
+    steps, batch, seq, context = 30, 4, 256, 512
+    scratch = {"consumed_samples": steps * batch, "tokens_seen": steps * batch * seq}
+    assert trained_seq_length(scratch, None, None, context) == seq
+    assert trained_seq_length(scratch, None, seq, context) == seq
+    megatron_samples = 640  # imported, then trained on: consumed_samples counts zerogpt's samples only
+    continued = {"consumed_samples": steps * batch, "tokens_seen": (megatron_samples + steps * batch) * seq}
+    assert trained_seq_length(continued, None, seq, context) == seq
+    assert trained_seq_length({"consumed_samples": 0, "tokens_seen": megatron_samples * seq},
+                              {"consumed_train_samples": megatron_samples, "seq_length": seq}, None, context) == seq
+    assert trained_seq_length({"consumed_samples": 0, "tokens_seen": 0}, None, None, context) == context
+
+
+def test_the_run_configs_seq_len_is_read_or_left_to_the_counters(tmp_path):
+    from zerogpt_tools.export_megatron import _config_seq_len
+
+    (tmp_path / "config.py").write_text("SEQ_LEN = 96\n")
+    (tmp_path / "gone.py").write_text("import a_package_not_installed_here\n")
+    assert _config_seq_len(str(tmp_path / "config.py")) == 96
+    assert _config_seq_len(str(tmp_path / "gone.py")) is None and _config_seq_len(None) is None
 
 
 def test_import_saves_the_tokenizer_alone_and_generate_and_export_find_it(tmp_path):
