@@ -30,10 +30,13 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip download transformers==4.46.3 --no-binary :all: --no-deps -d $(VENV)/sdist
 	tar xzf $(VENV)/sdist/transformers-4.46.3.tar.gz -C $(VENV) --strip-components=5 \
 		transformers-4.46.3/src/transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py
+# the CPU Adam ops, compiled into torch's extension cache now rather than in a run's first minute; a machine
+# without a compiler is told so and goes on (runs fall back to torch's fused Adam); cached ops only load
+	$(VENV)/bin/zerogpt build-ops
 	touch $@
 
 demo: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/demo_cpu.py $(ARGS)
+	$(VENV)/bin/zerogpt run --nproc-per-node 2 train_gpt.py --config configs/demo_cpu.py $(ARGS)
 
 test: install
 	$(PY) -m pytest $(TESTS) -q

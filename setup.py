@@ -60,6 +60,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
+            "zerogpt=zerogpt.launcher:main",  # zerogpt run [torchrun flags] train_gpt.py ...; zerogpt build-ops
             "zerogpt-estimate=zerogpt_tools.estimate:main",
             "zerogpt-export=zerogpt_tools.export:main",
             "zerogpt-generate=zerogpt_tools.generate:main",

@@ -47,8 +47,11 @@ def test_make_targets_install_into_a_venv_first():
     assert torch_line < next(i for i in installs if "-e '.[dev]'" in lines[i])
     assert any("--no-build-isolation deepspeed" in lines[i] for i in installs)
     assert any(line.startswith("/tmp/zerogpt-venv-plan/bin/python -m pytest tests") for line in lines)
-    assert any("/tmp/zerogpt-venv-plan/bin/torchrun --standalone --nproc_per_node 2 train_gpt.py --config "
+    assert any("/tmp/zerogpt-venv-plan/bin/zerogpt run --nproc-per-node 2 train_gpt.py --config "
                "configs/demo_cpu.py" in line for line in lines)
+    # the CPU Adam ops are built at install, after the package (its console script) and DeepSpeed are in
+    build = next(i for i, line in enumerate(lines) if line == "/tmp/zerogpt-venv-plan/bin/zerogpt build-ops")
+    assert build > max(installs)
 
 
 def probe_index(url, timeout=1.0):

@@ -7,9 +7,10 @@ metrics.jsonl through the trainer's hooks.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-__all__ = ["get_logger"]
+__all__ = ["get_logger", "rank_logger"]
 
 
 class _RankFilter(logging.Filter):
@@ -65,3 +66,20 @@ def get_logger(rank: int = 0, level: int = logging.INFO, all_ranks: bool = False
     handler.setFormatter(_RankFormatter(rank))
     logger.addHandler(handler)
     return logger
+
+
+def rank_logger() -> logging.Logger:
+    """This process's rank logger, for library code handed no DistContext (an op's build at first use): the rank
+    from torchrun's environment (RANK; 0 in a plain `python` run), set up by get_logger unless it already is.
+
+    Example:
+        >>> rank_logger().info("building ... (first run only)")   # printed by rank 0 alone
+    """
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        rank = 0
+    logger = logging.getLogger(f"zerogpt.rank{rank}")
+    if any(isinstance(handler, _StdHandler) for handler in logger.handlers):
+        return logger
+    return get_logger(rank)

@@ -1,9 +1,9 @@
 """Fused Adam(W) for fp32 master parameters on the host (CPUAdam) and on any device (HybridAdam).
 
 Owns the kernel choice -- DeepSpeed's vectorised `cpu_adam` op (JIT-built once with ninja, cached in
-~/.cache/torch_extensions) or torch's fused Adam as fallback -- and the per-param state
-("step", "exp_avg", "exp_avg_sq"). It does not own where that state lives: the engine may pre-allocate
-the state tensors (pinned, or memory-mapped for disk offload) and the step updates them in place.
+~/.cache/torch_extensions: at install, else at first use, which says so) or torch's fused Adam as fallback -- and
+the per-param state ("step", "exp_avg", "exp_avg_sq"). It does not own where that state lives: the engine may
+pre-allocate the state tensors (pinned, or memory-mapped for disk offload) and the step updates them in place.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from zerogpt.optim.host_adam import HOST_ADAM_DTYPES, host_adam_step, load_host_adam
+from zerogpt.optim.op_build import DEEPSPEED_ADAM, announced_build
 
 __all__ = ["CPUAdam", "HybridAdam", "cpu_adam_backend"]
 
@@ -38,12 +39,50 @@ def _load_deepspeed_op() -> tuple[Any, str | None]:
     global _ds_op_cache
     if _ds_op_cache is None:
         try:
-            from deepspeed.ops.op_builder import CPUAdamBuilder  # heavy, optional
-
-            _ds_op_cache = (CPUAdamBuilder().load(verbose=False), None)
+            builder = _deepspeed_builder()
+            if _prebuilt(builder):  # installed with DS_BUILD_CPU_ADAM=1: imported, nothing to build
+                _ds_op_cache = (builder.load(verbose=False), None)
+            else:
+                sources = [os.path.abspath(builder.deepspeed_src_path(path)) for path in builder.sources()]
+                with announced_build(DEEPSPEED_ADAM, builder.name, sources):
+                    _ds_op_cache = (builder.load(verbose=False), None)
         except Exception as e:  # ImportError, compiler missing, ninja missing, ...
             _ds_op_cache = (None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return _ds_op_cache
+
+
+def deepspeed_op_error() -> str | None:
+    """Why DeepSpeed's cpu_adam op cannot be loaded here (None: it loads; built now if it was not yet)."""
+    return _load_deepspeed_op()[1]
+
+
+def _deepspeed_builder() -> Any:
+    """DeepSpeed's CPUAdamBuilder, imported telling DeepSpeed the accelerator where this process has no CUDA.
+
+    DeepSpeed's import picks an accelerator, and where it finds none it warns "Setting accelerator to CPU. If you
+    have GPU or other accelerator, we were unable to detect it." on every rank: its DS_ACCELERATOR override says
+    the same without the warning. Set only around the import, and only where the user set none.
+    """
+    import torch
+
+    override = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
+    if override:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder  # heavy, optional
+    finally:
+        if override:
+            del os.environ["DS_ACCELERATOR"]
+    return CPUAdamBuilder()
+
+
+def _prebuilt(builder: Any) -> bool:
+    """Whether DeepSpeed was installed with this op compiled in (its load then imports it, no JIT build)."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        return False
+    return bool(installed_ops.get(builder.name, False))
 
 
 def _resolve_backend(prefer: str | None) -> str:

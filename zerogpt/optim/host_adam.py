@@ -5,7 +5,7 @@ An offloaded step is bound by host memory bandwidth, so passes are what it costs
 unscales/clips the gradient in a third; this op does all three in one, takes bf16 moments beside the fp32 master
 (`zero.offload_optimizer.state_dtype='bf16'`: 4 bytes/param of state instead of 8), and runs on torch's own
 intra-op thread pool. Built once per machine with ninja, like DeepSpeed's op, and cached in
-~/.cache/torch_extensions.
+~/.cache/torch_extensions: at install (`zerogpt build-ops`), else at first use, which says so (op_build.py).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 HOST_ADAM_DTYPES = (torch.float32, torch.bfloat16)  # what the op reads and writes besides the fp32 master
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "host_adam.cpp")
+_NAME = "zerogpt_host_adam"  # its folder and library in torch's extension cache
 _op: tuple[Any, str | None] | None = None  # (module or None, failure reason)
 
 
@@ -26,9 +27,12 @@ def load_host_adam() -> tuple[Any, str | None]:
         try:
             from torch.utils.cpp_extension import load
 
+            from zerogpt.optim.op_build import HOST_ADAM, announced_build
+
             flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
-            _op = (load(name="zerogpt_host_adam", sources=[_SOURCE], extra_cflags=flags,
-                        extra_ldflags=["-fopenmp"], verbose=False), None)
+            with announced_build(HOST_ADAM, _NAME, [_SOURCE]):  # a build says so: one line before, one after
+                _op = (load(name=_NAME, sources=[_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                            verbose=False), None)
         except Exception as e:  # compiler or ninja missing, ...
             _op = (None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return _op

@@ -1,0 +1,157 @@
+"""`zerogpt run`: torchrun with a quiet console, as `deepspeed`, `colossalai run` and `accelerate launch` wrap it.
+
+`zerogpt run [torchrun's flags] train_gpt.py --config C ...` parses torchrun's own command line
+(torch.distributed.run's parser: --nproc-per-node, --nnodes, --node-rank, --rdzv-*, --master-*, ...) and runs
+its elastic agent in this process. Around it, it
+  - sets OMP_NUM_THREADS where torchrun would set 1 and print a 4-line banner about it: the cores this process
+    may run on divided by the workers on this node, zerogpt's own rule for CPU threads (launch.cpu_threads);
+  - keeps torchrun's agent, launcher and elastic logs off the console (LOGLEVEL=INFO, torchrun's own switch,
+    shows them again);
+  - on a worker's failure prints nothing more when the worker's own stderr reached the console (zerogpt's
+    one-line `error:`, or a crash's traceback), one line when it could not (a signal, a redirected log), and
+    exits with the exit code of the rank that failed first (torchrun's root cause; a signal N as 128 + N);
+  - on Ctrl-C / SIGTERM lets torchrun forward the signal and wait for the workers (each stops at a step
+    boundary and the run says "checkpoint ... kept"), then exits 128 + N with no traceback of its own.
+What torchrun's `@record` does for a parent with an error file (TORCHELASTIC_ERROR_FILE: a scheduler's agent
+above this one), this does too: the root cause's error file is copied into it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Sequence
+
+__all__ = ["main", "run", "threads_per_worker", "TorchLogFilter"]
+
+USAGE = """usage: zerogpt <command> ...
+
+commands:
+  run        launch a script on N workers per node: torchrun's flags, a quiet console, the worker's exit code
+             zerogpt run --nproc-per-node 2 train_gpt.py --config configs/demo_cpu.py
+  build-ops  build the CPU Adam ops (zerogpt's host Adam, DeepSpeed's cpu_adam) into torch's extension cache
+             now, so that no run waits on them (make install runs it)
+"""
+
+# torchrun's own bookkeeping, logged by the launching process: the agent's start, its signal and shutdown notes,
+# each worker's failure and torchrun's ChildFailedError summary. The workers' own output is not touched.
+TORCHRUN_LOGGERS = ("torch.distributed.run", "torch.distributed.launcher", "torch.distributed.elastic")
+
+
+class TorchLogFilter(logging.Filter):
+    """Drops the records of torchrun's agent and launcher (TORCHRUN_LOGGERS), lets every other record through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith(TORCHRUN_LOGGERS)
+
+
+def threads_per_worker(workers: int) -> int:
+    """CPU threads for each of `workers` processes on this node: the cores this process may run on, shared."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(workers, 1))
+
+
+def _quiet_torchrun() -> list[tuple[logging.Handler, logging.Filter]]:
+    """Filter torchrun's records out of the handlers torch installs ("torch", "torch.distributed")."""
+    installed = []
+    for name in ("torch", "torch.distributed"):
+        for handler in logging.getLogger(name).handlers:
+            log_filter = TorchLogFilter()
+            handler.addFilter(log_filter)
+            installed.append((handler, log_filter))
+    return installed
+
+
+def _shows_stderr(args, local_rank: int) -> bool:
+    """Whether torchrun let this local rank's stderr reach the console (not redirected to a file only, not
+    left out by --local-ranks-filter)."""
+    from torch.distributed.elastic.multiprocessing import Std
+
+    redirects = Std.from_str(args.redirects)
+    tee = Std.from_str(args.tee)
+    pick = (lambda std: std.get(local_rank, Std.NONE)) if isinstance(redirects, dict) else (lambda std: std)
+    redirected = pick(redirects) in (Std.ERR, Std.ALL)
+    teed = (tee.get(local_rank, Std.NONE) if isinstance(tee, dict) else tee) in (Std.ERR, Std.ALL)
+    shown = not args.local_ranks_filter or str(local_rank) in args.local_ranks_filter.split(",")
+    return shown and (teed or not redirected)
+
+
+def _failure_line(rank: int, failure, args) -> str | None:
+    """The one line the launcher adds for a failed worker, or None when the worker's own output said it all."""
+    if failure.exitcode < 0:
+        return (f"error: rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}; "
+                f"the other ranks were stopped")
+    if _shows_stderr(args, failure.local_rank):
+        return None
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    first = str(message).strip().splitlines()[0] if str(message).strip() else f"exit code {failure.exitcode}"
+    where = f"; its log is under {args.log_dir}" if args.log_dir else ""
+    return f"error: rank {rank}: {first}{where}"
+
+
+def _exit_code(code: int) -> int:
+    """A worker's exit code as a process's: a signal N (negative in torchrun's report) as 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+def run(argv: Sequence[str]) -> int:
+    """`zerogpt run ARGS`: torchrun's ARGS, launched quietly; the exit code of the worker that failed first."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
+
+    parser = torchrun.get_args_parser()
+    parser.prog = "zerogpt run"
+    parser.description = ("Launch a training script on N workers per node: torchrun's flags, zerogpt's console "
+                          "(see zerogpt/launcher.py)")
+    args = parser.parse_args(list(argv))
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets 1 and prints a banner; zerogpt's rule, quietly
+        workers = torchrun.determine_local_world_size(args.nproc_per_node)
+        if workers > 1:
+            os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(workers))
+    if "LOGLEVEL" not in os.environ:  # torchrun's switch for its own logs: set, they all show as torchrun's do
+        _quiet_torchrun()
+    error_handler = get_error_handler()  # what @record does in torchrun's main, less its re-raise
+    error_handler.initialize()
+    try:
+        torchrun.run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if os.path.isfile(failure.error_file):
+            error_handler.dump_error_file(failure.error_file, failure.exitcode)
+        line = _failure_line(rank, failure, args)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return _exit_code(failure.exitcode) or 1
+    except SignalException as e:  # the workers were sent the signal and waited for: they said how they ended
+        return 128 + int(e.sigval)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `zerogpt` console script: `zerogpt run ...`, `zerogpt build-ops`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    try:
+        if command == "run":
+            return run(rest)
+        if command == "build-ops":
+            from zerogpt.optim.op_build import main as build_ops
+
+            return build_ops(rest)
+    except KeyboardInterrupt:  # Ctrl-C before the agent took the signals over (while torch imports): no traceback
+        return 128 + signal.SIGINT
+    if command in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0
+    print(USAGE, end="", file=sys.stderr)
+    print(f"error: {'no command' if not command else f'unknown command {command!r}'}; "
+          f"use `zerogpt run [torchrun flags] train_gpt.py --config C`", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
