@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="start over in a train.output_dir that holds another run: delete its metrics, plot, "
                         "checkpoints, tensorboard events and config.py first")
+    p.add_argument("--plan", choices=("auto", "manual"), default=None,
+                   help="'auto': choose stage, offload, micro-batch x accumulation, checkpointing and the loss for this "
+                        "machine (the config's plan key; the keys the config sets stay fixed; docs/configs.md)")
     p.add_argument("--from_torch", action="store_true",
                    help="accepted for the Colossal-AI tutorial's command line; torchrun's environment is the only "
                         "launch mode, so it changes nothing")
@@ -126,7 +129,8 @@ def main(argv=None) -> int:
     #    directory: a second one started beside it is refused, naming the first's process)
     lock = None
     try:
-        cfg = zerogpt.Config.from_file(args.config).apply_overrides(args.set)
+        plan = [f"plan={args.plan}"] if args.plan else []
+        cfg = zerogpt.Config.from_file(args.config).apply_overrides(args.set + plan)
         train, data = train_config(cfg), data_config(cfg)
         if data.seed is None:
             data.seed = train.seed
@@ -138,7 +142,8 @@ def main(argv=None) -> int:
         preflight.check_optimizer(cfg)
         dims = preflight.check_parallel(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
         # the model state must fit this host's RAM (and the offload disk): refused now, not killed mid-build
-        check_memory(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
+        if cfg.plan != "auto":  # plan="auto" chooses what fits, with the same arithmetic, once launched
+            check_memory(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
         preflight.check_resume(args.resume)
         preflight.check_output_dir(train.output_dir)   # creates it: the first write
         lock = preflight.lock_run_dir(train.output_dir) if env_rank() == 0 else None
@@ -169,6 +174,10 @@ def launch_and_train(args, cfg, train, data, dims, from_env) -> int:
         ctx.logger.info(f"--overwrite: deleted {', '.join(removed) or 'nothing'} in {train.output_dir}")
     trainer = None
     try:
+        if cfg.plan == "auto":  # the memory keys chosen for this machine; initialize builds them as if hand-set
+            from zerogpt.planner.run import plan_for_run
+            cfg = plan_for_run(cfg, ctx, lambda c: model_on_meta(c, data), lambda: GPTLMLoss(shift=False),
+                               resume=bool(args.resume), log=ctx.logger.info)
         trainer, train_dl, valid_dl = setup(cfg, train, data, ctx, dims, args.resume)
         if trainer is not None:
             return fit(trainer, cfg, train, train_dl, valid_dl, ctx)

@@ -7,6 +7,7 @@ CLI prints it for a model before you launch.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -227,7 +228,8 @@ def step_grad_itemsize(stage: int, accumulation: int, compute_itemsize: int, kep
 
 def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precision: str = "bf16",
                       offload_optimizer: str = "none", offload_param: str = "none",
-                      optimizer_bytes_per_param: int = 8, accumulation: int = 1) -> dict[str, dict[str, int]]:
+                      optimizer_bytes_per_param: int = 8, accumulation: int = 1,
+                      device_budget: int = 0) -> dict[str, dict[str, int]]:
     """Peak model-state bytes on ONE rank, as our engine holds them (chunk padding ignored).
 
     ZeRO paper (Rajbhandari et al. 2020, Fig. 1; mixed precision + Adam, K=12): 16Psi, 4Psi+12Psi/N,
@@ -254,6 +256,10 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
         accumulation: micro-steps per optimizer step. Above 1 at stages 2-3 with the optimizer offloaded and the
             params on the device, the reduced gradients accumulate in an fp32 shard on the device and cross to
             the host once per step (4 B/param/N more on the device).
+        device_budget: with param offload, bytes of parameter shards kept on the device instead of the host
+            (zero.offload_param.device_budget as bytes; whole chunks, so at most the shard): they move from the
+            host's params to the device's. When it holds the whole shard, the gradients accumulate on the device as
+            without param offload.
     Returns:
         {"params"|"grads"|"master"|"optimizer": {"device"|"host"|"disk": bytes}} -- the same layout as
         `engine.memory_stats()`.
@@ -284,7 +290,11 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
     param_home = OFFLOAD_HOMES[offload_param]
 
     # params: full compute-dtype copy at stages 0-2; only this rank's shard at stage 3
-    out["params"][param_home] += per_rank(c, world_size if stage == 3 else 1)
+    param_bytes = per_rank(c, world_size if stage == 3 else 1)
+    kept = min(device_budget, param_bytes) if param_home == "host" else 0  # shards the device budget keeps
+    out["params"][param_home] += param_bytes - kept
+    out["params"]["device"] += kept
+    params_on_device = param_home == "device" or kept == param_bytes
     # grads: fp32 shards at every stage (reduced grads land there) + full compute-dtype grads at
     # stages 0/1 (held while accumulating); the two never peak together within one home
     shard_grads = per_rank(4, n_opt)
@@ -295,7 +305,7 @@ def model_state_bytes(num_params: int, stage: int, world_size: int = 1, precisio
         # the step's one crossing is kept on the host as it crossed, in the compute dtype; a sum over micro-steps: fp32
         crossed = step_grad_itemsize(stage, accumulation, c)
         out["grads"]["device"], out["grads"]["host"] = full_grads, per_rank(crossed, n_opt)
-        if stage >= 2 and param_home == "device" and accumulation > 1:  # the device-side sum (issue 29)
+        if stage >= 2 and params_on_device and accumulation > 1:  # the device-side sum (issue 29)
             out["grads"]["device"] = shard_grads
     # master: aliased to the param shard in fp32 when the params rest where the optimizer lives (both on the
     # device, or both on the host: stage 3 with param and optimizer offload); apart otherwise
@@ -388,6 +398,7 @@ def chunk_of_params(numels: list[int], element_size: int, bucket_mb: float) -> l
     return out
 
 
+@functools.lru_cache(maxsize=256)  # a planner asks again for each candidate of one shape
 def gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: float, world_size: int = 1,
                 per_block: bool = False) -> tuple[int, int]:
     """Stage 3: the most chunks, and the most elements, that one rank holds gathered at once.
@@ -498,15 +509,17 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
              offload_optimizer: str = "none", offload_param: str = "none", seq_len: int = 1024,
              batch: int = 1, checkpoint: bool = False, flash: bool = True, dropout: bool = False,
              prefetch: int = 2, bucket_mb: float = 25.0, gpu_overhead: int = 2**30, accumulation: int = 1,
-             optimizer_bytes_per_param: int = 8, gather_per_block: bool = False, loss_chunk: int = 0) -> dict:
+             optimizer_bytes_per_param: int = 8, gather_per_block: bool = False, loss_chunk: int = 0,
+             device_budget: int = 0) -> dict:
     """Everything on one rank: model states, activations, buffers, totals per home (bytes).
 
     `optimizer_bytes_per_param`: 8 for Adam's moments in fp32, 4 in bf16 (zero.offload_optimizer.state_dtype).
     `gather_per_block`: stage 3 gathers each block whole (`compile = True`; see `buffer_bytes`).
     `loss_chunk`: tokens per chunk of the chunked loss (`chunked_loss = True`, `loss_chunk_size`); 0: the plain loss.
+    `device_budget`: with param offload, bytes of parameter shards kept on the device (`model_state_bytes`).
     """
     states = model_state_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, offload_param,
-                               optimizer_bytes_per_param, accumulation)
+                               optimizer_bytes_per_param, accumulation, device_budget)
     acts = activation_bytes(shape, seq_len, batch, precision, checkpoint, flash, dropout, loss_chunk)
     buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb,
                            gather_per_block)

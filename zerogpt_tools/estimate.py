@@ -3,6 +3,12 @@
     python -m zerogpt_tools.estimate --model gpt2_xl --stage 3 --offload cpu --world 1 --gpu-mem 80GiB
     python -m zerogpt_tools.estimate --model llama3_8b --offload cpu --offload-param cpu --state-dtype bf16 \
         --seq-len 8192 --batch 8 --checkpoint --chunked-loss --gpu-mem 80GiB --host-mem 128GiB
+    python -m zerogpt_tools.estimate --model gpt2_xl --plan auto --tokens-per-step 65536 --gpu-mem 24GiB \
+        --host-mem 64GiB --gpu 4090
+
+--plan auto prints what the config's plan="auto" would choose for these capacities (zerogpt/planner/: the fastest
+predicted plan that fits, untried: trial steps need the machine itself), the flags given on the command line kept
+fixed. A plan that DOES NOT FIT is followed by the flags of the fastest one that would, or by the smallest change.
 
 --model is any size of model_zoo's GPT-2 (gpt2_tiny ... gpt2_xl) or Llama families (llama3_8b, qwen2_5_7b, ...).
 
@@ -28,6 +34,10 @@ from zerogpt.cli import HelpFormatter
 from zerogpt.config.dtypes import DTYPES
 from zerogpt.memory_model import (CATEGORIES, HOMES, ModelShape, activation_bytes, buffer_bytes, estimate,
                                   model_state_bytes, zero_paper_bytes)
+from zerogpt.planner.explain import explain
+from zerogpt.planner.plan import CONFIG_KEYS, Machine, Plan, PlanError, Workload
+from zerogpt.planner.search import search
+from zerogpt.planner.speed import default_constants
 
 __all__ = ["MODELS", "ModelShape", "model_state_bytes", "activation_bytes", "buffer_bytes", "estimate", "main"]
 
@@ -135,6 +145,67 @@ def format_report(est: dict, shape: ModelShape, args: argparse.Namespace) -> str
     return "\n".join(lines)
 
 
+_PLAN_FLAGS = dict(stage="stage", offload_optimizer="offload", offload_param="offload_param",
+                   state_dtype="state_dtype", micro_batch="batch", accumulation="grad_accum", checkpoint="checkpoint",
+                   chunked_loss="chunked_loss", bucket_mb="bucket_mb", prefetch="prefetch")
+"""Plan field -> this tool's argument (dest) that sets it: what --plan auto keeps fixed when given."""
+
+
+def plan_flags(plan: Plan) -> str:
+    """The command-line flags of this tool that describe `plan`."""
+    flags = [f"--stage {plan.stage}", f"--offload {plan.offload_optimizer}", f"--offload-param {plan.offload_param}",
+             f"--state-dtype {plan.state_dtype}", f"--batch {plan.micro_batch}", f"--grad-accum {plan.accumulation}",
+             f"--bucket-mb {plan.bucket_mb:g}", f"--prefetch {plan.prefetch}"]
+    flags += [flag for flag, on in (("--checkpoint", plan.checkpoint), ("--chunked-loss", plan.chunked_loss)) if on]
+    return " ".join(flags)
+
+
+def plan_for(shape: ModelShape, args: argparse.Namespace, fixed: dict) -> tuple:
+    """The planner's search for these arguments' workload and capacities (a capacity not given: no limit)."""
+    tokens = args.tokens_per_step or args.seq_len * args.batch * args.grad_accum * args.world
+    work = Workload(shape=shape, seq_len=args.seq_len, tokens_per_step=tokens, world=args.world,
+                    precision="bf16" if args.precision == "fp8" else args.precision, fixed=fixed,
+                    disk_path="(--disk)" if args.disk_space else None, compile=args.compile,
+                    loss_chunk=args.loss_chunk_size)
+    machine = Machine(device_bytes=args.gpu_mem or 2**62, host_bytes=args.host_mem or 2**62,
+                      disk_bytes=args.disk_space, local_ranks=args.world // args.nodes, on_gpu=True,
+                      name=args.gpu, gpu_overhead=args.gpu_overhead)
+    return work, machine, search(work, machine, default_constants(machine))
+
+
+def _given(argv: list[str] | None) -> set[str]:
+    """The arguments given on the command line (their dests), not defaulted."""
+    p, unset = build_parser(), object()  # not a string: argparse does not convert it
+    p.set_defaults(**dict.fromkeys(vars(p.parse_args([])), unset))
+    return {dest for dest, value in vars(p.parse_args(argv)).items() if value is not unset}
+
+
+def plan_report(shape: ModelShape, args: argparse.Namespace, given: set[str]) -> str:
+    """--plan auto: the choice's table and its flags."""
+    fixed = {field: getattr(args, dest) for field, dest in _PLAN_FLAGS.items() if dest in given}
+    if "batch" in given and "grad_accum" not in given and args.tokens_per_step:
+        fixed.pop("micro_batch")  # the batch sized the tokens per step only when none was given
+    try:
+        work, machine, choice = plan_for(shape, args, fixed)
+    except PlanError as e:  # a fixed key is this tool's flag here
+        message = str(e)
+        for field, key in CONFIG_KEYS.items():
+            if field in _PLAN_FLAGS:
+                message = message.replace(f"{key}=", f"--{_PLAN_FLAGS[field].replace('_', '-')} ")
+        raise PlanError(message.replace("(fixed in the config)", "(given)")) from None
+    return explain(choice, choice.best, work, machine) + f"\nchosen: {plan_flags(choice.best.plan)}"
+
+
+def would_fit(shape: ModelShape, args: argparse.Namespace) -> str:
+    """After DOES NOT FIT: the flags of the fastest plan for the same tokens per step that fits, or the planner's
+    one line on the smallest change."""
+    try:
+        _, _, choice = plan_for(shape, args, {})
+    except PlanError as e:
+        return str(e)
+    return f"fits with: {plan_flags(choice.best.plan)} (python -m zerogpt_tools.estimate --plan auto explains)"
+
+
 def _capacity(text: str) -> int:
     """A memory or disk capacity: a size below 1 MiB is a number given without its unit (`--gpu-mem 80`)."""
     nbytes = parse_size(text)
@@ -184,12 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-mem", type=_capacity, help="host RAM per node, e.g. 128GB")
     p.add_argument("--disk", dest="disk_space", type=_capacity, help="free space at the offload path")
     p.add_argument("--gpu-overhead", type=parse_size, default=2**30, help="CUDA context + workspaces")
+    p.add_argument("--gpu", default="H100", help="GPU model for --plan auto's speed model (H100, A100, 4090, ...)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    # plan="auto"
+    p.add_argument("--plan", default="manual", choices=("manual", "auto"),
+                   help="auto: choose stage, offload, micro-batch x accumulation, checkpointing for the capacities "
+                        "(the flags given stay fixed)")
+    p.add_argument("--tokens-per-step", type=int,
+                   help="tokens per optimizer step over all ranks (default seq-len x batch x grad-accum x world)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    given = _given(argv)
     shape = MODELS[args.model]
     custom = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "kv_heads", "head_dim", "ffn")
               if getattr(args, k)}
@@ -199,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if custom:  # kv_heads, head_dim and ffn left unset follow the new hidden/heads (their family's defaults)
             shape = ModelShape(**{**asdict(shape), **custom})
+        if args.plan == "auto":
+            print(plan_report(shape, args, given))
+            return 0
         est = run_estimate(shape, args)
-    except ValueError as e:
+    except ValueError as e:  # PlanError too: bad input, a fixed flag that leaves nothing, nothing fits
         raise SystemExit(f"error: {e}")
     if args.json:
         print(json.dumps(dict(est, model=args.model_name, shape=asdict(shape)), indent=1))
@@ -208,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_report(est, shape, args))
     fits = all(cap is None or est["totals"][h] * (1 if h == "device" else args.world // args.nodes) <= cap
                for h, cap in (("device", args.gpu_mem), ("host", args.host_mem), ("disk", args.disk_space)))
+    if not fits and not args.json:
+        print(would_fit(shape, args))
     return 0 if fits else 1
 
 

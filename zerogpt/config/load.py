@@ -13,7 +13,7 @@ import re
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 from zerogpt.config.colossalai import ColossalZeroConfig, zero_config
 from zerogpt.config.render import to_python
@@ -37,6 +37,13 @@ class RunConfig(EngineKeys):
     """Tokens per sample."""
     NUM_EPOCHS: int | None = None
     """Passes over the training data when train.max_steps is None."""
+    plan: Literal["manual", "auto"] = "manual"
+    """"manual": the memory keys as written. "auto": zerogpt chooses stage, offload, state dtype, micro-batch x
+    accumulation, checkpointing, the chunked loss, bucket size, prefetch and device_budget for the machine it finds
+    (zerogpt/planner/); the keys a file sets stay fixed and the rest is chosen around them."""
+    TOKENS_PER_STEP: int | None = None
+    """plan="auto": tokens per optimizer step over all ranks, a multiple of world x SEQ_LEN (None: GLOBAL_BATCH_SIZE
+    x SEQ_LEN, else BATCH_SIZE x GRADIENT_ACCUMULATION x world x SEQ_LEN)."""
     zero: ZeroConfig | ColossalZeroConfig = field(default_factory=ZeroConfig)
     """zerogpt's keys and/or the Colossal-AI form (colossalai.py: without `stage` it means stage 3)."""
     model: dict = field(default_factory=dict)
@@ -53,12 +60,16 @@ class RunConfig(EngineKeys):
 
     def __post_init__(self) -> None:
         check_fields(self, "")
-        for name in ("BATCH_SIZE", "GLOBAL_BATCH_SIZE", "GRADIENT_ACCUMULATION", "SEQ_LEN", "NUM_EPOCHS"):
+        for name in ("BATCH_SIZE", "GLOBAL_BATCH_SIZE", "GRADIENT_ACCUMULATION", "SEQ_LEN", "NUM_EPOCHS",
+                     "TOKENS_PER_STEP"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.clip_grad_norm is not None and self.clip_grad_norm < 0:
             raise ValueError(f"clip_grad_norm must be >= 0 (0 or None = off), got {self.clip_grad_norm}")
+        if self.TOKENS_PER_STEP is not None and self.plan != "auto":
+            raise ValueError(f"TOKENS_PER_STEP={self.TOKENS_PER_STEP} is plan='auto''s target; set plan='auto' "
+                             f"(--plan auto), or give GLOBAL_BATCH_SIZE for a hand-set plan")
 
 
 _HINTS = typing.get_type_hints(RunConfig)

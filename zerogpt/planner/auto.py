@@ -1,0 +1,134 @@
+"""plan="auto" from config to config: the workload the config asks for, the machine, the search, the trial steps
+of the few fastest predicted plans, the choice, its table (printed and written to the run directory) and the
+config with the chosen plan written in (what `initialize` then executes, as it would a hand-set file).
+
+A resumed run reuses its run directory's plan (plan.json) unless the machine changed, and says which. A plan
+chosen before for this workload on this machine and zerogpt version comes from the cache without new trials.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from zerogpt.config import Config
+from zerogpt.memory_model import ModelShape
+from zerogpt.planner.config_plan import apply_plan, fixed_keys_line, workload_from_config
+from zerogpt.planner.explain import explain
+from zerogpt.planner.machine import PlanCache, fingerprint, write_json_atomic, write_text_atomic
+from zerogpt.planner.plan import Machine, Plan, PlanError, Workload
+from zerogpt.planner.search import Candidate, Choice, evaluate, search
+from zerogpt.planner.speed import SpeedConstants, calibrate
+
+__all__ = ["AutoPlan", "choose_plan", "trial_candidates", "PLAN_JSON", "PLAN_TABLE"]
+
+PLAN_JSON, PLAN_TABLE = "plan.json", "plan.txt"
+
+Trial = Callable[[Config, Plan], dict]
+"""Runs a plan's config for a few steps: {"seconds", "device_peak", "host_peak"} or {"error"}."""
+
+
+@dataclass
+class AutoPlan:
+    """The outcome: the config to build, the chosen candidate, the table, the trials' measurements."""
+
+    config: Config
+    chosen: Candidate
+    table: str
+    measured: dict = field(default_factory=dict)
+    factors: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+
+def trial_candidates(choice: Choice, count: int) -> list[Candidate]:
+    """The `count` fastest predicted plans that differ in what moves speed most (stage, offloads, micro-batch,
+    checkpointing): plans alike but for bucket size, prefetch or the chunked loss are one trial."""
+    out, seen = [], set()
+    for c in choice.ranked:
+        p = c.plan
+        key = (p.stage, p.offload_optimizer, p.offload_param, p.micro_batch, p.checkpoint)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+        if len(out) == count:
+            break
+    return out
+
+
+def _resumed_plan(run_dir: Path, machine_print: str, version: str, notes: list) -> Plan | None:
+    try:
+        saved = json.loads((run_dir / PLAN_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    if saved.get("machine") == machine_print and saved.get("version") == version:
+        notes.append(f"resumed: reusing this run's plan ({run_dir / PLAN_JSON})")
+        return Plan(**saved["plan"])
+    what = "machine" if saved.get("machine") != machine_print else "zerogpt version"
+    notes.append(f"resumed on another {what} than this run's plan was chosen on ({run_dir / PLAN_JSON}): "
+                 f"planning again")
+    return None
+
+
+def _run_trials(cfg: Config, work: Workload, choice: Choice, trial: Trial, count: int,
+                log: Callable[[str], None]) -> dict:
+    measured: dict[Plan, dict] = {}
+    for c in trial_candidates(choice, count):
+        log(f"plan='auto': trial steps of {c.plan.describe()}")
+        result = trial(apply_plan(cfg, c.plan), c.plan)
+        if "seconds" in result:
+            result = dict(result, tokens_per_s=work.tokens_per_step / max(result["seconds"], 1e-9))
+        measured[c.plan] = result
+    return measured
+
+
+def choose_plan(cfg: Config, shape: ModelShape, dp: int, machine: Machine, constants: SpeedConstants,
+                model_config: Any = None, trial: Trial | None = None, trials: int = 3, run_dir: str | None = None,
+                resume: bool = False, cache: PlanCache | None = None, version: str = "",
+                log: Callable[[str], None] = print, machine_print: str | None = None, write: bool = True,
+                agree: Callable[[Any], Any] = lambda known: known) -> AutoPlan:
+    """Choose the plan of a plan="auto" config (see the module docstring). Raises PlanError (one line).
+
+    `trial(config, plan)` runs trial steps (None: the fastest predicted is chosen untried). `write`: this process
+    writes the run directory's files and the cache (rank 0). `agree`: makes every rank take rank 0's reused plan
+    (a broadcast), so all ranks run the same trials or none."""
+    work = workload_from_config(cfg, shape, dp, model_config)
+    work.check()
+    machine_print = machine_print or fingerprint(machine)
+    notes: list[str] = []
+    out_dir = Path(run_dir) if run_dir else None
+    known = _resumed_plan(out_dir, machine_print, version, notes) if resume and out_dir else None
+    factors: dict = {}
+    if known is None and cache is not None:
+        entry, note = cache.lookup(work, machine_print, version)
+        notes += [note] if note else []
+        if entry:
+            known, factors = Plan(**entry["plan"]), entry.get("factors", {})
+    known, factors, notes = agree((known, factors, notes))
+    k = constants.scaled(factors) if factors else constants
+    choice = search(work, machine, k)
+    measured: dict = {}
+    if known is not None:
+        chosen = evaluate(known, work, machine, k)
+    elif trial is not None and trials > 0:
+        measured = _run_trials(cfg, work, choice, trial, trials, log)
+        ran = [c for c in choice.ranked if "tokens_per_s" in measured.get(c.plan, {})]
+        if not ran:
+            errors = "; ".join(f"{p.describe()}: {m.get('error')}" for p, m in measured.items())
+            raise PlanError(f"plan='auto': every trial failed ({errors}); {machine.describe()}")
+        chosen = max(ran, key=lambda c: measured[c.plan]["tokens_per_s"])
+        k, factors = calibrate(constants, [(c.terms, measured[c.plan]["seconds"]) for c in ran])
+    else:
+        chosen = choice.best
+    if work.fixed:
+        notes.append(f"fixed by the config: {fixed_keys_line(work)}")
+    if factors:
+        notes.append("speed model calibrated on the trials: " + ", ".join(f"{t} x{f:.2f}" for t, f in factors.items()))
+    table = explain(choice, chosen, work, machine, measured, note="\n".join(notes))
+    if out_dir is not None and write:
+        write_text_atomic(out_dir / PLAN_TABLE, table + "\n")
+        write_json_atomic(out_dir / PLAN_JSON, dict(version=version, machine=machine_print,
+                                                    plan=chosen.plan.to_dict(), factors=factors))
+    if cache is not None and known is None and write:
+        cache.store(work, machine_print, version, chosen.plan, factors)
+    return AutoPlan(apply_plan(cfg, chosen.plan), chosen, table, measured, factors, notes)
