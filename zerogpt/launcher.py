@@ -23,7 +23,7 @@ import signal
 import sys
 from typing import Sequence
 
-__all__ = ["main", "run", "threads_per_worker", "TorchLogFilter"]
+__all__ = ["main", "run", "root_cause", "threads_per_worker", "TorchLogFilter"]
 
 USAGE = """usage: zerogpt <command> ...
 
@@ -92,6 +92,16 @@ def _failure_line(rank: int, failure, args) -> str | None:
     return f"error: rank {rank}: {first}{where}"
 
 
+def root_cause(failures: dict) -> tuple[int, object]:
+    """The rank that failed first, as torchrun's ChildFailedError.get_first_failure picks it (the earliest
+    timestamp: an error file's, else when the agent saw the exit), less the ranks the agent itself stopped with
+    SIGTERM once another had failed: without error files all stamps fall in one second, and torchrun's pick
+    is then the lowest rank, often one it stopped."""
+    failed = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    rank = min(failed, key=lambda r: (failed[r].timestamp, r))
+    return rank, failed[rank]
+
+
 def _exit_code(code: int) -> int:
     """A worker's exit code as a process's: a signal N (negative in torchrun's report) as 128 + N."""
     return 128 - code if code < 0 else code
@@ -119,7 +129,7 @@ def run(argv: Sequence[str]) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = root_cause(e.failures)
         if os.path.isfile(failure.error_file):
             error_handler.dump_error_file(failure.error_file, failure.exitcode)
         line = _failure_line(rank, failure, args)
