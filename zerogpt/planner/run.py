@@ -16,7 +16,7 @@ from zerogpt.planner.auto import choose_plan
 from zerogpt.planner.machine import PlanCache, cpu_flops_per_s, detect_machine, fingerprint
 from zerogpt.planner.plan import Plan, PlanError
 from zerogpt.planner.speed import default_constants
-from zerogpt.planner.trial import run_trial
+from zerogpt.planner.trial import restore_rng_states, rng_states, run_trial
 
 __all__ = ["plan_for_run", "TRIALS", "TRIAL_STEPS"]
 
@@ -46,7 +46,17 @@ def _gathered(result: dict) -> dict:
 def plan_for_run(cfg: Config, ctx: Any, build_model: Callable[[Config], torch.nn.Module],
                  criterion: Callable[[], Any], resume: bool, log: Callable[[str], None]) -> Config:
     """The config with its plan chosen (see zerogpt/planner/auto.py); `build_model(cfg)` builds the model as the
-    run will (meta device), `criterion()` the loss. The model state of trials is discarded."""
+    run will (meta device), `criterion()` the loss. The model state of trials is discarded, and every RNG is put
+    back as it was (building a model draws its init seed), so the run starts as a hand-set run of the plan."""
+    states = rng_states()
+    try:
+        return _plan_for_run(cfg, ctx, build_model, criterion, resume, log)
+    finally:
+        restore_rng_states(states)
+
+
+def _plan_for_run(cfg: Config, ctx: Any, build_model: Callable[[Config], torch.nn.Module],
+                  criterion: Callable[[], Any], resume: bool, log: Callable[[str], None]) -> Config:
     parallel = parallel_config(cfg)
     if parallel.tensor.size > 1 or parallel.pipeline > 1:
         raise PlanError("plan='auto' plans data parallelism only; with parallel.tensor or parallel.pipeline set the "

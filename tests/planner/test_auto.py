@@ -1,0 +1,107 @@
+"""choose_plan without an engine: trials given as a function, the choice by measurement, a trial out of memory
+lost, the table in the run directory, the cache and a resumed run's plan (same machine or not, same version or
+not)."""
+import json
+
+import pytest
+
+from model_zoo.gpt import GPTConfig, gpt2_xl
+from tests.planner.shapes import XL, gpu
+from zerogpt.config import Config
+from zerogpt.planner.auto import PLAN_JSON, PLAN_TABLE, choose_plan
+from zerogpt.planner.machine import PlanCache
+from zerogpt.planner.plan import PlanError
+from zerogpt.planner.speed import default_constants
+
+MACHINE = gpu(24, 64)
+K = default_constants(MACHINE)
+XL_CONFIG = GPTConfig(n_layer=48, n_head=25, n_embd=1600)
+
+
+def xl_cfg(**keys) -> Config:
+    base = dict(plan="auto", SEQ_LEN=1024, TOKENS_PER_STEP=64 * 1024, precision="bf16",
+                model=dict(type=gpt2_xl), optimizer=dict(type="HybridAdam", lr=1e-4))
+    return Config({**base, **keys}).validate()
+
+
+class Trials:
+    """Made-up measurements: the n-th trial's seconds from `seconds`, out of memory where it says None."""
+
+    def __init__(self, seconds):
+        self.seconds, self.plans = list(seconds), []
+
+    def __call__(self, config, plan):
+        self.plans.append(plan)
+        s = self.seconds[len(self.plans) - 1]
+        if s is None:
+            return dict(error="out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)")
+        return dict(seconds=s, device_peak=10 * 2**30, host_peak=20 * 2**30)
+
+
+def choose(trial=None, **kw):
+    kw.setdefault("version", "1.0")
+    return choose_plan(xl_cfg(), XL, 1, MACHINE, K, model_config=XL_CONFIG, trial=trial, log=lambda _: None,
+                       machine_print="machine-a", **kw)
+
+
+def test_the_fastest_measured_is_kept_and_an_out_of_memory_trial_is_lost(tmp_path):
+    trials = Trials([None, 9.0, 3.0])
+    result = choose(trials, trials=3, run_dir=str(tmp_path))
+    assert len(trials.plans) == 3
+    assert result.chosen.plan == trials.plans[2]
+    assert result.measured[trials.plans[0]]["error"].startswith("out of memory")
+    table = (tmp_path / PLAN_TABLE).read_text()
+    assert table == result.table + "\n"
+    rows = table.splitlines()
+    assert rows[0].startswith("plan='auto': 1,557.7M params, 65,536 tokens/step")
+    chosen_row = next(r for r in rows if r.startswith("*"))
+    assert trials.plans[2].describe()[:57] in chosen_row and "21,845" in chosen_row  # 65,536 / 3 s measured
+    assert any("trial failed: out of memory" in r for r in rows)
+    assert any("measured slower: 7,282 < 21,845 tokens/s" in r for r in rows)
+    assert any("does not fit:" in r for r in rows)
+    assert "speed model calibrated on the trials" in table
+    saved = json.loads((tmp_path / PLAN_JSON).read_text())
+    assert saved["plan"] == result.chosen.plan.to_dict() and saved["machine"] == "machine-a"
+    assert result.config.BATCH_SIZE == result.chosen.plan.micro_batch and result.config.plan == "manual"
+
+
+def test_every_trial_failing_is_one_line():
+    with pytest.raises(PlanError, match=r"^plan='auto': every trial failed \(.*out of memory"):
+        choose(Trials([None, None]), trials=2)
+
+
+def test_the_cache_is_reused_on_the_same_machine_and_version_and_ignored_otherwise(tmp_path):
+    cache = PlanCache(str(tmp_path / "plans.json"))
+    first = choose(Trials([5.0, 4.0, 6.0]), trials=3, cache=cache)
+    again = Trials([1.0])
+    second = choose(again, trials=3, cache=cache)
+    assert again.plans == [] and second.chosen.plan == first.chosen.plan
+    assert any("reusing the plan chosen on this machine" in n for n in second.notes)
+    newer = Trials([5.0, 4.0, 6.0])
+    third = choose(newer, trials=3, cache=cache, version="2.0")
+    assert len(newer.plans) == 3
+    assert any("written by zerogpt 1.0, this is 2.0; ignored" in n for n in third.notes)
+    elsewhere = choose_plan(xl_cfg(), XL, 1, MACHINE, K, model_config=XL_CONFIG, trial=Trials([5.0]), trials=1,
+                            cache=cache, version="2.0", log=lambda _: None, machine_print="machine-b")
+    assert any("written on another machine; ignored" in n for n in elsewhere.notes)
+
+
+def test_a_resumed_run_reuses_its_plan_unless_the_machine_changed(tmp_path):
+    first = choose(Trials([5.0, 4.0, 6.0]), trials=3, run_dir=str(tmp_path))
+    none_run = Trials([])
+    resumed = choose(none_run, trials=3, run_dir=str(tmp_path), resume=True)
+    assert none_run.plans == [] and resumed.chosen.plan == first.chosen.plan
+    assert resumed.notes[0].startswith("resumed: reusing this run's plan")
+    moved = choose_plan(xl_cfg(), XL, 1, MACHINE, K, model_config=XL_CONFIG, trial=Trials([5.0]), trials=1,
+                        run_dir=str(tmp_path), resume=True, version="1.0", log=lambda _: None,
+                        machine_print="machine-b")
+    assert moved.notes[0].startswith("resumed on another machine than this run's plan was chosen on")
+
+
+def test_without_trials_the_fastest_predicted_is_chosen():
+    from zerogpt.planner.search import search
+    from zerogpt.planner.config_plan import workload_from_config
+
+    result = choose(None)
+    best = search(workload_from_config(xl_cfg(), XL, 1, XL_CONFIG), MACHINE, K).best
+    assert result.chosen == best and result.measured == {}
