@@ -1,12 +1,14 @@
 """Pretrain a GPT from a config file: config -> launch -> data -> model -> initialize -> Trainer.fit.
 
 The CPU demo (2 ranks; tokenizes the bundled sample corpus on its first run, then trains):
-    torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/demo_cpu.py
+    zerogpt run --nproc-per-node 2 train_gpt.py --config configs/demo_cpu.py
 One process, CPU or one GPU:
     python train_gpt.py --config configs/demo_cpu.py --set train.max_steps=50
 8 GPUs, overriding keys, continuing from the newest checkpoint if there is one:
-    torchrun --standalone --nproc_per_node 8 train_gpt.py --config configs/gpt2_small_zero2.py \\
+    zerogpt run --nproc-per-node 8 train_gpt.py --config configs/gpt2_small_zero2.py \\
         --set zero.stage=3 --set BATCH_SIZE=8 --resume auto
+`zerogpt run` is torchrun (the same flags, multi-node included) with a quiet console (zerogpt/launcher.py);
+`torchrun --standalone --nproc_per_node 2 train_gpt.py ...` runs the same.
 
 A run writes <train.output_dir>/: config.py (resolved), metrics.jsonl, tensorboard/, checkpoints/step_<N>/,
 checkpoints/latest, loss.png (DESIGN §5). A directory holding another run needs --resume auto or --overwrite.
@@ -26,6 +28,7 @@ from zerogpt import preflight
 from zerogpt.cli import HelpFormatter
 from zerogpt.config import data_config, lr_scheduler_config, parallel_config, train_config
 from zerogpt.errors import USER_ERRORS, env_rank, report_crash, report_user_error
+from zerogpt.logging import rank_logger, slow_phase
 from zerogpt.optim.lr_scheduler import build_lr_scheduler
 from zerogpt.parallel.pipeline import Pipeline
 from zerogpt.parallel.plan import parallelize
@@ -140,10 +143,11 @@ def main(argv=None) -> int:
         if train.wandb is not None:
             check_wandb_installed(train.wandb.mode)
         preflight.check_optimizer(cfg)
-        dims = preflight.check_parallel(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
-        # the model state must fit this host's RAM (and the offload disk): refused now, not killed mid-build
-        if cfg.plan != "auto":  # plan="auto" chooses what fits, with the same arithmetic, once launched
-            check_memory(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
+        with slow_phase(rank_logger(), "preflight: the model's shape on the meta device, its layout and memory"):
+            dims = preflight.check_parallel(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
+            # the model state must fit this host's RAM (and the offload disk): refused now, not killed mid-build
+            if cfg.plan != "auto":  # plan="auto" chooses what fits, with the same arithmetic, once launched
+                check_memory(cfg, preflight.env_world_size(), lambda: model_on_meta(cfg, data))
         preflight.check_resume(args.resume)
         preflight.check_output_dir(train.output_dir)   # creates it: the first write
         lock = preflight.lock_run_dir(train.output_dir) if env_rank() == 0 else None
@@ -228,7 +232,9 @@ def setup(cfg, train, data, ctx, dims, resume):
         model = parallelize(model, ctx.mesh, parallel_config(cfg).tensor.sequence_parallel)
 
     # 5. initialize: ZeRO sharding (over "dp"), offload, precision, optimizer; the pipeline schedule; the LR schedule
-    engine = zerogpt.initialize(model, dict(cfg.optimizer), GPTLMLoss(shift=False), config=cfg, ctx=ctx)
+    with slow_phase(ctx.logger, "initialize: building the engine (optimizer, chunks, this rank's shards filled "
+                                "from their init or the model's files)"):
+        engine = zerogpt.initialize(model, dict(cfg.optimizer), GPTLMLoss(shift=False), config=cfg, ctx=ctx)
     pipeline = Pipeline(engine) if dims.pp > 1 else None
     accum = engine.gradient_accumulation
     lr_scheduler = None
@@ -259,7 +265,8 @@ def setup(cfg, train, data, ctx, dims, resume):
         if ckpt is None:
             ctx.logger.info(f"--resume auto: no checkpoint in {out}/checkpoints yet, starting at step 0")
         else:
-            trainer.load_state_dict(engine.load_checkpoint(ckpt))
+            with slow_phase(ctx.logger, f"resume: reading {ckpt} into this rank's shards"):
+                trainer.load_state_dict(engine.load_checkpoint(ckpt))
             ctx.logger.info(f"resumed from {ckpt} at step {trainer.state.step}")
             last_step = train.max_steps or (cfg.NUM_EPOCHS or 1) * len(train_dl) // accum
             if trainer.state.step >= last_step:

@@ -1,16 +1,23 @@
 """Rank-aware logging: rank 0 prints progress, every rank can warn.
 
 `get_logger(rank)` returns a stdlib logger that shows INFO on rank 0 only (or on all ranks with
-all_ranks=True) and WARNING/ERROR from any rank, tagged "[rank R] WARNING ...". It owns no files: metrics go to
-metrics.jsonl through the trainer's hooks.
+all_ranks=True) and WARNING/ERROR from any rank, tagged "[rank R] WARNING ...". `slow_phase` says what a long
+start-up phase is doing once it has run SLOW_PHASE_S. It owns no files: metrics go to metrics.jsonl through the
+trainer's hooks.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import threading
+from typing import Iterator
 
-__all__ = ["get_logger", "rank_logger"]
+__all__ = ["get_logger", "rank_logger", "slow_phase", "SLOW_PHASE_S"]
+
+SLOW_PHASE_S = 10.0
+"""A start-up phase still running after this long says what it is doing (slow_phase): past it, a user wonders."""
 
 
 class _RankFilter(logging.Filter):
@@ -83,3 +90,22 @@ def rank_logger() -> logging.Logger:
     if any(isinstance(handler, _StdHandler) for handler in logger.handlers):
         return logger
     return get_logger(rank)
+
+
+@contextlib.contextmanager
+def slow_phase(logger: logging.Logger, what: str, after_s: float = SLOW_PHASE_S) -> Iterator[None]:
+    """Around a start-up phase that can be long (preflight's model on meta, initialize's shard fill, a resume's
+    read): still running after `after_s`, it logs "<what> (N s so far)" once; a quick phase prints nothing, so a
+    small run's console stays as it is. The line comes from a timer thread (logging's handler lock orders it).
+
+    Example:
+        >>> with slow_phase(ctx.logger, "initialize: filling this rank's shards"):
+        ...     engine = zerogpt.initialize(model, optimizer, config=cfg, ctx=ctx)
+    """
+    timer = threading.Timer(after_s, lambda: logger.info(f"{what} ({after_s:.0f} s so far)"))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
