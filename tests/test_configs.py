@@ -15,14 +15,17 @@ from zerogpt.preflight import PreflightError, check_parallel
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
 SHIPPED = ["demo_cpu.py", "gpt2_medium_ddp.py", "gpt2_medium_pp2.py", "gpt2_medium_tp2.py", "gpt2_small_zero2.py",
-           "gpt2_small_zero3_offload.py", "gpt2_xl_zero3_offload.py", "gpt2_zero3.py", "llama3_8b_zero3_offload.py",
-           "llama_continue_cpu.py", "llama_tiny_cpu.py", "qwen2_5_7b_zero3.py"]
+           "gpt2_small_zero3_offload.py", "gpt2_xl_auto.py", "gpt2_xl_zero3_offload.py", "gpt2_zero3.py",
+           "llama3_8b_auto.py", "llama3_8b_zero3_offload.py", "llama_continue_cpu.py", "llama_tiny_cpu.py",
+           "qwen2_5_7b_zero3.py"]
 # name -> (zero stage, gradient accumulation at the world size of the header's command, param offload, world);
 # the accumulation divides GLOBAL_BATCH_SIZE by BATCH_SIZE x the data-parallel size, world / (T x P)
 EXPECTED = {"demo_cpu.py": (2, 1, "none", 2), "gpt2_medium_ddp.py": (0, 8, "none", 8),
             "gpt2_medium_pp2.py": (1, 2, "none", 2), "gpt2_medium_tp2.py": (1, 2, "none", 2),
             "gpt2_small_zero2.py": (2, 4, "none", 8), "gpt2_small_zero3_offload.py": (3, 4, "cpu", 4),
-            "gpt2_xl_zero3_offload.py": (3, 1, "none", 1), "gpt2_zero3.py": (3, 1, "cpu", 4),
+            "gpt2_xl_zero3_offload.py": (3, 1, "none", 1),
+            "gpt2_xl_auto.py": (0, 1, "none", 1), "llama3_8b_auto.py": (0, 1, "none", 1),  # unplanned: defaults
+            "gpt2_zero3.py": (3, 1, "cpu", 4),
             "llama3_8b_zero3_offload.py": (3, 1, "cpu", 1), "qwen2_5_7b_zero3.py": (3, 2, "none", 8),
             "llama_tiny_cpu.py": (2, 1, "none", 2), "llama_continue_cpu.py": (3, 1, "none", 2)}
 
