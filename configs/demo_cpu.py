@@ -1,5 +1,5 @@
 # CPU demo: GPT-2 tiny on the bundled Python-docs corpus, ZeRO-2 over 2 CPU ranks, about 2 minutes.
-#   torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/demo_cpu.py
+#   zerogpt run --nproc-per-node 2 train_gpt.py --config configs/demo_cpu.py
 # The first run trains a 2,048-token BPE tokenizer on data_pipeline/assets/sample/ and tokenizes it into
 # .cache/demo/ (504k tokens, 95% for training). Tokens/step: 8 seqs x 128 tokens x 1 accumulation x 2 ranks
 # = 2,048; 300 steps = 614k tokens, 1.3 passes over the training split.

@@ -1,6 +1,6 @@
 # GPT-2 medium (355M) as plain data parallelism (ZeRO stage 0 = DDP: every rank holds all of the model
 # state, 16 bytes x 355M = 5.7 GB, gradients all-reduced). The baseline the ZeRO stages are measured against.
-#   torchrun --standalone --nproc_per_node 8 train_gpt.py --config configs/gpt2_medium_ddp.py
+#   zerogpt run --nproc-per-node 8 train_gpt.py --config configs/gpt2_medium_ddp.py
 # Tokens/step: GLOBAL_BATCH_SIZE 512 seqs x 1024 = 524,288 (8 seqs x 8 accumulation x 8 GPUs).
 from model_zoo.gpt import gpt2_medium
 

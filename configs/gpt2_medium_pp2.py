@@ -1,6 +1,6 @@
 # GPT-2 medium (345M in Megatron's count) with a 2-stage pipeline: the seed's Megatron-LM run
 # (pretrain_gpt_distributed_with_mp.sh, --pipeline-model-parallel-size 2) as a zerogpt config, fp16.
-#   torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/gpt2_medium_pp2.py
+#   zerogpt run --nproc-per-node 2 train_gpt.py --config configs/gpt2_medium_pp2.py
 # Layout: P=2 stages of 12 blocks each (embedding on the first, head on the last), so D = world / (T x P) =
 # 2 / 2 = 1 data-parallel rank; with more GPUs D grows and ZeRO (stages 0-2; not 3) shards over it.
 # Tokens/step: GLOBAL_BATCH_SIZE 8 seqs x 1024 = 8,192 (2 micro-batches of 4 seqs through the pipeline x D=1).

@@ -1,6 +1,6 @@
 # GPT-2 medium (345M in Megatron's count) with 2-way tensor parallelism: the seed's Megatron-LM run
 # (pretrain_gpt_distributed_with_mp.sh, --tensor-model-parallel-size 2) as a zerogpt config, fp16.
-#   torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/gpt2_medium_tp2.py
+#   zerogpt run --nproc-per-node 2 train_gpt.py --config configs/gpt2_medium_tp2.py
 # Layout: T=2 ranks split every layer (16 heads -> 8 per rank, MLP 4096 -> 2048, vocab rows 50,304 -> 25,152),
 # so D = world / (T x P) = 2 / 2 = 1 data-parallel rank; with more GPUs D grows and ZeRO shards over it.
 # Tokens/step: GLOBAL_BATCH_SIZE 8 seqs x 1024 = 8,192 (4 seqs x 2 accumulation x D=1).

@@ -1,5 +1,5 @@
 # GPT-2 small (124M) with ZeRO-2 on 8 GPUs, bf16: gradients and Adam state sharded, weights replicated.
-#   torchrun --standalone --nproc_per_node 8 train_gpt.py --config configs/gpt2_small_zero2.py
+#   zerogpt run --nproc-per-node 8 train_gpt.py --config configs/gpt2_small_zero2.py
 # Tokens/step: GLOBAL_BATCH_SIZE 512 seqs x 1024 = 524,288 (~0.5M, as GPT-3 small); on 8 GPUs that is
 # 16 seqs x 4 accumulation per rank, and the accumulation adapts if the GPU count changes.
 # 20,000 steps = 10.5B tokens. Data: python -m data_pipeline all ... then train-tokenizer and tokenize.

@@ -1,6 +1,6 @@
 # GPT-2 small with ZeRO-3 and CPU offload of parameters and optimizer state (the direct form of the seed
 # config): each GPU holds only the chunks in flight, host RAM holds 1/N of 16 bytes x 124M = 2 GB / N.
-#   torchrun --standalone --nproc_per_node 4 train_gpt.py --config configs/gpt2_small_zero3_offload.py
+#   zerogpt run --nproc-per-node 4 train_gpt.py --config configs/gpt2_small_zero3_offload.py
 # Tokens/step: 8 seqs x 1024 x 4 accumulation x 4 ranks = 131,072; 10,000 steps = 1.3B tokens.
 from model_zoo.gpt import gpt2_small
 from zerogpt.optim import HybridAdam

@@ -1,7 +1,7 @@
 # GPT-2 XL (1.56B) on ONE GPU: ZeRO-3 with the fp32 master, gradient and Adam state in CPU RAM (16 bytes x 1.56B
 # = 25 GB, pinned), the bf16 parameters on the GPU (3 GB), activation checkpointing per block.
 #   python train_gpt.py --config configs/gpt2_xl_zero3_offload.py
-#   (or torchrun --standalone --nproc_per_node 1 ...; more GPUs shard the host state N ways)
+#   (or zerogpt run --nproc-per-node 1 ...; more GPUs shard the host state N ways)
 # Tokens/step: 64 seqs x 1024 x 1 GPU = 65,536, in one micro-batch: the host step (CPU Adam) costs the same per
 # step however the tokens are split, so one large micro-batch amortises it; 4 x 16 accumulation ran 7.6x slower.
 # Measured on one H100 80GB (bench/results/spec_zxl64.json, bench/gpu_measure.py at baad7cf, 2026-11-24): this

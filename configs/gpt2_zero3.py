@@ -1,6 +1,6 @@
 # The seed tutorial's config as written (Colossal-AI's GPT-2 ZeRO example), on GPT-2 small: a zero dict
 # without `stage` is ZeRO-3; parameters and Adam state rest in CPU RAM, stepped by HybridAdam.
-#   torchrun --standalone --nproc_per_node 4 train_gpt.py --config configs/gpt2_zero3.py \
+#   zerogpt run --nproc-per-node 4 train_gpt.py --config configs/gpt2_zero3.py \
 #       --set data.path=data/webtext/webtext_text_document --set data.tokenizer=data/webtext/tokenizer
 # (or --set data.mock=True for random tokens). Tokens/step: 2 seqs x 1024 x 4 ranks = 8,192.
 from model_zoo.gpt import gpt2_small

@@ -1,8 +1,8 @@
 # CPU demo, Llama family, step 3 of 3: continue pretraining the Hugging Face Llama that steps 1-2 wrote, as one
 # continues Llama / Qwen / Mistral weights, ZeRO-3 over 2 CPU ranks (each rank reads only its shards' rows):
-#   torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/llama_tiny_cpu.py
+#   zerogpt run --nproc-per-node 2 train_gpt.py --config configs/llama_tiny_cpu.py
 #   python -m zerogpt_tools.export runs/llama_tiny_cpu --out exports/llama_tiny
-#   torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/llama_continue_cpu.py
+#   zerogpt run --nproc-per-node 2 train_gpt.py --config configs/llama_continue_cpu.py
 # Tokens/step: 8 seqs x 128 tokens x 1 accumulation x 2 ranks = 2,048; 200 steps = 410k tokens.
 BATCH_SIZE = 8                 # sequences per rank per micro-batch
 SEQ_LEN = 128                  # <= the checkpoint's max_position_embeddings (128)

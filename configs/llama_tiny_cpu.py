@@ -1,8 +1,8 @@
 # CPU demo, Llama family, step 1 of 3: model_zoo's llama_tiny, widened to 4 layers x 128, pretrained from scratch
 # on the bundled sample (the demo's data and 2,048-token tokenizer), ZeRO-2 over 2 CPU ranks:
-#   torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/llama_tiny_cpu.py
+#   zerogpt run --nproc-per-node 2 train_gpt.py --config configs/llama_tiny_cpu.py
 #   python -m zerogpt_tools.export runs/llama_tiny_cpu --out exports/llama_tiny     # step 2: a Hugging Face Llama
-#   torchrun --standalone --nproc_per_node 2 train_gpt.py --config configs/llama_continue_cpu.py   # step 3
+#   zerogpt run --nproc-per-node 2 train_gpt.py --config configs/llama_continue_cpu.py   # step 3
 # Tokens/step: 8 seqs x 128 tokens x 1 accumulation x 2 ranks = 2,048; 300 steps = 614k tokens.
 from model_zoo.llama import llama_tiny
 

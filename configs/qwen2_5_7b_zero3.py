@@ -1,6 +1,6 @@
 # Qwen2.5-7B (7.62B) continued on 8 GPUs: ZeRO-3 with everything on the GPUs (no offload), bf16, activation
 # checkpointing per layer, the loss a chunk at a time (152k vocab).
-#   torchrun --standalone --nproc_per_node 8 train_gpt.py --config configs/qwen2_5_7b_zero3.py
+#   zerogpt run --nproc-per-node 8 train_gpt.py --config configs/qwen2_5_7b_zero3.py
 # model.pretrained is a placeholder: point it at your local save_pretrained copy of Qwen/Qwen2.5-7B (nothing is
 # downloaded; the weights stream from its safetensors into the shards), and data at text tokenized with its tokenizer.
 # Memory per GPU (python -m zerogpt_tools.estimate --model qwen2_5_7b --world 8 --seq-len 4096 --batch 8

@@ -47,7 +47,7 @@ def test_config_loads_and_resolves(name, tmp_path):
     # plain data, 10-40 lines, the launch command in the header comment
     text = open(path).read()
     assert 10 <= len(text.splitlines()) <= 40
-    assert re.search(rf"(torchrun|python) .*train_gpt\.py --config configs/{name}", text)
+    assert re.search(rf"(zerogpt run|torchrun|python) .*train_gpt\.py --config configs/{name}", text)
     # the model section builds (on the meta device: shapes only, no memory even for XL; a checkpoint to continue
     # is the user's, as train_gpt.model_on_meta builds it for preflight: the factory's shape, nothing read)
     model_cfg = {k: v for k, v in dict(cfg.model).items() if k != "pretrained"}
