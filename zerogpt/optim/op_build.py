@@ -4,7 +4,7 @@ torch.utils.cpp_extension JIT-builds an op with ninja into torch's extension cac
 it, and afterwards only loads it. A build is a silent half-minute or more per op (about 25 s for zerogpt's host
 Adam and 45 s for DeepSpeed's cpu_adam on a 2-core machine, minutes on a busy one), so a build at first use says
 so before it starts and when it is done, from rank 0 (`announced_build`), and `make install` builds both ahead
-(`main`, `zerogpt build-ops`). A machine that cannot build is told so there, and runs fall back at run time as
+(`zerogpt build-ops`, launcher.py). A machine that cannot build is told so there, and runs fall back at run time as
 before (cpu_adam.py: torch's fused Adam). It does not own the loading: host_adam.py and cpu_adam.py do.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 
 from zerogpt.logging import rank_logger
 
-__all__ = ["extension_dir", "needs_build", "announced_build", "main"]
+__all__ = ["extension_dir", "needs_build", "announced_build"]
 
 HOST_ADAM = "zerogpt's host Adam op"
 DEEPSPEED_ADAM = "DeepSpeed's cpu_adam op"
@@ -67,27 +67,3 @@ def announced_build(what: str, name: str, sources: Sequence[str]) -> Iterator[No
     started = time.monotonic()
     yield  # a failed build raises through here: the loader's fallback says what happens instead
     log.info(f"built {what} in {time.monotonic() - started:.0f} s")
-
-
-def main(argv: Sequence[str] = ()) -> int:
-    """`zerogpt build-ops` (make install): build both ops now; a machine that cannot is told so, and exit 0."""
-    from zerogpt.optim.cpu_adam import deepspeed_op_error
-    from zerogpt.optim.host_adam import load_host_adam
-
-    if argv:
-        print(f"error: zerogpt build-ops takes no arguments, got {' '.join(argv)}", file=sys.stderr)
-        return 2
-    failed = []
-    for what, load in ((HOST_ADAM, lambda: load_host_adam()[1]), (DEEPSPEED_ADAM, deepspeed_op_error)):
-        started = time.monotonic()
-        error = load()  # a build says so before and after (announced_build); a cached op only loads
-        if error:
-            failed.append(what)
-            print(f"build-ops: {what} did not build ({error}); runs fall back to torch's fused Adam at run time",
-                  flush=True)
-        else:
-            print(f"build-ops: {what} ready ({time.monotonic() - started:.0f} s)", flush=True)
-    if failed:
-        print("build-ops: install ninja and a C++ compiler (g++), then run `zerogpt build-ops` again to build "
-              + " and ".join(failed), flush=True)
-    return 0
