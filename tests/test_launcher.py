@@ -125,6 +125,9 @@ def test_a_failed_worker_gives_its_own_line_and_exit_code_and_a_signal_one_line(
     """))
     code, log = zerogpt_run([str(script), "exit"], cwd=tmp_path)
     assert (code, log.splitlines()) == (7, ["error: rank 1 failed on purpose"])
+    logs = tmp_path / "logs"                         # its stderr to a file: the launcher names the rank
+    code, log = zerogpt_run(["--redirects", "2", "--log-dir", str(logs), str(script), "exit"], cwd=tmp_path)
+    assert (code, log.splitlines()) == (7, [f"error: rank 1 exited with code 7; its output is under {logs}"])
     code, log = zerogpt_run([str(script), "kill"], cwd=tmp_path)
     assert code == 128 + signal.SIGKILL
     assert re.fullmatch(r"error: rank 1 \(pid \d+\) was killed by SIGKILL; the other ranks were stopped\n", log), log
@@ -191,3 +194,17 @@ def test_the_launcher_drops_torchruns_records_and_no_others():
     assert not keep.filter(record("torch.distributed.elastic.multiprocessing.api"))
     assert not keep.filter(record("torch.distributed.run"))
     assert keep.filter(record("torch.distributed.distributed_c10d")) and keep.filter(record("zerogpt.rank0"))
+
+
+def test_a_rank_whose_stderr_went_to_a_file_is_named_by_the_launcher():
+    from torch.distributed.run import get_args_parser
+
+    from zerogpt.launcher import _shows_stderr
+
+    def shows(*flags, local_rank=1):
+        return _shows_stderr(get_args_parser().parse_args([*flags, "train.py"]), local_rank)
+
+    assert shows() and shows("--redirects", "1")                            # stdout only to the file
+    assert not shows("--redirects", "2") and not shows("--redirects", "0:3,1:2")
+    assert shows("--redirects", "3", "--tee", "3") and shows("--redirects", "1:2", local_rank=0)
+    assert not shows("--local-ranks-filter", "0") and shows("--local-ranks-filter", "0,1")

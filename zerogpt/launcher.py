@@ -52,15 +52,11 @@ def threads_per_worker(workers: int) -> int:
     return max(1, cores // max(workers, 1))
 
 
-def _quiet_torchrun() -> list[tuple[logging.Handler, logging.Filter]]:
+def _quiet_torchrun() -> None:
     """Filter torchrun's records out of the handlers torch installs ("torch", "torch.distributed")."""
-    installed = []
     for name in ("torch", "torch.distributed"):
         for handler in logging.getLogger(name).handlers:
-            log_filter = TorchLogFilter()
-            handler.addFilter(log_filter)
-            installed.append((handler, log_filter))
-    return installed
+            handler.addFilter(TorchLogFilter())
 
 
 def _shows_stderr(args, local_rank: int) -> bool:
@@ -68,13 +64,13 @@ def _shows_stderr(args, local_rank: int) -> bool:
     left out by --local-ranks-filter)."""
     from torch.distributed.elastic.multiprocessing import Std
 
-    redirects = Std.from_str(args.redirects)
-    tee = Std.from_str(args.tee)
-    pick = (lambda std: std.get(local_rank, Std.NONE)) if isinstance(redirects, dict) else (lambda std: std)
-    redirected = pick(redirects) in (Std.ERR, Std.ALL)
-    teed = (tee.get(local_rank, Std.NONE) if isinstance(tee, dict) else tee) in (Std.ERR, Std.ALL)
+    def to_err(flag: str) -> bool:
+        std = Std.from_str(flag)
+        std = std.get(local_rank, Std.NONE) if isinstance(std, dict) else std
+        return std in (Std.ERR, Std.ALL)
+
     shown = not args.local_ranks_filter or str(local_rank) in args.local_ranks_filter.split(",")
-    return shown and (teed or not redirected)
+    return shown and (to_err(args.tee) or not to_err(args.redirects))
 
 
 def _failure_line(rank: int, failure, args) -> str | None:
@@ -84,12 +80,11 @@ def _failure_line(rank: int, failure, args) -> str | None:
                 f"the other ranks were stopped")
     if _shows_stderr(args, failure.local_rank):
         return None
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    first = str(message).strip().splitlines()[0] if str(message).strip() else f"exit code {failure.exitcode}"
-    where = f"; its log is under {args.log_dir}" if args.log_dir else ""
-    return f"error: rank {rank}: {first}{where}"
+    where = f"; its output is under {args.log_dir}" if args.log_dir else ""
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+    if not os.path.isfile(failure.error_file) or not str(message).strip():  # torchrun's stand-in is a docs link
+        return f"error: rank {rank} exited with code {failure.exitcode}{where}"
+    return f"error: rank {rank}: {str(message).strip().splitlines()[0]}{where}"
 
 
 def root_cause(failures: dict) -> tuple[int, object]:
@@ -130,8 +125,8 @@ def run(argv: Sequence[str]) -> int:
         torchrun.run(args)
     except ChildFailedError as e:
         rank, failure = root_cause(e.failures)
-        if os.path.isfile(failure.error_file):
-            error_handler.dump_error_file(failure.error_file, failure.exitcode)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE") and os.path.isfile(failure.error_file):
+            error_handler.dump_error_file(failure.error_file, failure.exitcode)  # to a scheduler's agent above
         line = _failure_line(rank, failure, args)
         if line:
             print(line, file=sys.stderr, flush=True)
