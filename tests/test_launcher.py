@@ -13,7 +13,9 @@ import pytest
 
 from tests.test_train_gpt import DEMO, ROOT, overrides, read_jsonl
 
-ZEROGPT = os.path.join(os.path.dirname(sys.executable), "zerogpt")
+# the console script setup.py installs (pip install -e .), else the same main through python -m
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "zerogpt")
+ZEROGPT = [SCRIPT] if os.path.exists(SCRIPT) else [sys.executable, "-m", "zerogpt.launcher"]
 # no OMP_NUM_THREADS: setting it quietly is the launcher's part
 ENV = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOGLEVEL")}
 ENV["PYTHONPATH"] = ROOT
@@ -45,7 +47,7 @@ def foreign_lines(log: str) -> list[str]:
 
 def zerogpt_run(args, nproc=2, timeout=240, cwd=ROOT):
     """`zerogpt run --nproc-per-node N ARGS`, stdout and stderr as one console."""
-    proc = subprocess.run([ZEROGPT, "run", "--nproc-per-node", str(nproc), *args], cwd=cwd, env=ENV, text=True,
+    proc = subprocess.run([*ZEROGPT, "run", "--nproc-per-node", str(nproc), *args], cwd=cwd, env=ENV, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     return proc.returncode, proc.stdout
 
@@ -149,7 +151,7 @@ def wait_for_steps(out, n, proc, timeout=180):
 @pytest.mark.timeout(300)
 def test_ctrl_c_ends_with_the_checkpoint_kept_line_and_exit_code_130(data_dir, tmp_path):
     out = tmp_path / "run"
-    run = subprocess.Popen([ZEROGPT, "run", "--nproc-per-node", "2", "train_gpt.py", "--config", DEMO, *overrides(
+    run = subprocess.Popen([*ZEROGPT, "run", "--nproc-per-node", "2", "train_gpt.py", "--config", DEMO, *overrides(
         SHORT + data_args(data_dir) + [f"train.output_dir={out}", "train.max_steps=1000", "train.log_interval=1",
                                        "train.save_interval=1000", "train.eval_interval=1000"])],
         cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -208,3 +210,12 @@ def test_a_rank_whose_stderr_went_to_a_file_is_named_by_the_launcher():
     assert not shows("--redirects", "2") and not shows("--redirects", "0:3,1:2")
     assert shows("--redirects", "3", "--tee", "3") and shows("--redirects", "1:2", local_rank=0)
     assert not shows("--local-ranks-filter", "0") and shows("--local-ranks-filter", "0,1")
+
+
+def test_the_console_script_names_its_commands(capsys):
+    from zerogpt.launcher import main
+
+    assert main(["launch"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("error: unknown command 'launch'; use `zerogpt run [torchrun flags] train_gpt.py --config C`")
+    assert any(line.startswith("  run ") for line in err) and any(line.startswith("  build-ops ") for line in err)
