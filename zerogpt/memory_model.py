@@ -16,7 +16,7 @@ from zerogpt.config.dtypes import DTYPES
 from zerogpt.config.strategy import BucketTensorShardStrategy, TensorShardStrategy, chunk_groups
 
 __all__ = ["HOMES", "OFFLOAD_HOMES", "CATEGORIES", "FAMILIES", "ModelShape", "model_state_bytes", "zero_paper_bytes",
-           "activation_bytes", "chunk_of_params", "gather_peak", "buffer_bytes", "estimate",
+           "activation_bytes", "chunk_of_params", "largest_chunk", "gather_peak", "buffer_bytes", "estimate",
            "grad_crosses_once", "step_grad_itemsize"]
 
 HOMES = ("device", "host", "disk")
@@ -480,12 +480,24 @@ def gather_peak(shape: ModelShape, precision: str, prefetch: int, bucket_mb: flo
     return most_chunks, most_elements
 
 
+@functools.lru_cache(maxsize=256)
+def largest_chunk(shape: ModelShape, element_size: int, bucket_mb: float) -> int:
+    """Elements of the largest chunk the engine packs for this shape (`chunk_of_params`): at most a bucket, or one
+    parameter larger than a bucket (the embedding), and no more than the whole model (a small model is one chunk
+    far under its bucket size)."""
+    sizes: dict[int, int] = {}
+    numels = [n for _, n in shape.param_numels()]
+    for n, chunk in zip(numels, chunk_of_params(numels, element_size, bucket_mb)):
+        sizes[chunk] = sizes.get(chunk, 0) + n
+    return max(sizes.values())
+
+
 def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
                  prefetch: int = 2, bucket_mb: float = 25.0, gather_per_block: bool = False) -> dict[str, int]:
     """Chunk buffers in flight on one rank, by home.
 
-    A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding). Stage 3 holds the
-    chunks `gather_peak` counts, at their real sizes in compute dtype: a module's, the next `prefetch` chunks
+    A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding), and no more than
+    the model (`largest_chunk`). Stage 3 holds the chunks `gather_peak` counts, at their real sizes in compute dtype: a module's, the next `prefetch` chunks
     of the recorded order (with `gather_per_block`, `compile = True`: a whole block's and the next `prefetch`
     modules'), and those used before and after (the tied embedding's). Stages 2/3 keep about two full-size grad
     chunks in flight (one filling, one reducing). Disk offload streams master + Adam state of the current and the
@@ -494,7 +506,7 @@ def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str,
     if prefetch < 0:  # as zero.prefetch is checked
         raise ValueError(f"prefetch must be an int >= 0 (0 = no prefetch), got {prefetch!r}")
     c = DTYPES[precision].itemsize
-    chunk_numel = max(int(bucket_mb * 2**20) // c if bucket_mb > 0 else 0, shape.largest_param)
+    chunk_numel = largest_chunk(shape, c, bucket_mb)
     out = dict.fromkeys(HOMES, 0)
     if stage == 3:
         out["device"] += gather_peak(shape, precision, prefetch, bucket_mb, world_size, gather_per_block)[1] * c
