@@ -98,3 +98,20 @@ def test_trial_steps_measure_and_a_trial_over_the_simulated_device_is_lost():
         assert lost["error"].startswith("out of memory (device peak")
     finally:
         launched.destroy()
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_plan_together_and_train(tmp_path):
+    out = tmp_path / "run"
+    config = tmp_path / "auto.py"
+    config.write_text(CONFIG.format(out=str(out)).replace("4 * 64", "2 * 4 * 64"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "train_gpt.py"), "--config", str(config), "--set", "train.max_steps=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, ZEROGPT_DEVICE_MEM="64MiB",
+               ZEROGPT_PLAN_CACHE=str(tmp_path / "plans.json"))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (out / "plan.txt").read_text()
+    assert ", world 2, fp32)" in table.splitlines()[0]
+    assert len(losses(out)) == 2
+    assert json.loads((tmp_path / "plans.json").read_text())  # rank 0 cached the choice
