@@ -2,18 +2,38 @@
 
 GPT.forward(labels=...) uses it with shift=False; training scripts use it directly. Knows nothing of the model.
 `chunked_cross_entropy` is the same loss from the hidden states and the head's weight, a chunk of tokens at a
-time, so the fp32 logits of the whole batch never exist (GPTConfig.chunked_loss).
+time, so the logits of the whole batch never exist (GPTConfig.chunked_loss); `loss_backends_side_by_side` runs
+each of its backends on the same inputs, for the GPU slices.
 """
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
+import math
+import time
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GPTLMLoss", "chunked_cross_entropy"]
+__all__ = ["GPTLMLoss", "chunked_cross_entropy", "LOSS_BACKENDS", "available_loss_backends", "resolve_loss_backend",
+           "chunk_tokens", "loss_backends_side_by_side"]
+
+LOSS_BACKENDS = ("auto", "torch", "cce", "liger")
+"""The chunked loss's backends (GPTConfig/LlamaConfig.loss_backend): "torch" is this module's own (any device);
+"cce" is Apple's Cut Cross-Entropy (`pip install cut-cross-entropy`), "liger" Liger-Kernel's fused linear
+cross-entropy (`pip install liger-kernel`), both Triton kernels, so CUDA only. "auto": the first of
+AUTO_LIBRARY_ORDER that is installed when the hidden states are on CUDA, else "torch"."""
+
+AUTO_LIBRARY_ORDER = ("cce", "liger")
+"""Which library "auto" takes first. Provisional: no GPU has yet run them side by side (bench/gpu_slices/compute.py's
+library rows, loss_backends_side_by_side); reorder, or put "torch" first, by those numbers."""
+
+MIN_CHUNKS = 8
+"""The chunked loss splits the tokens into at least this many chunks, so one chunk's logits are at most 1/8 of the
+batch's (issue 46.3's memory bound), whatever loss_chunk_size allows."""
+
+_LIBRARY_MODULES = dict(cce="cut_cross_entropy", liger="liger_kernel")
 
 
 class GPTLMLoss(nn.Module):
@@ -43,25 +63,57 @@ class GPTLMLoss(nn.Module):
                                ignore_index=self.ignore_index)
 
 
+def available_loss_backends(device: torch.device | str) -> list[str]:
+    """The concrete backends that can run on `device`: "torch" always; "cce" and "liger" on CUDA where installed
+    (they are Triton kernels, and Triton needs a GPU)."""
+    names = ["torch"]
+    if torch.device(device).type == "cuda":
+        names += [n for n in AUTO_LIBRARY_ORDER if importlib.util.find_spec(_LIBRARY_MODULES[n]) is not None]
+    return names
+
+
+def resolve_loss_backend(backend: str, device: torch.device | str) -> str:
+    """"auto" -> the first available of AUTO_LIBRARY_ORDER, else "torch"; a forced backend that cannot run on
+    `device` raises ValueError in one line naming the key."""
+    if backend not in LOSS_BACKENDS:
+        raise ValueError(f"loss_backend={backend!r} is not one of {', '.join(LOSS_BACKENDS)}")
+    available = available_loss_backends(device)
+    if backend == "auto":
+        return next((n for n in AUTO_LIBRARY_ORDER if n in available), "torch")
+    if backend not in available:
+        package = _LIBRARY_MODULES[backend].replace("_", "-")
+        raise ValueError(f"loss_backend={backend!r} needs CUDA and `pip install {package}` (this run: "
+                         f"{torch.device(device).type}; available: {', '.join(available)}); set "
+                         f"model.loss_backend='auto' or 'torch'")
+    return backend
+
+
+def chunk_tokens(n_tokens: int, chunk_size: int) -> int:
+    """Tokens per chunk: at most `chunk_size`, and at most 1/MIN_CHUNKS of the tokens (so at least MIN_CHUNKS
+    chunks when there are that many tokens)."""
+    return max(1, min(chunk_size, math.ceil(n_tokens / MIN_CHUNKS)))
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                          vocab_size: int | None = None, chunk_size: int = 1024,
-                          ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy of `hidden @ weight[:vocab_size].T` against `labels`, `chunk_size` tokens at a time.
+                          vocab_size: int | None = None, chunk_size: int = 1024, ignore_index: int = -100,
+                          backend: str = "auto") -> torch.Tensor:
+    """Mean cross-entropy of `hidden @ weight[:vocab_size].T` against `labels`, without the batch's logits.
 
     The plain path holds (B*T, V) logits in the compute dtype, their fp32 copy and its softmax for backward:
-    with GPT-2's 50k vocabulary and 8k tokens that is several GiB. Here each chunk's logits are computed under
-    activation checkpointing, summed into the loss and dropped; backward recomputes one chunk at a time. The
-    result is GPTLMLoss(shift=False)'s up to fp32 summation order (the sum is over chunks, then divided by
-    the number of counted targets).
-
-    The weight is sliced inside the checkpointed function, so the recompute reads the parameter as it is at
-    backward (ZeRO-3 re-gathers it into a new buffer), not a view kept from forward.
+    with GPT-2's 50k vocabulary and 8k tokens that is several GiB. The "torch" backend (_FusedLinearCrossEntropy)
+    computes a chunk of tokens' logits at a time (chunk_tokens), and in the same pass their gradient, into the
+    gradients of `hidden` and `weight`; backward only scales those by the incoming gradient. Nothing is recomputed
+    and the weight is not read in backward (ZeRO-3 need not gather it again for this op). The loss is
+    GPTLMLoss(shift=False)'s up to fp32 summation order; the gradients are its, chunk by chunk (the weight's summed
+    over chunks in its own dtype). "cce"/"liger" hand the same inputs to a library kernel (LOSS_BACKENDS).
 
     Args:
         hidden: (..., C) final hidden states in the compute dtype.
         weight: (V_padded, C) the head's weight (GPT-2: the tied embedding).
         labels: (...) int64 aligned targets; ignore_index is not counted.
         vocab_size: the real vocabulary (rows past it are padding, never a class); None = all rows.
+        chunk_size: the most tokens per chunk (the "torch" backend; fewer when the batch has under 8 chunks' worth).
+        backend: one of LOSS_BACKENDS.
     Example:
         >>> h, w, y = torch.randn(2, 8, 16), torch.randn(100, 16), torch.randint(0, 90, (2, 8))
         >>> chunked_cross_entropy(h, w, y, vocab_size=90, chunk_size=5).shape
@@ -69,15 +121,140 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     """
     hidden, labels = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1)
     vocab_size = vocab_size or weight.size(0)
+    name = resolve_loss_backend(backend, hidden.device)
+    if name != "torch":
+        return _LIBRARY_LOSSES[name](hidden, weight[:vocab_size], labels, ignore_index)
+    chunk = chunk_tokens(hidden.size(0), chunk_size)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _FusedLinearCrossEntropy.apply(hidden, weight, labels, vocab_size, chunk, ignore_index)
+    return _loss_and_grads(hidden, weight, labels, vocab_size, chunk, ignore_index, False, False)[0]
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """The loss and, in the same chunked pass, its gradients wrt hidden and weight (Liger's and Cut
+    Cross-Entropy's scheme, in plain PyTorch ops): the forward saves only the two gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                chunk: int, ignore_index: int) -> torch.Tensor:
+        loss, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, labels, vocab_size, chunk, ignore_index,
+                                                         ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # out of place: a retained graph's second backward must find the saved gradients as they were
+        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in (grad_hidden, grad_weight)]
+        return scaled[0], scaled[1], None, None, None, None
+
+
+def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int, chunk: int,
+                    ignore_index: int, want_hidden: bool, want_weight: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The mean loss over counted targets and d(loss)/d(hidden), d(loss)/d(weight) (None where not wanted).
+
+    Per chunk: logits in the compute dtype (the head's matmul, as the plain path rounds them), upcast once to fp32;
+    then, in that one fp32 buffer, less the row's max, exponentiated (the logsumexp and the target's logit read on
+    the way), normalized to the softmax, minus one_hot, scaled by 1/count (0 on ignored rows), and cast to the
+    compute dtype for the two matmuls. No device sync: the count stays a tensor."""
+    counted = labels != ignore_index
+    inv_count = 1.0 / counted.sum().to(torch.float32)
+    targets = torch.where(counted, labels, 0)
+    real = weight[:vocab_size]
+    grad_hidden = torch.empty_like(hidden) if want_hidden else None
+    grad_weight = torch.zeros_like(weight) if want_weight else None
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, hidden.size(0), chunk_size):
-        part = slice(start, start + chunk_size)
-        total = total + checkpoint(_chunk_loss_sum, hidden[part], weight, labels[part], vocab_size, ignore_index,
-                                   use_reentrant=False)
-    return total / (labels != ignore_index).sum()
+    for start in range(0, hidden.size(0), chunk):
+        part = slice(start, start + chunk)
+        loss_sum, grad_logits = _chunk_loss(hidden[part], real, targets[part, None], counted[part], inv_count,
+                                            want_hidden or want_weight)
+        total = total + loss_sum
+        if grad_hidden is not None:
+            grad_hidden[part] = grad_logits @ real
+        if grad_weight is not None:
+            grad_weight[:vocab_size].addmm_(grad_logits.t(), hidden[part])
+        del grad_logits  # before the next chunk's logits exist: one chunk's buffers at a time
+    return total * inv_count, grad_hidden, grad_weight
 
 
-def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                    ignore_index: int) -> torch.Tensor:
-    logits = F.linear(hidden, weight[:vocab_size])  # (chunk, V) compute dtype, as the head gives them
-    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+def _chunk_loss(hidden: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor,
+                inv_count: torch.Tensor, want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's summed loss over counted targets, and d(mean loss)/d(logits) in the compute dtype (None unless
+    `want_grad`). A function of its own so that its fp32 buffer is freed on return."""
+    logits = F.linear(hidden, real).float()
+    shifted = logits.sub_(logits.amax(dim=-1, keepdim=True))  # in place: one fp32 (chunk, V) buffer throughout
+    target = shifted.gather(1, targets).squeeze(1)
+    sums = shifted.exp_().sum(dim=-1)
+    loss_sum = ((sums.log() - target) * counted).sum()  # logsumexp - target logit, both less the row's max
+    if not want_grad:
+        return loss_sum, None
+    probs = shifted.div_(sums[:, None])  # the softmax
+    probs.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=probs.dtype))
+    return loss_sum, probs.mul_((counted * inv_count)[:, None]).to(hidden.dtype)
+
+
+def _cut_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                       ignore_index: int) -> torch.Tensor:
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index).float()
+
+
+def _liger_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         ignore_index: int) -> torch.Tensor:
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index).float()
+
+
+_LIBRARY_LOSSES: dict[str, Callable[..., torch.Tensor]] = dict(cce=_cut_cross_entropy, liger=_liger_cross_entropy)
+
+
+def loss_backends_side_by_side(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                               vocab_size: int | None = None, chunk_size: int = 1024, steps: int = 5,
+                               backends: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """Each backend's forward + backward on the same inputs, beside the plain loss ("plain": F.linear then
+    GPTLMLoss), for the GPU slices: one row per backend with its mean seconds over `steps` (after one warm-up),
+    its peak memory above the inputs (CUDA only; None elsewhere), and its loss's and gradients' largest difference
+    from the plain loss's. A backend that fails gives its row an `error` instead. `backends`: default the plain
+    loss and every available one (available_loss_backends)."""
+    names = backends or ("plain", *available_loss_backends(hidden.device))
+    vocab_size = vocab_size or weight.size(0)
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    runs: dict[str, Callable[[], torch.Tensor]] = {
+        n: (lambda n=n: chunked_cross_entropy(hidden, weight, labels, vocab_size=vocab_size, chunk_size=chunk_size,
+                                              backend=n)) for n in names if n != "plain"}
+    runs["plain"] = lambda: GPTLMLoss(shift=False)(F.linear(hidden, weight)[..., :vocab_size], labels)
+    rows, reference = [], None
+    for name in names:
+        try:
+            seconds, peak, (loss, grads) = _timed(runs[name], (hidden, weight), steps)
+        except Exception as e:  # a library kernel that does not run here: its row says why
+            rows.append(dict(backend=name, error=f"{type(e).__name__}: {e}".splitlines()[0]))
+            continue
+        reference = reference or (loss, grads)
+        rows.append(dict(backend=name, seconds=seconds, peak_bytes=peak, loss=loss.item(),
+                         loss_diff=(loss - reference[0]).abs().item(),
+                         grad_diff=max((g.float() - r.float()).abs().max().item()
+                                       for g, r in zip(grads, reference[1]))))
+    return rows
+
+
+def _timed(run: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...], steps: int
+           ) -> tuple[float, int | None, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+    cuda = inputs[0].device.type == "cuda"
+    loss = run()
+    grads = torch.autograd.grad(loss, inputs)  # warm-up (and the result compared)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    for _ in range(steps):
+        torch.autograd.grad(run(), inputs)
+    if cuda:
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base if cuda else None
+    return (time.perf_counter() - start) / steps, peak, (loss.detach(), grads)
