@@ -82,6 +82,27 @@ def _run_trials(cfg: Config, work: Workload, choice: Choice, trial: Trial, count
     return measured
 
 
+def _still_fits(known: Plan | None, work: Workload, machine: Machine, k: SpeedConstants,
+                notes: list) -> Candidate | None:
+    """A plan found before (the run's, the cache's) as a candidate, or None when there is none or it does not fit
+    now (the free memory moved since; said in `notes`)."""
+    if known is None:
+        return None
+    found = evaluate(known, work, machine, k)
+    if not found.fits:
+        notes.append(f"the plan found ({known.describe()}) does not fit now ({found.why_not}): planning again")
+        return None
+    return found
+
+
+def _fastest_measured(choice: Choice, measured: dict, machine: Machine) -> Candidate:
+    ran = [c for c in choice.ranked if "tokens_per_s" in measured.get(c.plan, {})]
+    if not ran:
+        errors = "; ".join(f"{p.describe()}: {m.get('error')}" for p, m in measured.items())
+        raise PlanError(f"plan='auto': every trial failed ({errors}); {machine.describe()}")
+    return max(ran, key=lambda c: measured[c.plan]["tokens_per_s"])
+
+
 def choose_plan(cfg: Config, shape: ModelShape, dp: int, machine: Machine, constants: SpeedConstants,
                 model_config: Any = None, trial: Trial | None = None, trials: int = 3, run_dir: str | None = None,
                 resume: bool = False, cache: PlanCache | None = None, version: str = "",
@@ -108,17 +129,14 @@ def choose_plan(cfg: Config, shape: ModelShape, dp: int, machine: Machine, const
     k = constants.scaled(factors) if factors else constants
     choice = search(work, machine, k)
     measured: dict = {}
-    if known is not None:
-        chosen = evaluate(known, work, machine, k)
-    elif trial is not None and trials > 0:
+    chosen = _still_fits(known, work, machine, k, notes)
+    reused = chosen is not None
+    if chosen is None and trial is not None and trials > 0:
         measured = _run_trials(cfg, work, choice, trial, trials, log)
-        ran = [c for c in choice.ranked if "tokens_per_s" in measured.get(c.plan, {})]
-        if not ran:
-            errors = "; ".join(f"{p.describe()}: {m.get('error')}" for p, m in measured.items())
-            raise PlanError(f"plan='auto': every trial failed ({errors}); {machine.describe()}")
-        chosen = max(ran, key=lambda c: measured[c.plan]["tokens_per_s"])
+        chosen = _fastest_measured(choice, measured, machine)
+        ran = [c for c in choice.ranked if "seconds" in measured.get(c.plan, {})]
         k, factors = calibrate(constants, [(c.terms, measured[c.plan]["seconds"]) for c in ran])
-    else:
+    elif chosen is None:
         chosen = choice.best
     if work.fixed:
         notes.append(f"fixed by the config: {fixed_keys_line(work)}")
@@ -129,6 +147,6 @@ def choose_plan(cfg: Config, shape: ModelShape, dp: int, machine: Machine, const
         write_text_atomic(out_dir / PLAN_TABLE, table + "\n")
         write_json_atomic(out_dir / PLAN_JSON, dict(version=version, machine=machine_print,
                                                     plan=chosen.plan.to_dict(), factors=factors))
-    if cache is not None and known is None and write:
+    if cache is not None and not reused and write:
         cache.store(work, machine_print, version, chosen.plan, factors)
     return AutoPlan(apply_plan(cfg, chosen.plan), chosen, table, measured, factors, notes)

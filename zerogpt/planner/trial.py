@@ -4,7 +4,10 @@ starts exactly as a hand-set run of the chosen plan would (its model is built ag
 
 Memory measured: on CUDA, torch.cuda.max_memory_allocated over the trial's steps. On a CPU run, whose device is
 simulated: the model state in the device home (Engine.memory_stats at each step's end) plus the peak of the
-activations saved for backward that are alive at once (autograd's saved-tensor hooks, parameters excluded).
+activations saved for backward that are alive at once (autograd's saved-tensor hooks, parameters excluded). Known
+gaps of the CPU measure: at stage 3 the engine's own saved-tensor hooks (zero/gather_hooks.py) take precedence over
+these, so the activations are not seen there, and buffers freed before a step's end (gathered chunks, gradient
+chunks in flight) are not either; the simulated out-of-memory is then decided on less than was used.
 Host: the process's peak resident set over the build and the steps above what it held before (VmHWM after
 resetting it through /proc/self/clear_refs, less VmRSS then): on a CPU run that includes the device home.
 A trial that runs out of memory (torch.OutOfMemoryError, or on CPU a device peak over the simulated capacity) is
