@@ -105,3 +105,16 @@ def test_without_trials_the_fastest_predicted_is_chosen():
     result = choose(None)
     best = search(workload_from_config(xl_cfg(), XL, 1, XL_CONFIG), MACHINE, K).best
     assert result.chosen == best and result.measured == {}
+
+
+def test_a_cached_plan_that_no_longer_fits_is_planned_again(tmp_path):
+    cache = PlanCache(str(tmp_path / "plans.json"))
+    big = gpu(80, 128)
+    first = choose_plan(xl_cfg(), XL, 1, big, default_constants(big), model_config=XL_CONFIG, trial=Trials([1.0]),
+                        trials=1, cache=cache, version="1.0", log=lambda _: None, machine_print="machine-a")
+    assert first.chosen.plan.offload_optimizer == "none"  # the whole state on an 80 GB device
+    shrunk = gpu(24, 64)  # same fingerprint given, less memory now
+    again = choose_plan(xl_cfg(), XL, 1, shrunk, K, model_config=XL_CONFIG, trial=Trials([2.0]), trials=1,
+                        cache=cache, version="1.0", log=lambda _: None, machine_print="machine-a")
+    assert any(n.startswith(f"the plan found ({first.chosen.plan.describe()}) does not fit now") for n in again.notes)
+    assert again.chosen.fits and again.chosen.plan != first.chosen.plan
