@@ -23,7 +23,7 @@ from model_zoo import generation, hf, weight_init
 from model_zoo.factory_args import check_overrides
 from model_zoo.hf import GELU_APPROXIMATE
 from model_zoo.layers import CausalAttention, LMHead, RealVocab
-from model_zoo.loss import GPTLMLoss
+from model_zoo.loss import LOSS_BACKENDS, GPTLMLoss
 from model_zoo.meta_weights import weights_are_real
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "CausalAttention", "MLP", "LMHead", "GPTOutput",
@@ -57,11 +57,15 @@ class GPTConfig:
     pad_vocab_multiple: int = 64
     """Pad the embedding rows to a multiple of this for faster matmuls."""
     chunked_loss: bool = False
-    """`model(x, labels=y)` computes the loss from the hidden states, `loss_chunk_size` tokens at a time under
-    checkpointing (loss.chunked_cross_entropy): no (B, T, vocab) fp32 logits, and the output has no logits."""
-    loss_chunk_size: int = 256
-    """Tokens per chunk of the chunked loss: a chunk's fp32 logits are loss_chunk_size x vocab x 4 bytes (51 MB
-    for GPT-2's vocabulary); memory is saved only when a micro-batch holds several chunks."""
+    """`model(x, labels=y)` computes the loss and its gradients from the hidden states, a chunk of tokens at a
+    time (loss.chunked_cross_entropy): no (B, T, vocab) logits, and the output has no logits."""
+    loss_chunk_size: int = 1024
+    """The most tokens per chunk of the chunked loss (and at most 1/8 of the micro-batch's, loss.chunk_tokens): a
+    chunk holds about 8 bytes x tokens x vocab (412 MB at 1024 x GPT-2's vocabulary). Large chunks keep the head's
+    matmuls efficient and the per-chunk launches few."""
+    loss_backend: str = "auto"
+    """The chunked loss's kernel (loss.LOSS_BACKENDS): "auto" (a library kernel on CUDA where installed, else
+    "torch"), "torch", "cce" (Apple's Cut Cross-Entropy) or "liger" (Liger-Kernel); a forced library needs CUDA."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -72,6 +76,9 @@ class GPTConfig:
                      "loss_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.loss_backend not in LOSS_BACKENDS:
+            raise ValueError(f"GPTConfig.loss_backend must be one of {', '.join(LOSS_BACKENDS)}, "
+                             f"got {self.loss_backend!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -192,7 +199,8 @@ class GPT(nn.Module):
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
             ))
-            self.lm_head = LMHead(config.n_embd, config.padded_vocab_size, config.vocab_size, config.loss_chunk_size)
+            self.lm_head = LMHead(config.n_embd, config.padded_vocab_size, config.vocab_size, config.loss_chunk_size,
+                                  config.loss_backend)
         # Tie: the head OWNS the same Parameter object, so module hooks on lm_head see it (named_parameters
         # lists it once, as transformer.wte.weight).
         self.lm_head.weight = self.transformer.wte.weight

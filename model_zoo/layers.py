@@ -65,12 +65,13 @@ class LMHead(nn.Linear):
     ZeRO-3 gathers a module's parameters only around its forward (and again before its backward).
     """
 
-    def __init__(self, width: int, padded_vocab_size: int, vocab_size: int, chunk_size: int):
+    def __init__(self, width: int, padded_vocab_size: int, vocab_size: int, chunk_size: int, backend: str = "auto"):
         super().__init__(width, padded_vocab_size, bias=False)
-        self.vocab_size, self.chunk_size = vocab_size, chunk_size
+        self.vocab_size, self.chunk_size, self.backend = vocab_size, chunk_size, backend
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, C) -> logits (B, T, padded vocab); with labels (B, T): the scalar fp32 mean loss."""
         if labels is None:
             return super().forward(x)
-        return chunked_cross_entropy(x, self.weight, labels, vocab_size=self.vocab_size, chunk_size=self.chunk_size)
+        return chunked_cross_entropy(x, self.weight, labels, vocab_size=self.vocab_size, chunk_size=self.chunk_size,
+                                     backend=self.backend)

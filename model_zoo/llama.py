@@ -24,7 +24,7 @@ from model_zoo import generation, llama_adapter
 from model_zoo.factory_args import check_overrides
 from model_zoo.layers import CausalAttention, LMHead, RealVocab
 from model_zoo.llama_adapter import ARCHITECTURES
-from model_zoo.loss import GPTLMLoss
+from model_zoo.loss import LOSS_BACKENDS, GPTLMLoss
 from model_zoo.meta_weights import weights_are_real
 from model_zoo.safetensors_source import SafetensorsDir, read_hf_config
 from model_zoo.weight_init import draw_range
@@ -79,10 +79,13 @@ class LlamaConfig:
     """Pad the embedding (and an untied head) rows to a multiple of this; Llama-3's and Qwen's vocabularies
     already are one, so their rows are not padded."""
     chunked_loss: bool = False
-    """`model(x, labels=y)` computes the loss a chunk of tokens at a time (loss.chunked_cross_entropy): no
-    (B, T, vocab) fp32 logits, and the output has no logits. Worth it with 128k-152k vocabularies."""
-    loss_chunk_size: int = 256
-    """Tokens per chunk of the chunked loss."""
+    """`model(x, labels=y)` computes the loss and its gradients a chunk of tokens at a time
+    (loss.chunked_cross_entropy): no (B, T, vocab) logits, and the output has no logits. Worth it with 128k-152k
+    vocabularies."""
+    loss_chunk_size: int = 1024
+    """The most tokens per chunk of the chunked loss (and at most 1/8 of the micro-batch's, loss.chunk_tokens)."""
+    loss_backend: str = "auto"
+    """The chunked loss's kernel (loss.LOSS_BACKENDS): "auto", "torch", "cce" or "liger" (GPTConfig.loss_backend)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """config.json keys kept for the export (bos/eos ids, torch_dtype) that do not change the model."""
 
@@ -91,6 +94,9 @@ class LlamaConfig:
                      "max_position_embeddings", "pad_vocab_multiple", "loss_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LlamaConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.loss_backend not in LOSS_BACKENDS:
+            raise ValueError(f"LlamaConfig.loss_backend must be one of {', '.join(LOSS_BACKENDS)}, "
+                             f"got {self.loss_backend!r}")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -275,7 +281,7 @@ class Llama(nn.Module):
                 norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
             ))
             self.lm_head = LMHead(config.hidden_size, config.padded_vocab_size, config.vocab_size,
-                                  config.loss_chunk_size)
+                                  config.loss_chunk_size, config.loss_backend)
         if config.tie_word_embeddings:  # the head OWNS the same Parameter, so module hooks on lm_head see it
             self.lm_head.weight = self.model.embed_tokens.weight
         self.real_vocab = RealVocab(config.vocab_size)
