@@ -1,6 +1,6 @@
 """`precision = "fp8"` (zerogpt/fp8.py): the config path, the refusals, the module conversion and its checkpoints.
 
-On the CPU: precision="fp8" is a valid key; initialize refuses a device without float8 matmuls and a missing
+On the CPU: precision="fp8" is a valid key with compile=True and refused without it; initialize refuses a device without float8 matmuls and a missing
 torchao with the fix in the message; the conversion swaps the blocks' Linear layers for torchao's Float8Linear
 and leaves the LM head; state dicts keep the plain keys (a converted model's checkpoint loads into a plain GPT
 and exports to Hugging Face). A ZeRO-3 engine over a converted model trains, saves and resumes on the CPU
@@ -20,7 +20,7 @@ from tests.zero.reference import cpu_ctx, train_losses
 from zerogpt.amp import compute_dtype
 from zerogpt.config import engine_config
 from zerogpt.context import DistContext
-from zerogpt.fp8 import check_fp8_device, convert_linears
+from zerogpt.fp8 import check_fp8_device, convert_linears, float8_choice
 
 VOCAB, SEQ = 128, 16
 
@@ -34,17 +34,22 @@ def float8_linear() -> type:
     return pytest.importorskip("torchao.float8.float8_linear").Float8Linear
 
 
-def test_config_accepts_fp8():
-    assert engine_config(zerogpt.Config(dict(precision="fp8"))).precision == "fp8"
-    assert engine_config(zerogpt.Config().apply_overrides(["precision=fp8"])).precision == "fp8"
+def test_config_accepts_fp8_compiled_and_refuses_it_eager():
+    assert engine_config(zerogpt.Config(dict(precision="fp8", compile=True))).precision == "fp8"
+    assert engine_config(zerogpt.Config().apply_overrides(["precision=fp8", "compile=true"])).precision == "fp8"
     assert compute_dtype("fp8") == torch.bfloat16  # everything outside the float8 matmuls
+    for eager in (lambda: engine_config(zerogpt.Config(dict(precision="fp8"))),
+                  lambda: zerogpt.Config().apply_overrides(["precision=fp8"])):  # --set checks at once
+        with pytest.raises(ValueError, match=r"runs only compiled.*set compile=True \(--set compile=true\)") as e:
+            eager()
+        assert "\n" not in str(e.value)
 
 
 def test_initialize_refuses_a_device_without_float8_matmuls():
     model = tiny()
     with pytest.raises(ValueError, match=r"compute capability 8\.9 or newer.*'cpu'.*precision='bf16'"):
         zerogpt.initialize(model, torch.optim.AdamW(model.parameters()),
-                           config=zerogpt.Config(dict(precision="fp8")), ctx=cpu_ctx())
+                           config=zerogpt.Config(dict(precision="fp8", compile=True)), ctx=cpu_ctx())
     assert type(model.transformer.h[0].mlp.c_fc) is torch.nn.Linear  # refused before converting anything
     with pytest.raises(ValueError, match="compute capability"):
         check_fp8_device(torch.device("cpu"))
@@ -60,7 +65,7 @@ def test_conversion_swaps_the_block_linears_and_keeps_the_head():
     cls = float8_linear()
     model = tiny()
     params = [id(p) for p in model.parameters()]
-    assert convert_linears(model) == 4 * model.config.n_layer  # c_attn, attn.c_proj, c_fc, mlp.c_proj per block
+    assert convert_linears(model, only_gaining=False) == 4 * model.config.n_layer  # c_attn, attn.c_proj, c_fc, mlp.c_proj per block
     for block in model.transformer.h:
         for linear in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
             assert isinstance(linear, cls)
@@ -68,10 +73,43 @@ def test_conversion_swaps_the_block_linears_and_keeps_the_head():
     assert [id(p) for p in model.parameters()] == params  # the optimizer's and ZeRO's Parameters, unchanged
 
 
+def test_layers_too_small_to_gain_stay_bf16():
+    """torchao's tensorwise rule (zerogpt/fp8.py): in <= 4096 and out <= 1024 stays bf16, as do the head and dims
+    not multiples of 16. Decided on shapes alone: a meta model, no float8 matmul."""
+    with torch.device("meta"):
+        model = torch.nn.ModuleDict(dict(
+            kv=torch.nn.Linear(3072, 1024), q=torch.nn.Linear(3072, 3072), up=torch.nn.Linear(3072, 8192),
+            wide_in=torch.nn.Linear(8192, 1024), xl_proj=torch.nn.Linear(1600, 1600), small=torch.nn.Linear(512, 512),
+            odd=torch.nn.Linear(1000, 8192), lm_head=torch.nn.Linear(3072, 128256)))
+    want = dict(kv=False, q=True, up=True, wide_in=True, xl_proj=True, small=False, odd=False, lm_head=False)
+    assert float8_choice(model) == want
+    cls = float8_linear()
+    assert convert_linears(model) == sum(want.values())
+    assert {name: isinstance(m, cls) for name, m in model.items()} == want
+
+
+def test_llama_3b_keeps_its_kv_projections_and_head_bf16():
+    from model_zoo.llama import llama3_2_3b
+
+    with torch.device("meta"):
+        model = llama3_2_3b()
+    layer = {name.split("layers.0.", 1)[1]: on for name, on in float8_choice(model).items() if "layers.0." in name}
+    assert layer == {"self_attn.q_proj": True, "self_attn.k_proj": False, "self_attn.v_proj": False,
+                     "self_attn.o_proj": True, "mlp.gate_proj": True, "mlp.up_proj": True, "mlp.down_proj": True}
+    assert float8_choice(model)["lm_head"] is False
+
+
+def test_zerogpt_imports_without_torchao():
+    import subprocess
+
+    code = "import sys, zerogpt, zerogpt.fp8, zerogpt.config; assert 'torchao' not in sys.modules, 'torchao'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_state_dict_round_trip_has_the_plain_keys(tmp_path):
     float8_linear()
     plain, converted = tiny(), tiny()
-    convert_linears(converted)
+    convert_linears(converted, only_gaining=False)
     with torch.no_grad():
         for p in converted.parameters():
             p.add_(torch.randn_like(p) * 0.01)  # not the init: a loaded value must come from the file
@@ -80,7 +118,7 @@ def test_state_dict_round_trip_has_the_plain_keys(tmp_path):
     torch.save(state, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt")
     again = tiny()
-    convert_linears(again)
+    convert_linears(again, only_gaining=False)
     again.load_state_dict(loaded)
     plain.load_state_dict(loaded)  # strict: the same keys and shapes as a model never converted
     for name, tensor in state.items():
@@ -101,7 +139,7 @@ def test_compiled_float8_blocks_trace_in_one_graph():
 
     torch._dynamo.reset()
     model = tiny()
-    convert_linears(model)
+    convert_linears(model, only_gaining=False)
     model = model.to(torch.bfloat16)
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     expected = model(x, labels=x).loss
@@ -120,7 +158,7 @@ def _fp8_engine(ctx: DistContext):
     from zerogpt.zero import BucketTensorShardStrategy
 
     model = tiny()
-    convert_linears(model)
+    convert_linears(model, only_gaining=False)
     zero = dict(stage=3, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02))
     return zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                               config=zerogpt.Config(dict(zero=zero, precision="bf16")), ctx=ctx)
@@ -159,7 +197,8 @@ def demo_losses(precision: str, ctx: DistContext, steps: int = 150) -> list[floa
     and clipping at 1 (at lr 1e-3 without clipping a bf16 run spiked by 0.14 at step 180 on the CPU)."""
     torch.manual_seed(0)
     model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=64, n_layer=4, n_head=4, n_embd=256)
-    config = zerogpt.Config(dict(zero=dict(stage=2), precision=precision, clip_grad_norm=1.0))
+    config = zerogpt.Config(dict(zero=dict(stage=2), precision=precision, clip_grad_norm=1.0,
+                                 compile=precision == "fp8"))  # fp8 runs only compiled
     engine = zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=5e-4), config=config, ctx=ctx)
     losses = train_losses(engine, torch.stack([half_predictable(s) for s in range(steps)]).to(ctx.device))
     engine.close()

@@ -344,6 +344,12 @@ class ParallelConfig:
             raise ValueError(f"parallel.pipeline must be >= 1, got {self.pipeline}")
 
 
+FP8_NEEDS_COMPILE = ("precision='fp8' runs only compiled (eager, its float8 casts cost more than its matmuls save); "
+                     "set compile=True (--set compile=true) or precision='bf16'")
+"""The refusal of precision='fp8' with compile=False: eager FP8 ran at 15.6% MFU against bf16's 42.7% (H200,
+GPT-2 XL, bench/results/gpu_h200_2026-11-28_compute.json); torchtitan likewise requires compile for float8."""
+
+
 @dataclass
 class EngineKeys:
     """The top-level config keys the engine takes as written, declared once: RunConfig (a file's keys, load.py)
@@ -352,7 +358,8 @@ class EngineKeys:
     precision: Precision = "fp32"
     """Compute dtype of params/activations: "fp32", "bf16" (fp32 master) or "fp16" (fp32 master + loss scale).
     "fp8": Linear layers compute in float8 via torchao's float8 training (CUDA sm89+, `pip install
-    'zerogpt[fp8]'`; the LM head stays bf16), everything else bf16, fp32 master weights, ZeRO all-gathers bf16."""
+    'zerogpt[fp8]'`; the LM head and layers too small to gain stay bf16, zerogpt/fp8.py), everything else bf16,
+    fp32 master weights, ZeRO all-gathers bf16. Needs compile=True (refused otherwise: eager float8 is slower)."""
     compile: bool = False
     """Compile each transformer block with torch.compile (zerogpt/compile.py; every stage, stage 3 gathering each
     block's parameters as a whole; with pipeline and tensor parallelism too). Off by default: not yet measured
@@ -378,6 +385,8 @@ class EngineConfig(EngineKeys):
             raise ValueError(f"GRADIENT_ACCUMULATION must be >= 1, got {self.gradient_accumulation}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0 or None (off), got {self.clip_grad_norm!r}")
+        if self.precision == "fp8" and not self.compile:
+            raise ValueError(FP8_NEEDS_COMPILE)
 
 
 @dataclass
