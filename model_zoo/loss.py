@@ -140,13 +140,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         loss, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, labels, vocab_size, chunk, ignore_index,
                                                          ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        # out of place: a retained graph's second backward must find the saved gradients as they were
-        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in (grad_hidden, grad_weight)]
+        # out of place: a retained graph's second backward must find the saved gradients as they were. fp16's
+        # gradients were kept in fp32 and meet the loss scale (grad_loss) before their cast, as the plain path's do.
+        scaled = [None if g is None else (g * grad_loss.to(g.dtype)).to(dtype)
+                  for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
         return scaled[0], scaled[1], None, None, None, None
 
 
@@ -163,26 +165,32 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     inv_count = 1.0 / counted.sum().to(torch.float32)
     targets = torch.where(counted, labels, 0)
     real = weight[:vocab_size]
-    grad_hidden = torch.empty_like(hidden) if want_hidden else None
-    grad_weight = torch.zeros_like(weight) if want_weight else None
+    # fp16 (no exponent range for an unscaled gradient): the logits' gradient goes to the matmuls without the
+    # 1/count, which is applied to their fp32 results, kept in fp32 until backward brings the loss scale
+    half = hidden.dtype == torch.float16
+    grad_hidden = torch.empty_like(hidden, dtype=torch.float32 if half else None) if want_hidden else None
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32 if half else None) if want_weight else None
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.size(0), chunk):
         part = slice(start, start + chunk)
-        loss_sum, grad_logits = _chunk_loss(hidden[part], real, targets[part, None], counted[part], inv_count,
+        row_scale = counted[part] if half else counted[part] * inv_count
+        loss_sum, grad_logits = _chunk_loss(hidden[part], real, targets[part, None], counted[part], row_scale,
                                             want_hidden or want_weight)
         total = total + loss_sum
         if grad_hidden is not None:
-            grad_hidden[part] = grad_logits @ real
-        if grad_weight is not None:
+            grad_hidden[part] = (grad_logits @ real).float() * inv_count if half else grad_logits @ real
+        if grad_weight is not None and half:
+            grad_weight[:vocab_size].add_((grad_logits.t() @ hidden[part]).float() * inv_count)
+        elif grad_weight is not None:
             grad_weight[:vocab_size].addmm_(grad_logits.t(), hidden[part])
         del grad_logits  # before the next chunk's logits exist: one chunk's buffers at a time
     return total * inv_count, grad_hidden, grad_weight
 
 
 def _chunk_loss(hidden: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor,
-                inv_count: torch.Tensor, want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk's summed loss over counted targets, and d(mean loss)/d(logits) in the compute dtype (None unless
-    `want_grad`). A function of its own so that its fp32 buffer is freed on return."""
+                row_scale: torch.Tensor, want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's summed loss over counted targets, and (softmax - one_hot) x row_scale in the compute dtype (None
+    unless `want_grad`). A function of its own so that its fp32 buffer is freed on return."""
     logits = F.linear(hidden, real).float()
     shifted = logits.sub_(logits.amax(dim=-1, keepdim=True))  # in place: one fp32 (chunk, V) buffer throughout
     target = shifted.gather(1, targets).squeeze(1)
@@ -192,7 +200,7 @@ def _chunk_loss(hidden: torch.Tensor, real: torch.Tensor, targets: torch.Tensor,
         return loss_sum, None
     probs = shifted.div_(sums[:, None])  # the softmax
     probs.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=probs.dtype))
-    return loss_sum, probs.mul_((counted * inv_count)[:, None]).to(hidden.dtype)
+    return loss_sum, probs.mul_(row_scale[:, None]).to(hidden.dtype)
 
 
 def _cut_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -1,5 +1,6 @@
 """Tests for model_zoo/loss.py: GPTLMLoss's shift, ignore_index, fp32 result and output objects; the chunked loss
-(same loss and gradients as the plain one, no whole-batch logits, ZeRO-3's gathers around it)."""
+(same loss and gradients as the plain one, no whole-batch logits, ZeRO-3's gathers around it); its kernel's own
+tests are in test_loss_fused.py."""
 from __future__ import annotations
 
 import pytest
@@ -94,7 +95,7 @@ def test_chunked_loss_never_holds_the_logits_of_the_batch():
 @pytest.mark.timeout(120)
 def test_chunked_loss_at_zero_stage_3_gathers_the_tied_head():
     """The same losses through a ZeRO-3 engine (world 1 still gathers and releases chunks through the hooks):
-    the head's weight is read in the loss's forward and again in its recomputed backward."""
+    the head's weight is read in the loss's forward (which also makes its gradient), then released."""
     import zerogpt
     from tests.zero.reference import cpu_ctx
     from zerogpt.zero import BucketTensorShardStrategy

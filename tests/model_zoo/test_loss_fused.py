@@ -199,3 +199,20 @@ def test_the_torch_backend_compiles():
     torch.testing.assert_close(loss, _plain(hidden, weight, labels), rtol=1e-6, atol=1e-6)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_fp16_gradients_meet_the_loss_scale_before_their_cast():
+    """fp16 with a loss scale, as precision='fp16' runs: 4096 tokens over 2048 near-uniform classes, so
+    (softmax - one_hot) / count is about 1e-7, under fp16's normal range before the scale; the plain path scales its
+    fp32 gradient first, then casts, and so must the chunked one."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4096, 32, generator=g).half().requires_grad_()
+    weight = (torch.randn(2048, 32, generator=g) / 100).half().requires_grad_()
+    labels = torch.randint(0, 2048, (4096,), generator=g)
+    scale = 2.0**14
+    want = torch.autograd.grad(GPTLMLoss(shift=False)(F.linear(hidden, weight), labels) * scale, (hidden, weight))
+    loss = chunked_cross_entropy(hidden, weight, labels, backend="torch")
+    got = torch.autograd.grad(loss * scale, (hidden, weight))
+    for gg, w in zip(got, want):
+        assert gg.dtype == torch.float16
+        torch.testing.assert_close(gg.float(), w.float(), rtol=0, atol=2**-9 * w.float().abs().max().item())
