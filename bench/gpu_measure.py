@@ -65,7 +65,8 @@ class Spec:
     prefetch: int | None = None  # zerogpt zero.prefetch (None: the default)
     time_step: bool = False  # time the optimizer-step call of each timed step (one more device sync per step)
     chunked_loss: bool = False  # GPTConfig.chunked_loss: the loss from model(x, labels=y), no whole-batch logits
-    loss_chunk_size: int | None = None  # GPTConfig.loss_chunk_size, tokens (None: its default, 256)
+    loss_chunk_size: int | None = None  # GPTConfig.loss_chunk_size, tokens (None: its default, 1024)
+    loss_backend: str | None = None  # GPTConfig.loss_backend of the chunked loss (None: its default, "auto")
     model: str = "gpt"  # gpt (model_zoo.gpt) | a model_zoo.llama SIZES name: its widths at shape's depth
     count_syncs: int = 0  # steps after the timed ones run under torch.cuda.set_sync_debug_mode("warn"), counted
     fit_batch: bool = False  # after a GPU out-of-memory, measure again at half the batch, down to 1
@@ -109,6 +110,8 @@ def build_model(spec: Spec, device: torch.device) -> torch.nn.Module:
     """The spec's model, built under whatever device or init context the caller holds."""
     n_layer, n_head, n_embd = spec.shape
     chunk = {} if spec.loss_chunk_size is None else dict(loss_chunk_size=spec.loss_chunk_size)
+    if spec.loss_backend is not None:
+        chunk["loss_backend"] = spec.loss_backend
     torch.manual_seed(0)
     if spec.model != "gpt":
         from model_zoo.llama import Llama, LlamaConfig

@@ -15,6 +15,8 @@ The Llama family's slices (compute_llama.py) run through the same `measure_group
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gpu_slices.mfu import table_figures
 from gpu_slices.runner import Spec, log, measure_group, note_failures
 
@@ -30,9 +32,9 @@ VARIANTS = (("A", "eager", None, False, False, (0, 3), None, None),
             ("C", "fp8+compile", "fp8", True, False, (0, 3), None, None),
             ("D", "compile", None, True, False, (0, 3), LEVER_BATCH, None),
             ("E", f"compile {LEVER_MODE}", None, True, False, (0,), None, LEVER_MODE))
-# TODO(issue 46.3): library loss kernels (Apple's cut-cross-entropy, Liger's fused linear-CE) go here as variants
-# beside "chunked loss", once model_zoo/loss.py names how a model selects one (a Spec field passed to the model's
-# config, as chunked_loss is); compute_llama.VARIANTS takes the same rows at 128k.
+# issue 46.3: the chunked loss's backends side by side at stage 0 (model_zoo.loss.LOSS_BACKENDS): "chunked loss" is
+# zerogpt's own kernel (forced "torch"); a library's row runs where it is installed (Spec.loss_backend)
+LOSS_KERNEL_ROWS = (("torch", "chunked loss"), ("cce", "chunked loss cce"), ("liger", "chunked loss liger"))
 TORCH_ROWS = (("A", "eager", False, None), ("D", "compile", True, LEVER_BATCH))  # (group, variant, compile, batch)
 WEIGHTS = dict(A=20, B=20, C=20, D=20, E=20)
 TINY_LOSS_CHUNK = 32  # tokens per chunk in the tiny form: 4 chunks of a 2 x 64 micro-batch
@@ -44,7 +46,7 @@ def plan(args) -> dict[str, list[tuple[str, Spec]]]:
     groups: dict[str, list[tuple[str, Spec]]] = {}
 
     def spec(system, stage, variant, precision, compile, chunked, batch, mode):
-        chunk = TINY_LOSS_CHUNK if args.tiny and chunked else None  # None: GPTConfig's 256 tokens
+        chunk = TINY_LOSS_CHUNK if args.tiny and chunked else None  # None: GPTConfig's 1024 tokens at most
         batch = batch or base_batch  # the levers' own (compiled: never in the tiny form)
         return Spec(system, TINY_XL if args.tiny else XL, stage=stage, batch=batch, seq=args.seq,
                     steps=args.steps + 2, warmup=args.warmup, vocab=args.vocab, precision=precision, compile=compile,
@@ -55,13 +57,30 @@ def plan(args) -> dict[str, list[tuple[str, Spec]]]:
         if args.tiny and compile:
             continue
         groups.setdefault("A" if args.tiny else group, []).extend(
-            (variant, spec("zerogpt", stage, variant, precision, compile, chunked, batch, mode)) for stage in stages)
+            (variant, with_loss_backend(spec("zerogpt", stage, variant, precision, compile, chunked, batch, mode)))
+            for stage in stages)
+        if variant == "chunked loss":
+            groups["A"].extend((name, replace(spec("zerogpt", 0, name, None, False, True, None, None),
+                                              loss_backend=backend))
+                               for backend, name in LOSS_KERNEL_ROWS[1:] if library_installed(backend))
     if "torch" in args.systems:
         for group, variant, compile, batch in TORCH_ROWS:
             if not (args.tiny and compile):
                 groups.setdefault("A" if args.tiny else group, []).append(
                     (variant, spec("torch", 0, variant, None, compile, False, batch, None)))
     return groups
+
+
+def with_loss_backend(spec: Spec) -> Spec:
+    """A chunked-loss spec measures zerogpt's own kernel ("torch"), whatever libraries are installed."""
+    return replace(spec, loss_backend="torch") if spec.chunked_loss else spec
+
+
+def library_installed(backend: str) -> bool:
+    """Whether the loss backend's library is installed here (a library row runs only where it is)."""
+    from model_zoo.loss import available_loss_backends
+
+    return backend in available_loss_backends("cuda")
 
 
 def omitted_in_tiny(args, plan_of=None) -> list[str]:

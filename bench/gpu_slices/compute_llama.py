@@ -11,7 +11,9 @@ the chunked loss at both, plain PyTorch; (B) compile; (C) FP8 + compile. MFU is 
 """
 from __future__ import annotations
 
-from gpu_slices.compute import measure_groups, omitted_in_tiny, summarize
+from dataclasses import replace
+
+from gpu_slices.compute import LOSS_KERNEL_ROWS, library_installed, measure_groups, omitted_in_tiny, summarize
 from gpu_slices.mfu import table_figures
 from gpu_slices.runner import Spec, log, note_failures
 
@@ -48,8 +50,12 @@ def plan(slice_name: str, args, batch: int | None = None) -> dict[str, list[tupl
             spec = Spec(system, shape, model=model, stage=stage, batch=batch, seq=seq, steps=args.steps + 2,
                         warmup=args.warmup, vocab=args.llama_vocab, precision=precision, compile=compile,
                         chunked_loss=chunked, loss_chunk_size=TINY_LOSS_CHUNK if args.tiny and chunked else None,
-                        fit_batch=group == "fit", label=label)
+                        loss_backend="torch" if chunked else None, fit_batch=group == "fit", label=label)
             groups.setdefault(group, []).append((variant, spec))
+            if chunked and stage == 0:  # the library loss kernels beside zerogpt's own, where installed
+                groups[group].extend((lib_variant, replace(spec, loss_backend=backend,
+                                                           label=label.replace(variant, lib_variant)))
+                                     for backend, lib_variant in LOSS_KERNEL_ROWS[1:] if library_installed(backend))
     return groups
 
 
