@@ -1,6 +1,7 @@
 """`precision = "fp8"` (zerogpt/fp8.py): the config path, the refusals, the module conversion and its checkpoints.
 
-On the CPU: precision="fp8" is a valid key with compile=True and refused without it; initialize refuses a device without float8 matmuls and a missing
+On the CPU: precision="fp8" is a valid key with compile=True and refused without it; which layers the size filter
+keeps bf16 (on meta models); initialize refuses a device without float8 matmuls and a missing
 torchao with the fix in the message; the conversion swaps the blocks' Linear layers for torchao's Float8Linear
 and leaves the LM head; state dicts keep the plain keys (a converted model's checkpoint loads into a plain GPT
 and exports to Hugging Face). A ZeRO-3 engine over a converted model trains, saves and resumes on the CPU
@@ -65,7 +66,8 @@ def test_conversion_swaps_the_block_linears_and_keeps_the_head():
     cls = float8_linear()
     model = tiny()
     params = [id(p) for p in model.parameters()]
-    assert convert_linears(model, only_gaining=False) == 4 * model.config.n_layer  # c_attn, attn.c_proj, c_fc, mlp.c_proj per block
+    # c_attn, attn.c_proj, c_fc, mlp.c_proj per block (all small: the size filter off)
+    assert convert_linears(model, only_gaining=False) == 4 * model.config.n_layer
     for block in model.transformer.h:
         for linear in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
             assert isinstance(linear, cls)
