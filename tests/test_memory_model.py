@@ -133,8 +133,8 @@ def test_gpt2_xl_compiled_holds_at_least_what_eager_holds(prefetch):
 
 
 def test_estimate_takes_gather_per_block():
-    eager = estimate(SHAPE, 3, 1, "fp32", prefetch=2, bucket_mb=0)
-    whole = estimate(SHAPE, 3, 1, "fp32", prefetch=2, bucket_mb=0, gather_per_block=True)
+    eager = estimate(SHAPE, 3, 2, "fp32", prefetch=2, bucket_mb=0)  # 2 ranks: one rank's shard is its whole chunk
+    whole = estimate(SHAPE, 3, 2, "fp32", prefetch=2, bucket_mb=0, gather_per_block=True)
     assert whole["totals"]["device"] - eager["totals"]["device"] == (whole["buffers"]["device"]
                                                                      - eager["buffers"]["device"]) > 0
     # stages 0-2 gather nothing: the flag changes nothing there
@@ -268,3 +268,10 @@ def test_llama_stage3_gather_peak_is_the_engines(variant, per_block, bucket_mb):
     engine.close()
     expected = gather_peak(shape, "fp32", 2, bucket_mb, per_block=per_block)
     assert peaks[1:] == [expected] * (len(peaks) - 1), (peaks, expected)
+
+
+def test_one_rank_with_its_shards_on_the_device_gathers_nothing():
+    alone = estimate(SHAPE, 3, 1, "fp32", prefetch=2, bucket_mb=0)
+    offloaded = estimate(SHAPE, 3, 1, "fp32", offload_param="cpu", prefetch=2, bucket_mb=0)
+    assert alone["buffers"]["device"] == buffer_bytes(SHAPE, 2, 1, "fp32", "none", 2, 0)["device"]  # grad chunks
+    assert offloaded["buffers"]["device"] > alone["buffers"]["device"]  # the shards' device copies

@@ -493,11 +493,13 @@ def largest_chunk(shape: ModelShape, element_size: int, bucket_mb: float) -> int
 
 
 def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
-                 prefetch: int = 2, bucket_mb: float = 25.0, gather_per_block: bool = False) -> dict[str, int]:
+                 prefetch: int = 2, bucket_mb: float = 25.0, gather_per_block: bool = False,
+                 offload_param: str | None = None) -> dict[str, int]:
     """Chunk buffers in flight on one rank, by home.
 
     A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding), and no more than
-    the model (`largest_chunk`). Stage 3 holds the chunks `gather_peak` counts, at their real sizes in compute dtype: a module's, the next `prefetch` chunks
+    the model (`largest_chunk`). Stage 3 holds the chunks `gather_peak` counts (none at one rank whose shards
+    rest on the device, `offload_param="none"`: each shard is its whole chunk), at their real sizes in compute dtype: a module's, the next `prefetch` chunks
     of the recorded order (with `gather_per_block`, `compile = True`: a whole block's and the next `prefetch`
     modules'), and those used before and after (the tied embedding's). Stages 2/3 keep about two full-size grad
     chunks in flight (one filling, one reducing). Disk offload streams master + Adam state of the current and the
@@ -508,7 +510,10 @@ def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str,
     c = DTYPES[precision].itemsize
     chunk_numel = largest_chunk(shape, c, bucket_mb)
     out = dict.fromkeys(HOMES, 0)
-    if stage == 3:
+    # one rank with its shards on the device: each chunk's shard is its `full` (Chunk.gather), nothing is gathered
+    # (offload_param None: not known, counted as gathered)
+    shard_is_full = world_size == 1 and offload_param == "none"
+    if stage == 3 and not shard_is_full:
         out["device"] += gather_peak(shape, precision, prefetch, bucket_mb, world_size, gather_per_block)[1] * c
     if stage >= 2:
         out["device"] += 2 * chunk_numel * c
@@ -534,7 +539,7 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
                                optimizer_bytes_per_param, accumulation, device_budget)
     acts = activation_bytes(shape, seq_len, batch, precision, checkpoint, flash, dropout, loss_chunk)
     buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb,
-                           gather_per_block)
+                           gather_per_block, offload_param)
     totals = {h: sum(states[cat][h] for cat in CATEGORIES) + buffers[h] for h in HOMES}
     totals["device"] += acts["total"] + gpu_overhead
     return dict(num_params=shape.num_params, model_states=states, activations=acts, buffers=buffers,

@@ -201,13 +201,14 @@ def test_cli_compile_counts_blocks_gathered_whole(capsys):
     --prefetch modules', not one chunk plus --prefetch chunks."""
     from zerogpt.memory_model import buffer_bytes
 
-    args = ["--layers", "4", "--hidden", "64", "--heads", "2", "--vocab", "128", "--bucket-mb", "0", "--json"]
+    args = ["--layers", "4", "--hidden", "64", "--heads", "2", "--vocab", "128", "--bucket-mb", "0", "--world", "2",
+            "--json"]  # 2 ranks: one rank with its shards on the device gathers nothing
     plans = {}
     for extra in ([], ["--compile"]):
         assert main(args + extra) == 0
         plans[bool(extra)] = json.loads(capsys.readouterr().out)
     shape = ModelShape(**plans[True]["shape"])
-    assert plans[True]["buffers"] == buffer_bytes(shape, 3, 1, "bf16", "none", 2, 0, gather_per_block=True)
+    assert plans[True]["buffers"] == buffer_bytes(shape, 3, 2, "bf16", "none", 2, 0, gather_per_block=True)
     assert plans[True]["buffers"]["device"] > plans[False]["buffers"]["device"]
     assert main(args[:-1] + ["--compile"]) == 0
     assert "blocks gathered whole" in capsys.readouterr().out
