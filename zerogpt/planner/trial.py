@@ -3,10 +3,11 @@ seconds per step and its peaks; the engine is closed after and the RNG states pu
 starts exactly as a hand-set run of the chosen plan would (its model is built again from the same seed).
 
 Memory measured: on CUDA, torch.cuda.max_memory_allocated over the trial's steps. On a CPU run, whose device is
-simulated: the model state in the device home (Engine.memory_stats at each step's end) plus the peak of the
+simulated: the model state in the device home (Engine.memory_stats at every engine.step() call, after each
+micro-step's backward, and at the step's end) plus the peak of the
 activations saved for backward that are alive at once (autograd's saved-tensor hooks, parameters excluded). Known
 gaps of the CPU measure: at stage 3 the engine's own saved-tensor hooks (zero/gather_hooks.py) take precedence over
-these, so the activations are not seen there, and buffers freed before a step's end (gathered chunks, gradient
+these, so the activations are not seen there, and buffers freed inside a micro-step (gathered chunks, gradient
 chunks in flight) are not either; the simulated out-of-memory is then decided on less than was used.
 Host: the process's peak resident set over the build and the steps above what it held before (VmHWM after
 resetting it through /proc/self/clear_refs, less VmRSS then): on a CPU run that includes the device home.
@@ -89,6 +90,18 @@ class _StepClock(Hook):
     def __init__(self, device: torch.device):
         self.device, self.seconds, self.device_peaks = device, [], []
         self.saved: _SavedActivations | None = None
+        self.state_peak = 0
+
+    def watch_states(self, engine: Any) -> None:
+        """CPU: the device home's model state sampled at every engine.step() call, after each micro-step's backward,
+        while its gradients are held (the step's end has dropped them)."""
+        step = engine.step
+
+        def sampled() -> Any:
+            stats = engine.memory_stats()
+            self.state_peak = max(self.state_peak, sum(home["device"] for home in stats.values()))
+            return step()
+        engine.step = sampled
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -110,7 +123,9 @@ class _StepClock(Hook):
         else:
             self.saved.__exit__(None, None, None)
             stats = trainer.engine.memory_stats()
-            self.device_peaks.append(sum(home["device"] for home in stats.values()) + self.saved.peak)
+            state = max(self.state_peak, sum(home["device"] for home in stats.values()))
+            self.device_peaks.append(state + self.saved.peak)
+            self.state_peak = 0
 
 
 def rng_states() -> dict:
@@ -142,6 +157,8 @@ def run_trial(build_engine: Callable[[], Any], micro_batch: int, accumulation: i
     try:
         engine = build_engine()
         clock = _StepClock(engine.ctx.device)
+        if engine.ctx.device.type != "cuda":
+            clock.watch_states(engine)
         g = torch.Generator().manual_seed(0)
         batches = [torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g)
                    for _ in range(steps * accumulation)]
