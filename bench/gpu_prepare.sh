@@ -8,7 +8,7 @@
 # .carry/ holds: DeepSpeed's sdist (it builds there, ops not prebuilt, against the device's torch; its CPU Adam op
 # JIT-builds at first use, which gpu_check does before measuring), the pure-Python wheels it needs that the image
 # lacks (hjson, pydantic and its three, typing_extensions for pydantic), torchao (precision="fp8" in the compute
-# slice), and COMMIT: the commit and the count of tracked files changed since (the device's copy of the tree has no
+# slice), cut-cross-entropy and liger-kernel (the chunked loss's library rows), and COMMIT: the commit and the count of tracked files changed since (the device's copy of the tree has no
 # .git). transformers (the Llama slices' plain-PyTorch rows, the Llama GPU tests) is on the GPU image already.
 # Versions follow this machine's .venv, so both sides run the same DeepSpeed. Files of other versions are
 # removed: two versions of one package stop the whole install there.
@@ -41,6 +41,14 @@ drop_others() {  # remove files of package $1 at any version but $2
     done
 }
 
+fetch_pinned() {  # fetch_pinned NAME VERSION: a pure-Python wheel this machine's .venv cannot hold
+    drop_others "$1" "$2"
+    if [ -n "$(have "$1" "$2")" ]; then return; fi
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform any -d "$DEST" "$1==$2"
+    [ -n "$(have "$1" "$2")" ] || { echo "pip left no file for $1==$2 in $DEST" >&2; exit 1; }
+}
+
 fetch() {  # fetch NAME KIND: KIND sdist (DeepSpeed) or wheel (CPython 3.12, x86-64 Linux, or pure Python)
     local name=$1 kind=$2 ver
     ver=$(version "$name")
@@ -64,6 +72,10 @@ fetch deepspeed sdist
 for pkg in hjson pydantic pydantic_core annotated_types typing_inspection typing_extensions torchao; do
     fetch "$pkg" wheel
 done
+# the chunked loss's library kernels (model_zoo/loss.py "cce", "liger"; the compute slices' side-by-side rows):
+# Triton kernels that need triton, absent from the CPU torch, so pinned here rather than taken from .venv
+fetch_pinned cut_cross_entropy 25.1.1
+fetch_pinned liger_kernel 0.8.5
 
 # the commit measured: .carry/COMMIT (gpu_check.py reads it where git is missing)
 dirty=$(git status --porcelain --untracked-files=no | wc -l)

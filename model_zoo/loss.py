@@ -25,9 +25,11 @@ LOSS_BACKENDS = ("auto", "torch", "cce", "liger")
 cross-entropy (`pip install liger-kernel`), both Triton kernels, so CUDA only. "auto": the first of
 AUTO_LIBRARY_ORDER that is installed when the hidden states are on CUDA, else "torch"."""
 
-AUTO_LIBRARY_ORDER = ("cce", "liger")
-"""Which library "auto" takes first. Provisional: no GPU has yet run them side by side (bench/gpu_slices/compute.py's
-library rows, loss_backends_side_by_side); reorder, or put "torch" first, by those numbers."""
+LIBRARY_BACKENDS = ("cce", "liger")
+AUTO_LIBRARY_ORDER: tuple[str, ...] = ()
+"""Which library "auto" takes before our own kernel: none until a GPU has run them side by side
+(bench/gpu_slices/compute.py's "chunked loss cce/liger" rows, loss_backends_side_by_side). A library that was never
+measured here is not taken by default; put a name here when its row beats "chunked loss" at 50k and 128k."""
 
 MIN_CHUNKS = 8
 """The chunked loss splits the tokens into at least this many chunks, so one chunk's logits are at most 1/8 of the
@@ -68,7 +70,7 @@ def available_loss_backends(device: torch.device | str) -> list[str]:
     (they are Triton kernels, and Triton needs a GPU)."""
     names = ["torch"]
     if torch.device(device).type == "cuda":
-        names += [n for n in AUTO_LIBRARY_ORDER if importlib.util.find_spec(_LIBRARY_MODULES[n]) is not None]
+        names += [n for n in LIBRARY_BACKENDS if importlib.util.find_spec(_LIBRARY_MODULES[n]) is not None]
     return names
 
 
