@@ -2,7 +2,8 @@
 
     python bench/auto_plan.py --out bench/results/auto_plan_cpu.json
 
-For 3 GPT-2-shaped models x 2 device capacities (tight: about half the grid's plans fit; loose: all do), at one
+For 3 GPT-2-shaped models x 2 device capacities (tight: the median of the grid's measured device peaks, so about
+half the grid runs out of memory; loose: 4x the largest prediction), at one
 tokens per step: every plan of the grid (ZeRO stage 0 or 3, optimizer offload none/cpu, param offload none/cpu,
 micro-batch x accumulation, checkpointing) is built and run for 4 steps (zerogpt/planner/trial.py: the fastest step
 after the first, the device peak measured, a peak over the simulated capacity an out-of-memory), and plan="auto"
@@ -87,9 +88,10 @@ def run_cell(name: str, size: dict, ctx, rate: float, budgets: list[str], log) -
         measured[p] = measure(cfg, p, ctx, None)
         log(f"{name} {p.describe()}: {measured[p]}")
     needs = sorted(c.need["device"] for c in predicted.values())
+    peaks = sorted(m["device_peak"] for m in measured.values() if "seconds" in m)
     out = []
-    for budget in budgets:
-        capacity = int(statistics.median(needs) / 0.9) if budget == "tight" else int(4 * needs[-1])
+    for budget in budgets:  # tight: half the grid's measured peaks over it; loose: every prediction under it
+        capacity = int(statistics.median(peaks)) if budget == "tight" else int(4 * needs[-1])
         machine = Machine(device_bytes=capacity, host_bytes=64 * GIB, on_gpu=False, name="cpu (simulated device)",
                           gpu_overhead=0)
         fits = {p: m for p, m in measured.items() if "seconds" in m and m["device_peak"] <= capacity}
@@ -112,12 +114,15 @@ def run_cell(name: str, size: dict, ctx, rate: float, budgets: list[str], log) -
         ratio = best_s / auto_s if chosen in fits else 0.0
         dev_err = {p.describe(): error_pct(predicted[p].need["device"], m["device_peak"])
                    for p, m in measured.items() if "seconds" in m}
+        by_stage = {stage: statistics.median(e for p, e in zip(measured, dev_err.values()) if p.stage == stage)
+                    for stage in sorted({p.stage for p in measured})}
         row = dict(model=name, params=shape.num_params, budget=budget, capacity=capacity, grid=len(grid),
                    grid_fits=len(fits), best=best_plan.describe(), best_tokens_per_s=work.tokens_per_step / best_s,
                    auto=chosen.describe(), auto_tokens_per_s=work.tokens_per_step / auto_s, ratio=ratio,
                    auto_search_s=seconds, device_error_pct=dict(
                        median=statistics.median(dev_err.values()), max_abs=max(map(abs, dev_err.values())),
-                       within_10=sum(abs(e) <= 10 for e in dev_err.values())), per_plan_device_error_pct=dev_err,
+                       within_10=sum(abs(e) <= 10 for e in dev_err.values()), median_by_stage=by_stage),
+                   per_plan_device_error_pct=dev_err,
                    table=auto.table)
         log(auto.table)
         out.append(row)
@@ -139,12 +144,13 @@ def main() -> int:
     finally:
         ctx.destroy()
     print(f"\n{'model':8}{'budget':>7}{'capacity MiB':>13}{'fit/grid':>9}{'best tok/s':>11}{'auto tok/s':>11}"
-          f"{'auto/best':>10}{'dev err med/max %':>19}{'within 10%':>11}")
+          f"{'auto/best':>10}{'dev err med/max %':>19}{'within 10%':>11}{'median z0 / z3 %':>18}")
     for r in rows:
         print(f"{r['model']:8}{r['budget']:>7}{r['capacity'] / 2**20:>13.1f}{r['grid_fits']:>4}/{r['grid']:<4}"
               f"{r['best_tokens_per_s']:>11,.0f}{r['auto_tokens_per_s']:>11,.0f}{r['ratio']:>10.2f}"
               f"{r['device_error_pct']['median']:>10.1f}/{r['device_error_pct']['max_abs']:<8.1f}"
-              f"{r['device_error_pct']['within_10']:>6}/{r['grid']}")
+              f"{r['device_error_pct']['within_10']:>6}/{r['grid']:<4}"
+              + " / ".join(f"{v:.0f}" for v in r['device_error_pct']['median_by_stage'].values()))
     if args.out:
         with open(args.out + ".tmp", "w") as f:
             json.dump(dict(cpu_flops_per_s=rate, rows=rows), f, indent=1)
