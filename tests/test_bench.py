@@ -19,6 +19,7 @@ BENCH = os.path.join(REPO, "bench")
 
 # script -> (arguments, a string its output must contain). "--help" where a real run costs minutes.
 RUNS = {
+    "auto_plan.py": (["--help"], "usage:"),            # 216 engine builds and runs: minutes
     "bf16_state.py": (["--help"], "usage:"),           # four 2-rank training runs
     "build_time.py": (["--layers", "1", "--hidden", "64", "--seq", "32"], "ratio zerogpt / DeepSpeed = "),
     "cpu_adam.py": (["--help"], "usage:"),
