@@ -180,7 +180,10 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                                             want_hidden or want_weight)
         total = total + loss_sum
         if grad_hidden is not None:
-            grad_hidden[part] = (grad_logits @ real).float() * inv_count if half else grad_logits @ real
+            if half:
+                grad_hidden[part] = (grad_logits @ real).float() * inv_count
+            else:  # written into its rows of the gradient, no (chunk, C) temporary and copy
+                torch.mm(grad_logits, real, out=grad_hidden[part])
         if grad_weight is not None and half:
             grad_weight[:vocab_size].add_((grad_logits.t() @ hidden[part]).float() * inv_count)
         elif grad_weight is not None:
