@@ -203,9 +203,11 @@ def _chunk_loss(hidden: torch.Tensor, real: torch.Tensor, targets: torch.Tensor,
     loss_sum = ((sums.log() - target) * counted).sum()  # logsumexp - target logit, both less the row's max
     if not want_grad:
         return loss_sum, None
-    probs = shifted.div_(sums[:, None])  # the softmax
-    probs.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=probs.dtype))
-    return loss_sum, probs.mul_(row_scale[:, None]).to(hidden.dtype)
+    # (softmax - one_hot) x row_scale: the softmax's 1/sum and the row's scale in one pass over the buffer
+    scale = row_scale.to(torch.float32)
+    grad = shifted.mul_((scale / sums)[:, None])
+    grad.scatter_add_(1, targets, -scale[:, None])
+    return loss_sum, grad.to(hidden.dtype)
 
 
 def _cut_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
