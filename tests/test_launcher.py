@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.test_run_faults import wait_for_steps
 from tests.test_train_gpt import DEMO, ROOT, overrides, read_jsonl
 
 # the console script setup.py installs (pip install -e .), else the same main through python -m
@@ -135,19 +136,6 @@ def test_a_failed_worker_gives_its_own_line_and_exit_code_and_a_signal_one_line(
     assert re.fullmatch(r"error: rank 1 \(pid \d+\) was killed by SIGKILL; the other ranks were stopped\n", log), log
 
 
-def wait_for_steps(out, n, proc, timeout=180):
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            with open(os.path.join(out, "metrics.jsonl")) as f:
-                if sum('"train"' in line for line in f) >= n:
-                    return
-        except FileNotFoundError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"no {n} train steps in {out}: {proc.communicate(timeout=10)[0][-3000:]}")
-
-
 @pytest.mark.timeout(300)
 def test_ctrl_c_ends_with_the_checkpoint_kept_line_and_exit_code_130(data_dir, tmp_path):
     out = tmp_path / "run"
@@ -155,7 +143,7 @@ def test_ctrl_c_ends_with_the_checkpoint_kept_line_and_exit_code_130(data_dir, t
         SHORT + data_args(data_dir) + [f"train.output_dir={out}", "train.max_steps=1000", "train.log_interval=1",
                                        "train.save_interval=1000", "train.eval_interval=1000"])],
         cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_for_steps(out, 3, run)
+    wait_for_steps(out, 3, run, timeout=180)
     os.killpg(run.pid, signal.SIGINT)                # what Ctrl-C in a terminal sends to the launcher's group
     log = run.communicate(timeout=120)[0]
     assert run.returncode == 130, log[-3000:]
