@@ -130,6 +130,33 @@ def test_tied_embedding_gradient_comes_as_rows(stage):
     dense = [(op, shape) for op, shape in ops if "embedding_dense_backward" in op]
     assert dense and all(shape != tuple(want.shape) for _, shape in dense), dense  # wpe's only, not wte's
     assert torch.equal(grad, want)
+    synced = [op for op, _ in ops if any(name in op for name in ("unique", "nonzero", "_local_scalar_dense"))]
+    assert not synced, f"ops whose output shape or value the host must wait for on a GPU: {synced}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_sum_of_repeated_ids_is_autograds(dtype):
+    """The row sum (sort + segments, no unique), with ids repeated many times and ids absent: in fp32 it equals
+    autograd's dense embedding gradient added to another gradient, bit for bit; in bf16 (where CPU autograd's
+    dense backward rounds differently) it equals the sum over `unique` that it replaced, bit for bit."""
+    from zerogpt.zero.chunk import _segments_of_equal_ids
+
+    gen = torch.Generator().manual_seed(1)
+    vocab, dim = 16, 8
+    ids = torch.randint(0, vocab // 2, (300,), generator=gen)
+    rows = torch.randn(300, dim, generator=gen).to(dtype)
+    base = torch.randn(vocab, dim, generator=gen).to(dtype)
+    weight = torch.zeros(vocab, dim, dtype=dtype, requires_grad=True)
+    torch.nn.functional.embedding(ids, weight).backward(rows)
+    want = base + weight.grad
+    segment_ids, segment_of_row, order = _segments_of_equal_ids(ids)
+    summed = torch.zeros_like(rows).index_add_(0, segment_of_row, rows.index_select(0, order))
+    got = base.clone().index_add_(0, segment_ids, summed)
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    distinct, inverse = ids.unique(return_inverse=True)
+    by_unique = torch.zeros(distinct.numel(), dim, dtype=dtype).index_add_(0, inverse, rows)
+    assert torch.equal(got, base.clone().index_add_(0, distinct, by_unique))
 
 
 @pytest.mark.timeout(120)

@@ -389,14 +389,18 @@ class Chunk:
 
         A tied embedding's gradient (grad_hooks.py) arrives this way instead of as a dense vocab x dim tensor.
         Repeated ids are summed first, then added once per row, so a row's sum is the one autograd's dense
-        embedding gradient gives (the ids' rows in order, then added to the head's gradient).
+        embedding gradient gives (the ids' rows in order, then added to the head's gradient). Every shape here
+        is the ids' count, never the count of distinct ids: `unique` would make the host wait for the device.
         """
         slot = self.plan.slots[slot_index]
         target = self._slot_grad(slot_index).view(slot.shape)
-        unique, inverse = ids.reshape(-1).unique(return_inverse=True)
+        segment_ids, segment_of_row, order = _segments_of_equal_ids(ids.reshape(-1))
         rows = rows.reshape(-1, rows.shape[-1])
-        summed = torch.zeros(unique.numel(), rows.shape[-1], dtype=rows.dtype, device=rows.device)
-        target.index_add_(0, unique, summed.index_add_(0, inverse, rows).to(target.dtype))
+        summed = torch.zeros(rows.shape, dtype=rows.dtype, device=rows.device)
+        summed.index_add_(0, segment_of_row, rows.index_select(0, order))
+        # segments past the last distinct id are zero rows aimed at the last id: t + s + 0 == t + s bit for bit,
+        # since a sum started from +0 is never -0
+        target.index_add_(0, segment_ids, summed.to(target.dtype))
         self.slots_ready.add(slot_index)
 
     def _slot_grad(self, slot_index: int) -> torch.Tensor:
@@ -470,3 +474,15 @@ class Chunk:
     def reset_grads(self) -> None:
         self.grad_full = None
         self.slots_ready.clear()
+
+
+def _segments_of_equal_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group equal ids without a data-dependent shape: (the id of each segment, padded with the last id to
+    len(ids); each sorted row's segment; the stable sort's order). The stable sort keeps each id's rows in their
+    original order, so summing a segment adds them in the order autograd does."""
+    sorted_ids, order = ids.sort(stable=True)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    segment_of_row = starts.cumsum(0) - 1
+    segment_ids = sorted_ids[-1:].expand(ids.numel()).clone().scatter_(0, segment_of_row, sorted_ids)
+    return segment_ids, segment_of_row, order
