@@ -119,33 +119,35 @@ class HostStep:
                device: torch.device) -> None:
         """Queue each chunk's step on a worker thread, in chunk (forward) order, and return.
 
-        The norm, the non-finite flag and the clip factor are known already (the caller computed them, and
-        they are read to the host here, which the host step needs anyway): the result is the plain step's bit for
-        bit. A chunk's first use in the next forward waits for its own step (`Chunk.pending_step`: stage 3's
+        The non-finite flag and the clip factor are device tensors the caller computed; the worker waits for
+        them (a CUDA event, on its own thread) and reads them to the host before its first chunk, so the training
+        thread never blocks here: the result is the plain step's bit for bit. A chunk's first use in the next forward waits for its own step (`Chunk.pending_step`: stage 3's
         gather, stages 1-2's StepWaitHooks), so the next forward's first blocks start while later chunks still
         step; `finish()` waits for all. `param_groups`: the user's optimizer's, which the chunks follow.
         """
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogpt-host-step")
-        factor = None if factor is None else factor.to("cpu")
-        found_inf = None if found_inf is None else found_inf.to("cpu")
-        # the device work queued so far (backward's last reads of the param shards) comes before their overwrite
+        # the device work queued so far (the norm, the flag, the gradients' copies to the host, backward's last
+        # reads of the param shards) comes before the step reads them and overwrites the shards
         ready = None
         if device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
+        # the worker, not the training thread, waits for that work and reads the scalars (first in its queue)
+        scalars = self._worker.submit(_scalars_on_host, factor, found_inf, ready)
         for state in self.states.values():
             group = param_groups[state.group_index]
-            self.pending[state.index] = self._worker.submit(self._timed_step, state, group, factor, found_inf,
+            self.pending[state.index] = self._worker.submit(self._timed_step, state, group, scalars,
                                                             state.grad, ready)
             state.chunk.pending_step = lambda index=state.index: self._finish_chunk(index)
 
-    def _timed_step(self, state: ChunkState, group: dict, factor: torch.Tensor | None,
-                    found_inf: torch.Tensor | None, grad: torch.Tensor | None, ready: Any) -> tuple[bool, Any]:
+    def _timed_step(self, state: ChunkState, group: dict, scalars: Future, grad: torch.Tensor | None,
+                    ready: Any) -> tuple[bool, Any]:
         """One chunk's step on the worker thread, its seconds added to this step's host time. Returns whether the
         step wrote the compute copy, and the event of its copy to the device when it went through the staging
         buffers (issued here, on the worker's own stream, so it overlaps the next chunk's step as in the plain
         step; the main stream waits for it in `_finish_chunk`)."""
+        factor, found_inf = scalars.result()  # done already: it was queued first on this one worker
         start = time.perf_counter()
         staged = self.staging_for(state)
         wrote = state.step(group, factor, found_inf, grad, out=staged)
@@ -181,3 +183,12 @@ class HostStep:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+
+
+def _scalars_on_host(factor: torch.Tensor | None, found_inf: torch.Tensor | None,
+                     ready: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """On the worker thread: wait for the device work before `ready` (a CUDA event; None on CPU), then read the
+    clip factor and the non-finite flag to the host, so the training thread never blocks on them."""
+    if ready is not None:
+        ready.synchronize()
+    return (None if factor is None else factor.to("cpu"), None if found_inf is None else found_inf.to("cpu"))
