@@ -31,4 +31,6 @@ def test_a_phase_still_running_says_what_it_is_doing_once_and_a_quick_one_nothin
 def test_rank_logger_is_the_rank_from_torchruns_environment(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     logger = rank_logger()
-    assert logger.name == "zerogpt.rank3" and rank_logger() is logger and len(logger.handlers) == 1
+    assert logger.name == "zerogpt.rank3" and rank_logger() is logger
+    # one handler of ours however often it is asked (pytest's own capture handlers may sit beside it)
+    assert sum(type(handler).__name__ == "_StdHandler" for handler in logger.handlers) == 1
