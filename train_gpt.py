@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start over in a train.output_dir that holds another run: delete its metrics, plot, "
                         "checkpoints, tensorboard events and config.py first")
     p.add_argument("--plan", choices=("auto", "manual"), default=None,
-                   help="'auto': choose stage, offload, micro-batch x accumulation, checkpointing and the loss for this "
-                        "machine (the config's plan key; the keys the config sets stay fixed; docs/configs.md)")
+                   help="'auto': choose stage, offload, micro-batch x accumulation, checkpointing and the loss for "
+                        "this machine (the config's plan key; the keys the config sets stay fixed; docs/configs.md)")
     p.add_argument("--from_torch", action="store_true",
                    help="accepted for the Colossal-AI tutorial's command line; torchrun's environment is the only "
                         "launch mode, so it changes nothing")

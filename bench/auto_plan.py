@@ -55,8 +55,8 @@ def config(size: dict) -> Config:
     return Config(plan="auto", precision="fp32", SEQ_LEN=SEQ, TOKENS_PER_STEP=SAMPLES * SEQ,
                   model=dict(type=gpt2_tiny, vocab_size=VOCAB, max_position_embeddings=SEQ, chunked_loss=False, **size),
                   optimizer=dict(type="HybridAdam", lr=1e-3), zero=dict(
-                      offload_optimizer=dict(state_dtype="fp32"), shard_strategy=zerogpt.config.BucketTensorShardStrategy(25.0),
-                      prefetch=2)).validate()
+                      offload_optimizer=dict(state_dtype="fp32"),
+                      shard_strategy=zerogpt.config.BucketTensorShardStrategy(25.0), prefetch=2)).validate()
 
 
 def measure(cfg: Config, plan: Plan, ctx, capacity: int | None) -> dict:

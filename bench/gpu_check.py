@@ -154,8 +154,8 @@ def run_next(args, order: list[str], expected: dict[str, float]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--next", action="store_true", help="measure the next slice (no result yet, else the oldest), then "
-                      "more while the budget allows")
+    what.add_argument("--next", action="store_true",
+                      help="measure the next slice (no result yet, else the oldest), then more while the budget allows")
     what.add_argument("--slice", help=f"measure these slices, comma-separated, of {', '.join(SLICES)}")
     what.add_argument("--status", action="store_true", help="print the goals table and the next slice, measure nothing")
     what.add_argument("--record", nargs="+", metavar="FILE", help="copy device results into --results and rewrite "
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                    "Adam op would build inside a measurement)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per measurement (3; tiny: 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (2; tiny: 1)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (1024; the Llama slices: 2048 and 4096; tiny: "
-                   "64, every slice)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per sequence (1024; the Llama slices: 2048 and 4096; tiny: 64, every slice)")
     p.add_argument("--shipped-steps", type=int, default=None,
                    help="verify: timed steps of train_gpt.py after one untimed (3; tiny: 1)")
     p.add_argument("--largest-bytes-per-param", type=float, default=14.0,

@@ -497,13 +497,13 @@ def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str,
                  offload_param: str | None = None) -> dict[str, int]:
     """Chunk buffers in flight on one rank, by home.
 
-    A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding), and no more than
-    the model (`largest_chunk`). Stage 3 holds the chunks `gather_peak` counts (none at one rank whose shards
-    rest on the device, `offload_param="none"`: each shard is its whole chunk), at their real sizes in compute dtype: a module's, the next `prefetch` chunks
-    of the recorded order (with `gather_per_block`, `compile = True`: a whole block's and the next `prefetch`
-    modules'), and those used before and after (the tied embedding's). Stages 2/3 keep about two full-size grad
-    chunks in flight (one filling, one reducing). Disk offload streams master + Adam state of the current and the
-    read-ahead chunk shard (12 B/param) through host RAM.
+    A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding), and no more than the
+    model (`largest_chunk`). Stage 3 holds the chunks `gather_peak` counts (none at one rank whose shards rest on
+    the device, `offload_param="none"`: each shard is its whole chunk), at their real sizes in compute dtype: a
+    module's, the next `prefetch` chunks of the recorded order (with `gather_per_block`, `compile = True`: a whole
+    block's and the next `prefetch` modules'), and those used before and after (the tied embedding's). Stages 2/3
+    keep about two full-size grad chunks in flight (one filling, one reducing). Disk offload streams master + Adam
+    state of the current and the read-ahead chunk shard (12 B/param) through host RAM.
     """
     if prefetch < 0:  # as zero.prefetch is checked
         raise ValueError(f"prefetch must be an int >= 0 (0 = no prefetch), got {prefetch!r}")

@@ -7,9 +7,10 @@ Five processes, each with its share of the budget, cheapest first, so a slow com
 it: (A) eager and chunked loss, then plain PyTorch eager beside them; (B) compile=True and compile + chunked
 loss; (C) FP8 and FP8 + compile; (D) micro-batch 12, compiled, zerogpt and plain PyTorch; (E) max-autotune,
 last (its autotuning is the slowest compile). MFU counts model FLOPs (PaLM) over the GPU's dense bf16 peak (989
-TFLOPS on an H100 or H200), FP8 rows too; the compile time is a row's first step less its eager twin's. torch.compile's disk caches outlive a process: a
-compile time is a cold one only on a fresh machine. Tiny (CPU) form: group A and the FP8 rows (an error row there:
-float8 needs CUDA) in one process; no compile (minutes on the CPU), listed under `tiny_omitted`.
+TFLOPS on an H100 or H200), FP8 rows too; the compile time is a row's first step less its eager twin's.
+torch.compile's disk caches outlive a process: a compile time is a cold one only on a fresh machine. Tiny (CPU)
+form: group A and the FP8 rows (an error row there: float8 needs CUDA) in one process; no compile (minutes on the
+CPU), listed under `tiny_omitted`.
 
 The Llama family's slices (compute_llama.py) run through the same `measure_groups` and `summarize`.
 """

@@ -146,9 +146,9 @@ def run_trial(build_engine: Callable[[], Any], micro_batch: int, accumulation: i
               steps: int = 2, device_capacity: int | None = None) -> dict:
     """Build an engine (`build_engine()`), run `steps` optimizer steps on random tokens and measure them.
 
-    Returns {"seconds": the fastest step after the first, "device_peak", "host_peak"} or {"error": why} when it ran out of memory
-    (CUDA's error or, on CPU, a measured device peak over `device_capacity`). RNG states are restored either way;
-    the engine is closed and dropped."""
+    Returns {"seconds": the fastest step after the first, "device_peak", "host_peak"} or {"error": why} when it ran
+    out of memory (CUDA's error or, on CPU, a measured device peak over `device_capacity`). RNG states are restored
+    either way; the engine is closed and dropped."""
     states = rng_states()
     engine = None
     gc.collect()

@@ -119,11 +119,12 @@ class HostStep:
                device: torch.device) -> None:
         """Queue each chunk's step on a worker thread, in chunk (forward) order, and return.
 
-        The non-finite flag and the clip factor are device tensors the caller computed; the worker waits for
-        them (a CUDA event, on its own thread) and reads them to the host before its first chunk, so the training
-        thread never blocks here: the result is the plain step's bit for bit. A chunk's first use in the next forward waits for its own step (`Chunk.pending_step`: stage 3's
-        gather, stages 1-2's StepWaitHooks), so the next forward's first blocks start while later chunks still
-        step; `finish()` waits for all. `param_groups`: the user's optimizer's, which the chunks follow.
+        The non-finite flag and the clip factor are device tensors the caller computed; the worker waits for them (a
+        CUDA event, on its own thread) and reads them to the host before its first chunk, so the training thread
+        never blocks here: the result is the plain step's bit for bit. A chunk's first use in the next forward waits
+        for its own step (`Chunk.pending_step`: stage 3's gather, stages 1-2's StepWaitHooks), so the next forward's
+        first blocks start while later chunks still step; `finish()` waits for all. `param_groups`: the user's
+        optimizer's, which the chunks follow.
         """
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogpt-host-step")
