@@ -95,7 +95,8 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
     from zerogpt.config import engine_config, parallel_config
     from zerogpt.config.dtypes import compute_dtype_name
     from zerogpt.parallel.mesh import ParallelDims
-    from zerogpt.memory_model import CATEGORIES, ModelShape, activation_bytes, buffer_bytes, model_state_bytes
+    from zerogpt.memory_model import (CATEGORIES, ModelShape, activation_bytes, buffer_bytes, grads_activations_overlap,
+                                      model_state_bytes)
 
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     dims = ParallelDims.from_config(parallel_config(cfg), world_size)
@@ -127,9 +128,10 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
         host_rank += sum(buffers[h] for h in homes)
         if not on_gpu:  # the activations live on the host too
             chunked = bool(getattr(config, "chunked_loss", False))
-            host_rank += activation_bytes(shape, cfg.SEQ_LEN, cfg.BATCH_SIZE, precision,
-                                          checkpoint=bool(getattr(config, "checkpoint", False)),
-                                          loss_chunk=getattr(config, "loss_chunk_size", 0) if chunked else 0)["total"]
+            acts = activation_bytes(shape, cfg.SEQ_LEN, cfg.BATCH_SIZE, precision,
+                                    checkpoint=bool(getattr(config, "checkpoint", False)),
+                                    loss_chunk=getattr(config, "loss_chunk_size", 0) if chunked else 0)
+            host_rank += acts["total"] - grads_activations_overlap(states, acts, ecfg.gradient_accumulation)
     ranks = _local_ranks(world_size)
     need, (available, source) = host_rank * ranks, available_host_bytes()
     what = (f"{psi / 1e9:.2f}B params per rank x {ranks} rank{'s' if ranks > 1 else ''}, stage {zero.stage}, "

@@ -1,0 +1,207 @@
+"""memory_model's predictions against the measured peaks, one fresh process per plan, over bench/auto_plan.py's grid
+(issue 47 point 6, "memory predictions within 10%, device and host").
+
+    python bench/plan_memory.py --out bench/results/plan_memory_cpu.json            # 8L-384, its 36 plans
+    python bench/plan_memory.py --sizes 4L-256,8L-384 --out ...
+
+Each plan runs in its own interpreter, so nothing a previous plan freed is counted. The process first runs the same
+plan on auto_plan's smallest model for one step (imports, op loads and thread pools are not the plan's), then takes
+its resident memory as the baseline, resets the kernel's peak counter (/proc/self/clear_refs <- 5), builds the plan's
+engine and trains 3 steps on random tokens, and reads the peak back (VmHWM): exact, no sampling. glibc malloc runs
+with a fixed 64 KiB mmap threshold and zerogpt's keep-freed-host-memory off (as bench/step_memory.py), so resident
+memory follows what is live: the peak is the live peak, not the allocator's history.
+
+On a CPU run the "device" is host RAM too. Measured:
+  host (both homes): VmHWM - baseline, everything the plan held at once;
+  device: that, less the host home's model state at its most (Engine.memory_stats()'s host home plus the gradient
+    shards a step holds there, GradPath.unallocated_grad_bytes, sampled at each engine.step() call and at each
+    step's end): what a GPU would hold, as the CPU can see it.
+Predicted: zerogpt.planner.search.evaluate (memory_model.estimate through the planner, no other arithmetic) for the
+plan as measured: device = totals["device"] (gpu_overhead 0), host = totals["device"] + totals["host"]. Errors are
+(predicted - measured) / measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+MIB = 2**20
+STEPS = 3
+WARM = "2L-128"
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _grid(size: str):
+    """(workload, config, the grid's candidates as evaluated on an unlimited CPU machine)."""
+    import torch
+
+    from auto_plan import SIZES, VOCAB, config
+    from model_zoo import build_model
+    from zerogpt.memory_model import ModelShape
+    from zerogpt.planner.config_plan import workload_from_config
+    from zerogpt.planner.plan import Machine
+    from zerogpt.planner.search import enumerate_plans, evaluate
+    from zerogpt.planner.speed import default_constants
+
+    cfg = config(SIZES[size])
+    with torch.device("meta"):
+        probe = build_model(dict(cfg.model), vocab_size=VOCAB)
+    work = workload_from_config(cfg, ModelShape.from_config(probe.config), 1, probe.config)
+    unlimited = Machine(device_bytes=2**50, host_bytes=2**50, on_gpu=False, name="cpu", gpu_overhead=0)
+    k = default_constants(unlimited, 1e9)
+    return work, cfg, [evaluate(p, work, unlimited, k) for p in enumerate_plans(work)]
+
+
+def _run(size: str, index: int, ctx, steps: int) -> dict:
+    """Build plan `index` of `size`'s grid and train `steps` steps; the host home's model state at its most."""
+    import torch
+
+    from auto_plan import SEQ, VOCAB
+    from model_zoo import GPTLMLoss, build_model
+    from zerogpt import initialize
+    from zerogpt.memory_model import CATEGORIES
+    from zerogpt.planner.config_plan import apply_plan
+    from zerogpt.trainer import Trainer
+    from zerogpt.trainer.hooks.base import Hook
+
+    _, cfg, grid = _grid(size)
+    plan = grid[index].plan
+    planned = apply_plan(cfg, plan)
+    with torch.device("meta"):
+        model = build_model(dict(planned.model), vocab_size=VOCAB)
+    engine = initialize(model, dict(planned.optimizer), GPTLMLoss(shift=False), config=planned, ctx=ctx)
+    most = [0]
+
+    def host_home() -> None:
+        stats = engine.memory_stats()
+        held = sum(stats[c]["host"] for c in CATEGORIES) + engine.grad_path.unallocated_grad_bytes(("host",))
+        most[0] = max(most[0], held)
+    step = engine.step
+
+    def sampled():
+        host_home()
+        return step()
+    engine.step = sampled
+
+    class _AtStepEnd(Hook):
+        def after_step(self, trainer) -> None:
+            host_home()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (plan.micro_batch, SEQ + 1), generator=g)
+               for _ in range(steps * plan.accumulation)]
+    Trainer(engine, hooks=[_AtStepEnd()]).fit(batches, max_steps=steps)
+    engine.close()
+    return dict(plan=plan.describe(), host_home=most[0])
+
+
+def child(size: str, index: int) -> dict:
+    """One plan in this (fresh) process: warm up on the smallest model, then the measured run."""
+    import gc
+
+    import torch
+
+    import zerogpt
+
+    torch.set_num_threads(1)
+    ctx = zerogpt.launch_from_torch(seed=0)
+    try:
+        _run(WARM, index, ctx, steps=1)
+        gc.collect()
+        base = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        out = _run(size, index, ctx, STEPS)
+        out["peak"] = _status("VmHWM") - base
+    finally:
+        ctx.destroy()
+    return out
+
+
+def measure(size: str, index: int, timeout: float) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "ZEROGPT_KEEP_HOST_MEMORY": "0",
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", size, str(index)], env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        return dict(error=(out.stderr.strip().splitlines() or ["no output"])[-1][:200])
+    return json.loads(lines[-1])
+
+
+def error_pct(predicted: float, measured: float) -> float:
+    return 100 * (predicted - measured) / measured
+
+
+def run_size(size: str, timeout: float, log) -> dict:
+    work, _, grid = _grid(size)
+    rows = []
+    for index, cand in enumerate(grid):
+        m = measure(size, index, timeout)
+        if "error" in m:
+            rows.append(dict(plan=cand.plan.describe(), error=m["error"]))
+            log(f"{size} {cand.plan.describe()}: {m['error']}")
+            continue
+        device = m["peak"] - m["host_home"]
+        row = dict(plan=m["plan"], stage=cand.plan.stage, predicted_device=cand.need["device"], measured_device=device,
+                   predicted_host=cand.need["host"], measured_host=m["peak"], host_home=m["host_home"],
+                   device_error_pct=error_pct(cand.need["device"], device),
+                   host_error_pct=error_pct(cand.need["host"], m["peak"]))
+        rows.append(row)
+        log(f"{size} {row['plan']}: device {device / MIB:.1f} MiB predicted {cand.need['device'] / MIB:.1f} "
+            f"({row['device_error_pct']:+.0f}%), host {m['peak'] / MIB:.1f} predicted {cand.need['host'] / MIB:.1f} "
+            f"({row['host_error_pct']:+.0f}%)")
+    ok = [r for r in rows if "error" not in r]
+
+    def summary(key: str) -> dict:
+        errors = [r[key] for r in ok]
+        return dict(median=statistics.median(errors), max_abs=max(map(abs, errors)),
+                    within_10=sum(abs(e) <= 10 for e in errors), plans=len(errors),
+                    median_by_stage={s: statistics.median(r[key] for r in ok if r["stage"] == s)
+                                     for s in sorted({r["stage"] for r in ok})})
+    return dict(model=size, params=work.shape.num_params, plans=rows, device=summary("device_error_pct"),
+                host=summary("host_error_pct"))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="8L-384", help="comma-separated auto_plan model sizes")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per plan's process")
+    p.add_argument("--child", nargs=2, metavar=("SIZE", "INDEX"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], int(args.child[1]))), flush=True)
+        return 0
+    start = time.perf_counter()
+    results = [run_size(size, args.timeout, lambda s: print(s, flush=True)) for size in args.sizes.split(",")]
+    print(f"\n{'model':8}{'plans':>6}{'device err med/max %':>22}{'within 10%':>11}{'host err med/max %':>20}"
+          f"{'within 10%':>11}   median by stage (device | host)")
+    for r in results:
+        d, h = r["device"], r["host"]
+        print(f"{r['model']:8}{d['plans']:>6}{d['median']:>12.1f}/{d['max_abs']:<9.1f}{d['within_10']:>6}/{d['plans']:<4}"
+              f"{h['median']:>10.1f}/{h['max_abs']:<9.1f}{h['within_10']:>6}/{h['plans']:<4}   "
+              + ", ".join(f"z{s} {v:+.0f}%" for s, v in d["median_by_stage"].items()) + " | "
+              + ", ".join(f"z{s} {v:+.0f}%" for s, v in h["median_by_stage"].items()))
+    print(f"({time.perf_counter() - start:.0f} s)")
+    if args.out:
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(dict(steps=STEPS, results=results), f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
