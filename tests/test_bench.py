@@ -20,6 +20,7 @@ BENCH = os.path.join(REPO, "bench")
 # script -> (arguments, a string its output must contain). "--help" where a real run costs minutes.
 RUNS = {
     "auto_plan.py": (["--help"], "usage:"),            # 216 engine builds and runs: minutes
+    "plan_memory.py": (["--help"], "usage:"),          # a fresh process per plan: minutes
     "bf16_state.py": (["--help"], "usage:"),           # four 2-rank training runs
     "build_time.py": (["--layers", "1", "--hidden", "64", "--seq", "32"], "ratio zerogpt / DeepSpeed = "),
     "cpu_adam.py": (["--help"], "usage:"),
@@ -28,6 +29,7 @@ RUNS = {
                          "--path", "{tmp}"], "step / disk = "),
     "gpu_check.py": (["--help"], "usage:"),          # its tiny CPU dry run is tests/test_gpu_check.py
     "gpu_measure.py": (["--help"], "usage:"),
+    "host_gap.py": (["--help"], "usage:"),           # two 2-rank processes loading and training a 44.6M Llama
     "host_step.py": (["--shard-m", "1", "--shards", "1", "--rounds", "1", "--engine-layers", "1"],
                      "(median of the rounds' ratios) |"),
     # native and transformers' Llama under zerogpt, one stage-3 step (no DeepSpeed: its import alone takes seconds)
