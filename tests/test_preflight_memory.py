@@ -108,13 +108,15 @@ def test_compile_counts_a_block_gathered_whole(monkeypatch):
         def build():
             with torch.device("meta"):
                 return GPT(GPTConfig(n_layer=4, n_embd=64, n_head=2, vocab_size=128, max_position_embeddings=16))
-        return preflight_memory.check_memory(cfg, tensor, build, on_gpu=False)["host"][0]
+        # 2 data-parallel ranks (at one, each shard is its whole chunk: nothing is gathered)
+        return preflight_memory.check_memory(cfg, 2 * tensor, build, on_gpu=False)["host"][0]
 
     shape = ModelShape(layers=4, hidden=64, heads=2, vocab=128, positions=16, pad_vocab_multiple=1)
-    eager, whole = (buffer_bytes(shape, 3, 1, "fp32", "none", 2, 0, gather_per_block=g)["device"] for g in (0, 1))
+    eager, whole = (buffer_bytes(shape, 3, 2, "fp32", "none", 2, 0, gather_per_block=g, offload_param="none")["device"]
+                    for g in (0, 1))
     assert whole > eager
-    assert need(True) - need(False) == whole - eager
-    assert need(True, tensor=2) - need(False, tensor=2) == 2 * (whole - eager)  # two ranks on this host
+    assert need(True) - need(False) == 2 * (whole - eager)  # two ranks on this host
+    assert need(True, tensor=2) - need(False, tensor=2) == 4 * (whole - eager)
 
 
 def llama3_8b_config(state_dtype: str = "fp32", model_type=None) -> Config:

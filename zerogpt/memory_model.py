@@ -17,7 +17,8 @@ from zerogpt.config.strategy import BucketTensorShardStrategy, TensorShardStrate
 
 __all__ = ["HOMES", "OFFLOAD_HOMES", "CATEGORIES", "FAMILIES", "ModelShape", "model_state_bytes", "zero_paper_bytes",
            "activation_bytes", "chunk_of_params", "grads_activations_overlap", "largest_chunk", "gather_peak",
-           "buffer_bytes", "estimate", "grad_crosses_once", "step_grad_itemsize"]
+           "buffer_bytes", "gathered_bytes", "grad_chunks_in_flight", "cpu_run_shared_bytes", "estimate",
+           "grad_crosses_once", "step_grad_itemsize"]
 
 HOMES = ("device", "host", "disk")
 """Where a byte of model state lives: the one list (zero/offload.py's Placement, the engine's memory_stats and the
@@ -494,7 +495,7 @@ def largest_chunk(shape: ModelShape, element_size: int, bucket_mb: float) -> int
 
 def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
                  prefetch: int = 2, bucket_mb: float = 25.0, gather_per_block: bool = False,
-                 offload_param: str | None = None) -> dict[str, int]:
+                 offload_param: str | None = None, accumulation: int = 1) -> dict[str, int]:
     """Chunk buffers in flight on one rank, by home.
 
     A chunk holds up to `bucket_mb` MiB of params, or one parameter if larger (the embedding), and no more than the
@@ -502,24 +503,46 @@ def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str,
     the device, `offload_param="none"`: each shard is its whole chunk), at their real sizes in compute dtype: a
     module's, the next `prefetch` chunks of the recorded order (with `gather_per_block`, `compile = True`: a whole
     block's and the next `prefetch` modules'), and those used before and after (the tied embedding's). Stages 2/3
-    keep about two full-size grad chunks in flight (one filling, one reducing). Disk offload streams master + Adam
-    state of the current and the read-ahead chunk shard (12 B/param) through host RAM.
+    keep about two full-size grad chunks in flight (one filling, one reducing; `grad_chunks_in_flight`). Disk
+    offload streams master + Adam state of the current and the read-ahead chunk shard (12 B/param) through host RAM.
     """
     if prefetch < 0:  # as zero.prefetch is checked
         raise ValueError(f"prefetch must be an int >= 0 (0 = no prefetch), got {prefetch!r}")
     c = DTYPES[precision].itemsize
     chunk_numel = largest_chunk(shape, c, bucket_mb)
     out = dict.fromkeys(HOMES, 0)
-    # one rank with its shards on the device: each chunk's shard is its `full` (Chunk.gather), nothing is gathered
-    # (offload_param None: not known, counted as gathered)
-    shard_is_full = world_size == 1 and offload_param == "none"
-    if stage == 3 and not shard_is_full:
-        out["device"] += gather_peak(shape, precision, prefetch, bucket_mb, world_size, gather_per_block)[1] * c
-    if stage >= 2:
-        out["device"] += 2 * chunk_numel * c
+    out["device"] += gathered_bytes(shape, stage, world_size, precision, prefetch, bucket_mb, gather_per_block,
+                                    offload_param)
+    out["device"] += grad_chunks_in_flight(shape, stage, world_size, precision, offload_optimizer, bucket_mb,
+                                           accumulation)
     if offload_optimizer == "disk":
         out["host"] += 2 * math.ceil(chunk_numel / (1 if stage == 0 else world_size)) * 12
     return out
+
+
+def gathered_bytes(shape: ModelShape, stage: int, world_size: int, precision: str, prefetch: int = 2,
+                   bucket_mb: float = 25.0, gather_per_block: bool = False, offload_param: str | None = None) -> int:
+    """Stage 3's gathered chunks on the device at their most (`gather_peak`, compute dtype); none at one rank whose
+    shards rest on the device (each chunk's shard is its `full`, Chunk.gather; offload_param None: not known,
+    counted as gathered)."""
+    if stage != 3 or (world_size == 1 and offload_param == "none"):
+        return 0
+    elements = gather_peak(shape, precision, prefetch, bucket_mb, world_size, gather_per_block)[1]
+    return elements * DTYPES[precision].itemsize
+
+
+def grad_chunks_in_flight(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
+                          bucket_mb: float = 25.0, accumulation: int = 1) -> int:
+    """Stages 2-3: about two of the largest chunk's local gradient buffers (one filling, one reducing), compute
+    dtype. None at one rank, accumulation 1, fp32, gradients on the device: the reduced buffer is the chunk's whole
+    gradient and becomes its fp32 grad shard as it is (zero/grad_path.py, GradPath._add), which
+    `model_state_bytes` counts (bench/plan_memory.py, 8L-384 z3 4 x 1: measured 237 MiB, 279 with them counted)."""
+    if stage < 2:
+        return 0
+    if world_size == 1 and accumulation == 1 and precision == "fp32" and offload_optimizer == "none":
+        return 0
+    c = DTYPES[precision].itemsize
+    return 2 * largest_chunk(shape, c, bucket_mb) * c
 
 
 def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str = "bf16",
@@ -527,24 +550,64 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
              batch: int = 1, checkpoint: bool = False, flash: bool = True, dropout: bool = False,
              prefetch: int = 2, bucket_mb: float = 25.0, gpu_overhead: int = 2**30, accumulation: int = 1,
              optimizer_bytes_per_param: int = 8, gather_per_block: bool = False, loss_chunk: int = 0,
-             device_budget: int = 0) -> dict:
-    """Everything on one rank: model states, activations, buffers, totals per home (bytes).
+             device_budget: int = 0, on_gpu: bool = True) -> dict:
+    """Everything on one rank: model states, activations, buffers, totals per home, host RAM held (bytes).
 
     `optimizer_bytes_per_param`: 8 for Adam's moments in fp32, 4 in bf16 (zero.offload_optimizer.state_dtype).
     `gather_per_block`: stage 3 gathers each block whole (`compile = True`; see `buffer_bytes`).
     `loss_chunk`: tokens per chunk of the chunked loss (`chunked_loss = True`, `loss_chunk_size`); 0: the plain loss.
     `device_budget`: with param offload, bytes of parameter shards kept on the device (`model_state_bytes`).
+    `on_gpu`: False for a CPU run, whose device is host RAM too: "host_ram" is then every home but disk, the
+    bytes both homes share counted once (`cpu_run_shared_bytes`).
+    Returns: dict(num_params, model_states, activations, buffers, gpu_overhead, overlap, totals (per home, what a
+    GPU run holds), shared (a CPU run's bytes in both homes' totals), host_ram (this rank's host RAM)).
     """
     states = model_state_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, offload_param,
                                optimizer_bytes_per_param, accumulation, device_budget)
     acts = activation_bytes(shape, seq_len, batch, precision, checkpoint, flash, dropout, loss_chunk)
     buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb,
-                           gather_per_block, offload_param)
+                           gather_per_block, offload_param, accumulation)
     overlap = grads_activations_overlap(states, acts, accumulation)
     totals = {h: sum(states[cat][h] for cat in CATEGORIES) + buffers[h] for h in HOMES}
     totals["device"] += acts["total"] + gpu_overhead - overlap
+    shared = host_ram = 0
+    if on_gpu:
+        host_ram = totals["host"]
+    else:
+        in_flight = grad_chunks_in_flight(shape, stage, world_size, precision, offload_optimizer, bucket_mb,
+                                          accumulation)
+        gathered = gathered_bytes(shape, stage, world_size, precision, prefetch, bucket_mb, gather_per_block,
+                                  offload_param)
+        shared_by = cpu_run_shared_bytes(states, stage, world_size, accumulation, in_flight, gathered)
+        shared = sum(shared_by.values())
+        grads_in_ram = states["grads"]["device"] + states["grads"]["host"] + in_flight - shared_by["grads"]
+        cpu_overlap = min(grads_in_ram, acts["total"]) if accumulation == 1 else 0  # as on the device, all in RAM
+        host_ram = totals["host"] + totals["device"] - gpu_overhead + overlap - shared - cpu_overlap
     return dict(num_params=shape.num_params, model_states=states, activations=acts, buffers=buffers,
-                gpu_overhead=gpu_overhead, overlap=overlap, totals=totals)
+                gpu_overhead=gpu_overhead, overlap=overlap, totals=totals, shared=shared, host_ram=host_ram)
+
+
+def cpu_run_shared_bytes(states: dict[str, dict[str, int]], stage: int, world_size: int, accumulation: int,
+                         grads_in_flight: int, gathered: int) -> dict[str, int]:
+    """Bytes a CPU run holds once that `totals` counts in both homes: its "device" is host RAM, so the engine
+    copies nothing between the homes (zero/offload.py's start_d2h returns the tensor; Chunk.gather at one rank
+    takes the shard as `full`; GradPath._add takes a reduced fp32 shard as the grad shard).
+
+    - The host's gradient shards are the device's reduced gradients when they cross once as they are (stages 0-1,
+      accumulation 1, or a device-side sum crossing at the step): the device's gradients and chunks in flight.
+    - At one rank with the parameters offloaded, the gathered chunks are the host's param shards.
+    Measured (bench/plan_memory.py, 8L-384, 36 plans): without this the CPU host need of the offloaded plans was
+    13-64% over the live peak.
+    Returns: {"grads": bytes, "params": bytes}.
+    """
+    shared = dict(grads=0, params=0)
+    params_on_device = states["params"]["host"] == 0
+    crosses_as_is = grad_crosses_once(stage, accumulation) or (stage >= 2 and params_on_device)
+    if states["grads"]["host"] and crosses_as_is:
+        shared["grads"] = min(states["grads"]["host"], states["grads"]["device"] + grads_in_flight)
+    if world_size == 1 and states["params"]["host"]:
+        shared["params"] = min(gathered, states["params"]["host"])
+    return shared
 
 
 def grads_activations_overlap(states: dict[str, dict[str, int]], acts: dict[str, int], accumulation: int) -> int:

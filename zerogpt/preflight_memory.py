@@ -95,8 +95,7 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
     from zerogpt.config import engine_config, parallel_config
     from zerogpt.config.dtypes import compute_dtype_name
     from zerogpt.parallel.mesh import ParallelDims
-    from zerogpt.memory_model import (CATEGORIES, ModelShape, activation_bytes, buffer_bytes, grads_activations_overlap,
-                                      model_state_bytes)
+    from zerogpt.memory_model import CATEGORIES, ModelShape, estimate, model_state_bytes
 
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     dims = ParallelDims.from_config(parallel_config(cfg), world_size)
@@ -122,16 +121,17 @@ def check_memory(cfg: Any, world_size: int, model: Callable[[], Any], on_gpu: bo
     if shape is not None and shape.num_params != total:
         shape = None  # a config that reads alike but builds another model: its chunks are not these
     if shape is not None:
-        # compile = True gathers each block whole at stage 3 (zerogpt/compile.py)
-        buffers = buffer_bytes(shape, zero.stage, dims.dp, precision, zero.offload_optimizer.device,
-                               zero.prefetch, _bucket_mb(zero.shard_strategy), gather_per_block=ecfg.compile)
-        host_rank += sum(buffers[h] for h in homes)
-        if not on_gpu:  # the activations live on the host too
-            chunked = bool(getattr(config, "chunked_loss", False))
-            acts = activation_bytes(shape, cfg.SEQ_LEN, cfg.BATCH_SIZE, precision,
-                                    checkpoint=bool(getattr(config, "checkpoint", False)),
-                                    loss_chunk=getattr(config, "loss_chunk_size", 0) if chunked else 0)
-            host_rank += acts["total"] - grads_activations_overlap(states, acts, ecfg.gradient_accumulation)
+        # memory_model's whole estimate beside the model state: buffers (compile = True gathers each block whole at
+        # stage 3, zerogpt/compile.py); on a CPU run the activations too, and what the two homes share counted once
+        chunked = bool(getattr(config, "chunked_loss", False))
+        est = estimate(shape, zero.stage, dims.dp, precision, zero.offload_optimizer.device, zero.offload_param.device,
+                       cfg.SEQ_LEN, cfg.BATCH_SIZE, checkpoint=bool(getattr(config, "checkpoint", False)),
+                       prefetch=zero.prefetch, bucket_mb=_bucket_mb(zero.shard_strategy), gpu_overhead=0,
+                       accumulation=ecfg.gradient_accumulation, optimizer_bytes_per_param=moment_bytes,
+                       gather_per_block=ecfg.compile,
+                       loss_chunk=getattr(config, "loss_chunk_size", 0) if chunked else 0, on_gpu=on_gpu)
+        # est["host_ram"] counts the whole model's state; this rank's (psi, under tensor/pipeline parallelism) is above
+        host_rank += est["host_ram"] - sum(est["model_states"][c][h] for c in CATEGORIES for h in homes)
     ranks = _local_ranks(world_size)
     need, (available, source) = host_rank * ranks, available_host_bytes()
     what = (f"{psi / 1e9:.2f}B params per rank x {ranks} rank{'s' if ranks > 1 else ''}, stage {zero.stage}, "
