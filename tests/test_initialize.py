@@ -224,47 +224,112 @@ def test_step_acts_only_at_the_accumulation_boundary():
 # one build: the config is resolved into one plan, and the engine is complete when initialize returns
 
 
-def _files_called_from_the_build(run) -> list[str]:
-    """The zerogpt files that build_engine.py's code calls into while `run()` runs, in call order (consecutive
-    repeats merged): the path a reader follows through initialize."""
+def _decision_names() -> frozenset[str]:
+    """The names a build decision travels under: the engine plan's fields and the engine config sections' fields.
+    Not `device` (the context's device, passed everywhere) nor `chunks` (the built chunks, passed everywhere)."""
+    import dataclasses
+
+    from zerogpt.config import EngineConfig, HostConfig, ZeroConfig
+    from zerogpt.config.schema import LossScaleConfig, OptimizerOffloadConfig, ParamOffloadConfig
+    from zerogpt.planner.engine_plan import EnginePlan
+
+    sections = (EnginePlan, EngineConfig, ZeroConfig, OptimizerOffloadConfig, ParamOffloadConfig, HostConfig,
+                LossScaleConfig)
+    return frozenset({f.name for c in sections for f in dataclasses.fields(c)} | {"config", "plan"}) - {"device",
+                                                                                                       "chunks"}
+
+
+def _follow_the_config(run) -> tuple[list[str], list[str]]:
+    """Two paths through the zerogpt files while `run()` (an initialize) runs, each in call order with consecutive
+    repeats merged.
+
+    - the driver's: the files build_engine.py's own code calls into;
+    - the config's: the files whose functions are handed the config (the run Config, a typed section of it, a
+      ShardStrategy), the engine plan, or one of its decisions by name (`_decision_names`): every file that reads a
+      decision derived from the config, however deep. A config class's own methods (its `self`) are the schema
+      reading itself and do not count; build_engine.py is the driver the path starts from (reading its steps in
+      order is reading on, not returning).
+    A return is a stop at a file the path had already left: a decision read in one file, then another, then the
+    first again.
+    """
     import os
     import sys
 
     import zerogpt
+    from zerogpt.config.strategy import ShardStrategy
+    from zerogpt.planner.engine_plan import EnginePlan
 
-    root, seen = os.path.dirname(zerogpt.__file__), []
+    root, names = os.path.dirname(zerogpt.__file__), _decision_names()
+    config_modules = ("zerogpt.config.",)
+    driver, followed = [], []
+
+    def is_config(value) -> bool:
+        return isinstance(value, (EnginePlan, ShardStrategy)) or type(value).__module__.startswith(config_modules)
+
+    def stop(path: list[str], filename: str) -> None:
+        rel = os.path.relpath(filename, root)
+        if not path or path[-1] != rel:
+            path.append(rel)
 
     def profile(frame, event, arg):
-        callee, caller = frame.f_code.co_filename, frame.f_back and frame.f_back.f_code.co_filename
-        if event != "call" or not (caller or "").endswith("build_engine.py") or callee == caller:
+        callee = frame.f_code.co_filename
+        if event != "call" or not callee.startswith(root):
             return
-        if callee.startswith(root) and (not seen or seen[-1] != os.path.relpath(callee, root)):
-            seen.append(os.path.relpath(callee, root))
+        caller = frame.f_back and frame.f_back.f_code.co_filename
+        if (caller or "").endswith("build_engine.py") and callee != caller:
+            stop(driver, callee)
+        code = frame.f_code
+        args = [a for a in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount] if a not in ("self", "cls")]
+        if not callee.endswith("build_engine.py") and (names.intersection(args)
+                                                       or any(is_config(frame.f_locals.get(a)) for a in args)):
+            stop(followed, callee)
 
     sys.setprofile(profile)
     try:
         run()
     finally:
         sys.setprofile(None)
-    return seen
+    return driver, followed
 
 
-def test_the_config_is_resolved_once_and_the_engine_is_complete_when_built(tmp_path):
-    """Following the config through initialize (plan, then build), the build returns to a file it had left fewer
-    than 5 times; every field the checkpoints and the Trainer read is declared by initialize."""
+def _returns(path: list[str]) -> list[str]:
+    return [f for i, f in enumerate(path) if f in path[:i]]
+
+
+@pytest.mark.parametrize("zero, precision, accumulation", [
+    (dict(stage=3, offload_optimizer=dict(device="cpu"), offload_param=dict(device="cpu")), "bf16", 1),
+    (dict(stage=2, offload_optimizer=dict(device="cpu")), "bf16", 2),
+    (dict(stage=0), "fp32", 1),
+], ids=["stage3-full-offload", "stage2-optimizer-offload", "stage0"])
+def test_following_the_config_through_the_build_returns_to_a_file_fewer_than_5_times(zero, precision,
+                                                                                      accumulation):
+    """Issue 47.7: the planner (planner/engine_plan.py) makes the decisions, initialize executes them. Before the
+    plan moved there (0039d31), the config's path returned 5 times in each case (config/load.py, config/schema.py
+    twice, zero/chunk.py, amp.py); the driver's path 3 times (zero/chunk.py, amp.py, host_memory.py)."""
+    import zerogpt
+    from zerogpt.parallel import ParallelModel
+
+    cfg = zerogpt.Config(dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=accumulation))
+    engines = []
+    model = tiny_gpt()
+    driver, followed = _follow_the_config(lambda: engines.append(zerogpt.initialize(
+        ParallelModel(model), torch.optim.AdamW(model.parameters()), config=cfg, ctx=cpu_ctx())))
+    engines[0].close()
+    assert "planner/engine_plan.py" in followed and "zero/sharded_optim.py" in followed  # the path is followed
+    assert len(_returns(followed)) < 5, followed
+    assert len(_returns(driver)) < 5, driver
+
+
+def test_the_engine_is_complete_when_built(tmp_path):
+    """Every field the checkpoints and the Trainer read is declared by initialize."""
     import zerogpt
     from zerogpt.parallel import ParallelModel
 
     cfg = zerogpt.Config(dict(zero=dict(stage=3, offload_optimizer=dict(device="cpu"), offload_param=dict(device="cpu")),
                               precision="bf16"))
-    engines = []
     model = tiny_gpt()
-    files = _files_called_from_the_build(lambda: engines.append(zerogpt.initialize(
-        ParallelModel(model, tied_copies=TIES), torch.optim.AdamW(model.parameters()), config=cfg,
-        ctx=cpu_ctx())))
-    returns = [f for i, f in enumerate(files) if f in files[:i]]
-    assert len(returns) < 5, files
-    engine = engines[0]
+    engine = zerogpt.initialize(ParallelModel(model, tied_copies=TIES), torch.optim.AdamW(model.parameters()),
+                                config=cfg, ctx=cpu_ctx())
     assert engine.tied_copies == TIES and engine.param_layouts == {} and engine.criterion is None
     assert engine.transport is None and engine.run_config is cfg
     with engine.loss_context():

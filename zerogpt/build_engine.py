@@ -1,32 +1,31 @@
 """`initialize()`: a model + optimizer + config -> a complete ZeRO `Engine`.
 
-Two phases. `plan_engine` first resolves everything the build depends on into one frozen `EnginePlan`: the
-engine config at this data-parallel size, the compute dtype, where parameters and optimizer state live, the chunk
-plans and the disk the state needs. Nothing is built yet, and the plan is checked to be the same on every rank.
-Then the build runs in named steps that only read the plan: pack the parameters into chunks (a meta model: each
-rank fills only its shards), place the buffers, register the hooks (after packing: they refer to chunk slots),
-build the sharded optimizer, then the gradient's path to it. The Engine is complete when initialize returns;
-nothing is set on it afterwards.
+Two phases. The planner (`zerogpt/planner/engine_plan.py`, `plan_engine`) first makes every decision of the build
+into one frozen `EnginePlan`: the chunk layout, the homes and dtypes of parameters, gradients, masters and optimizer
+state, and what a GPU computing changes. Nothing is built yet, and the plan is checked to be the same on every rank.
+Then this file executes the plan in named steps and decides nothing: pack the parameters into chunks (a meta
+model: each rank fills only its shards), place the buffers, register the hooks (after packing: they refer to chunk
+slots), build the sharded optimizer, then the gradient's path to it. The Engine is complete when initialize
+returns; nothing is set on it afterwards.
 """
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerogpt.amp import TORCH_DTYPES, DynamicLossScaler, compute_dtype
+from zerogpt.amp import DynamicLossScaler
 from zerogpt.compile import find_blocks
-from zerogpt.config import Config, EngineConfig, HostConfig, engine_config, optimizer_class
+from zerogpt.config import Config, EngineConfig, engine_config, optimizer_class
 from zerogpt.context import DistContext
 from zerogpt.engine import Engine
 from zerogpt.host_memory import keep_freed_host_memory, release_freed_host_memory
-from zerogpt.memory_model import OFFLOAD_HOMES
 from zerogpt.parallel.parallel_model import ParallelModel
-from zerogpt.zero.chunk import Chunk, ChunkPlan, plan_chunks, to_local
+from zerogpt.planner.engine_plan import EnginePlan, model_computes_loss, plan_engine
+from zerogpt.zero.chunk import Chunk, to_local
 from zerogpt.zero.comm import all_gather_flat
 from zerogpt.zero.gather_hooks import Stage3GatherHooks
 from zerogpt.zero.grad_hooks import GradReduceHooks
@@ -40,98 +39,6 @@ from zerogpt.zero.shm import open_transport
 from zerogpt.zero.step_wait_hooks import StepWaitHooks
 
 __all__ = ["initialize", "colossalai_initialize", "EnginePlan", "plan_engine"]
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    """Every decision of the build, made before anything is allocated."""
-
-    config: EngineConfig
-    host: HostConfig
-    """The host.* settings after their environment overrides."""
-    compute_dtype: torch.dtype
-    """Parameters and activations (precision); masters and optimizer state are fp32."""
-    param_home: str
-    """Where stage-3 parameter shards rest: "device" or "host" (zero.offload_param)."""
-    optim_home: str
-    """Where masters and optimizer state live: "device", "host" or "disk" (zero.offload_optimizer)."""
-    chunks: tuple[ChunkPlan, ...]
-    disk_bytes: int
-    """Optimizer state this rank writes to zero.offload_optimizer.path (0 unless optim_home is "disk")."""
-    no_decay: frozenset[str]
-    """Parameters that take no weight decay whatever their group says (a dict optimizer's biases and norms)."""
-    resident_chunks: frozenset[int] = frozenset()
-    """With param offload: the chunks whose shards stay on the device anyway (zero.offload_param.device_budget)."""
-    accumulate_on_device: bool = False
-    """Offloaded gradients summed over the micro-steps in an fp32 shard on the device, which crosses to the host
-    once per step (stages 2-3 with optimizer offload, no param offload or every trainable chunk kept on the device
-    by its device_budget, accumulation > 1, and room on the device)."""
-    grad_accum_bytes: int = 0
-    """The device memory that accumulation needs (fp32 gradient shards), whether or not it was granted."""
-    # What a GPU computing changes (False on a CPU run, where host and device are one memory and share the cores):
-    hand_over_at_launch: bool = False
-    """Offloaded gradients: each chunk's reduced shard is handed over right after its reduction is launched, its
-    copy to the host on a copy stream under the rest of backward (zero/grad_path.py)."""
-    host_step_overlaps: bool = False
-    """Host masters stepped by CPUAdam run their step behind the next forward (zero/host_step.py)."""
-    stages_compute_copies: bool = False
-    """Host masters' compute copies bound for param shards on the device go through pinned staging buffers."""
-
-    @property
-    def stage(self) -> int:
-        return self.config.zero.stage
-
-
-def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]], ctx: DistContext,
-                no_decay: frozenset[str] = frozenset(), host: HostConfig | None = None,
-                device_free_bytes: int | None = None) -> EnginePlan:
-    """The frozen plan for these (name, param, group) at this rank's place; pure (no allocation, no collective).
-    `host`: the host.* settings already resolved (default: the config's, with the environment's overrides).
-    `device_free_bytes`: the device's free memory at build (None: a CPU-only run, where host and device are
-    one memory); it decides whether gradients can accumulate on the device and what device_budget="auto" is."""
-    zero = config.zero
-    dtype = compute_dtype(config.precision)
-    num_shards = 1 if zero.stage == 0 else ctx.dp_size
-    # the local shapes: with tensor parallelism a chunk holds this rank's shard of a DTensor parameter
-    shapes = [(n, tuple(to_local(p).shape), g) for n, p, g in params]
-    element_size = torch.empty(0, dtype=dtype).element_size()
-    chunks = plan_chunks(shapes, zero.shard_strategy, num_shards, element_size)
-    trainable_shard = sum(p.shard_numel for p in chunks if p.trainable)  # elements this rank steps
-    optim_home = OFFLOAD_HOMES[zero.offload_optimizer.device]
-    disk_bytes = trainable_shard * 4 * 3 if optim_home == "disk" else 0  # fp32 master, exp_avg, exp_avg_sq
-    host = host or config.host.with_env_overrides()
-    param_home = OFFLOAD_HOMES[zero.offload_param.device]
-    resident: frozenset[int] = frozenset()
-    if param_home == "host":
-        budget = zero.offload_param.device_budget
-        if budget == "auto":  # half the free memory: the rest is for gathered chunks and activations
-            budget = None if device_free_bytes is None else device_free_bytes // 2
-        resident = _resident_chunks(chunks, element_size, budget)
-    # One fp32 gradient shard per trainable chunk on the device, instead of a copy to the host every micro-step
-    # (stages 0-1 reduce once per step already; with param offload the device memory is what is short, unless
-    # device_budget kept every trainable chunk on the device).
-    grad_accum_bytes = trainable_shard * 4
-    params_on_device = param_home == "device" or all(p.index in resident for p in chunks if p.trainable)
-    accumulate = (zero.stage >= 2 and optim_home != "device" and params_on_device
-                  and config.gradient_accumulation > 1)
-    resident_bytes = sum(p.shard_numel for p in chunks if p.index in resident) * element_size
-    fits = device_free_bytes is None or grad_accum_bytes + resident_bytes <= device_free_bytes
-    gpu = ctx.device.type == "cuda"
-    return EnginePlan(config, host, dtype, param_home, optim_home, tuple(chunks), disk_bytes, no_decay,
-                      resident, accumulate and fits, grad_accum_bytes if accumulate else 0,
-                      hand_over_at_launch=gpu and optim_home != "device", host_step_overlaps=gpu,
-                      stages_compute_copies=gpu)
-
-
-def _resident_chunks(chunks: list[ChunkPlan], element_size: int, budget: int | None) -> frozenset[int]:
-    """The chunks, in order, whose param shards fit `budget` bytes of device memory (None: all of them)."""
-    out, used = [], 0
-    for plan in chunks:
-        size = plan.shard_numel * element_size
-        if budget is None or used + size <= budget:
-            out.append(plan.index)
-            used += size
-    return frozenset(out)
 
 
 def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any = None, *, config: Any,
@@ -160,6 +67,7 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
         raise ValueError(f"ctx.dp_size={ctx.dp_size} but its process group has {dist.get_world_size(ctx.dp_group)} "
                          f"ranks; pass the context from launch_from_torch (or DistContext.current())")
     ecfg, run_config = _engine_config(config, ctx)
+    host = ecfg.host.with_env_overrides()  # the config resolved whole (sections, then the environment) first
     parallel.dims.check_zero_stage(ecfg.zero.stage)
     if parallel.dims.model_parallel and ctx.mesh is None:
         raise ValueError("a parallelized model needs its mesh in the context: initialize(parallel, ..., "
@@ -169,21 +77,21 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
         from zerogpt.fp8 import convert_for_device
 
         convert_for_device(module, ctx.device)
-    host = ecfg.host.with_env_overrides()
     optimizer, no_decay = _resolve_optimizer(optimizer, module, host.cpu_adam)
     params = _param_groups(module, optimizer)
     _check_devices(params)
-    plan = plan_engine(ecfg, params, ctx, frozenset(no_decay), host, _device_free_bytes(ctx.device))
+    plan = plan_engine(ecfg, params, ctx, frozenset(no_decay), host, _device_free_bytes(ctx.device),
+                       optimizer_type=type(optimizer), computes_loss=model_computes_loss(module))
     _check_same_plan(plan, ctx)
     _log_offload_plan(plan, ctx)
     if plan.disk_bytes:
-        check_disk_path(ecfg.zero.offload_optimizer.path, plan.disk_bytes, ctx.local_world_size)
+        check_disk_path(plan.config.zero.offload_optimizer.path, plan.disk_bytes, ctx.local_world_size)
 
     # compute on the host: see host_memory.py (a device run's host holds little that is freed every step)
-    keeps_freed_memory = ctx.device.type == "cpu" and plan.host.keep_freed_memory and keep_freed_host_memory()
-    transport = open_transport(ctx.dp_group) if plan.host.shm_collectives and _shares_host_memory(ctx) else None
-    placement = Placement(ctx.device, pin_memory=ecfg.zero.offload_optimizer.pin_memory,
-                          disk_path=ecfg.zero.offload_optimizer.path, rank=ctx.dp_rank)
+    keeps_freed_memory = plan.keep_freed_memory and keep_freed_host_memory()
+    transport = open_transport(ctx.dp_group) if plan.shm_collectives else None
+    placement = Placement(ctx.device, pin_memory=plan.pins_host_state,
+                          disk_path=plan.config.zero.offload_optimizer.path, rank=ctx.dp_rank)
     # A meta model: values per shard from its init_param_range (model_zoo GPT built on meta, meta_init.py) or
     # replayed from what ZeroInitContext recorded (any model, init_ctx.py); None for a model with real weights.
     init_values = range_init(module) or recorded_init(module)
@@ -191,23 +99,27 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
     chunks = _build_chunks(params, plan, ctx, placement, transport, init_values, traffic)
     _place_buffers(module, ctx.device, init_values.buffer_values() if init_values is not None else {})
     grad_hooks, gather_hooks = _register_hooks(module, chunks, plan)
-    if ecfg.compile:  # after the hooks: they stay outside the compiled blocks (stage 3: one pair per block)
+    if plan.config.compile:  # after the hooks: they stay outside the compiled blocks (stage 3: one pair per block)
         from zerogpt.compile import compile_blocks
 
         compile_blocks(module, gather_hooks=gather_hooks, logger=ctx.logger)
     step_waits = None
-    if plan.stage in (1, 2) and plan.optim_home == "host":  # the host step may run behind the next forward
+    if plan.forward_waits_for_step:  # the host step may run behind the next forward
         step_waits = StepWaitHooks(module, chunks, grad_hooks.param_to_chunk, find_blocks(module))
     sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, traffic, step_waits)
+    # TODO(issue 47.7): ShardedOptimizer still derives these two from optim_home and the chunks; until it takes
+    # them from the plan, the build holds the two derivations equal.
+    assert (sharded_optim.master_is_param_shard, sharded_optim.grad_home) == \
+        (plan.master_is_param_shard, plan.grad_home), (sharded_optim.master_is_param_shard, sharded_optim.grad_home)
     grad_path = GradPath(sharded_optim.states, placement, traffic, hand_over_at_launch=plan.hand_over_at_launch,
                          accumulate_on_device=plan.accumulate_on_device, stage=plan.stage,
-                         accumulation=ecfg.gradient_accumulation)
+                         accumulation=plan.config.gradient_accumulation)
     if keeps_freed_memory:  # the build's own garbage goes; training's heap is kept from here on
         release_freed_host_memory()
-    engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, grad_path, placement, ecfg, ctx,
+    engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, grad_path, placement, plan.config, ctx,
                     criterion=parallel.criterion(criterion), parallel=parallel, transport=transport,
                     run_config=run_config, keeps_freed_memory=keeps_freed_memory, traffic=traffic,
-                    model_computes_loss=_model_computes_loss(module))
+                    model_computes_loss=plan.model_computes_loss)
     ctx.logger.info(engine.describe())
     return engine
 
@@ -338,14 +250,6 @@ def _log_offload_plan(plan: EnginePlan, ctx: DistContext) -> None:
                         f"chunks' param shards stay on the device")
 
 
-def _shares_host_memory(ctx: DistContext) -> bool:
-    """Whether the shared-memory transport could carry this run's collectives (gloo on CPU tensors)."""
-    if not dist.is_initialized() or ctx.dp_size < 2 or ctx.device.type != "cpu":
-        return False
-    backend = str(dist.get_backend(ctx.dp_group))
-    return backend == "gloo" or "cpu:gloo" in backend
-
-
 # -- build -------------------------------------------------------------------------------------------------------
 
 def _build_chunks(params, plan: EnginePlan, ctx: DistContext, placement: Placement, transport: Any,
@@ -355,11 +259,11 @@ def _build_chunks(params, plan: EnginePlan, ctx: DistContext, placement: Placeme
     chunks = []
     for chunk_plan in plan.chunks:
         chunk_params = [by_name[s.name] for s in chunk_plan.slots]
-        home = "device" if chunk_plan.index in plan.resident_chunks else plan.param_home
+        home = plan.chunk_homes[chunk_plan.index]
         chunk = Chunk(chunk_plan, chunk_params, dtype=plan.compute_dtype, device=ctx.device, rank=ctx.dp_rank,
-                      group=ctx.dp_group, persistent_full=plan.stage < 3,
+                      group=ctx.dp_group, persistent_full=plan.keeps_full_params,
                       shard_device=placement.torch_device(home),
-                      pin_memory=plan.config.zero.offload_param.pin_memory, shard_home=home,
+                      pin_memory=plan.pins_param_shards, shard_home=home,
                       transport=transport, traffic=traffic)
         if init_values is not None:  # meta model: this rank fills only its shard, in place; params leave meta
             _fill_shard(chunk, init_values)
@@ -409,9 +313,9 @@ def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan
                      placement: Placement, parallel: ParallelModel, traffic: Traffic,
                      step_waits: StepWaitHooks | None) -> ShardedOptimizer:
     """One ChunkState per trainable chunk at its home, and the fp16 loss scaler."""
-    _fused_on_the_device(optimizer, plan, ctx)
-    zero = plan.config.zero
-    loss_scaler = DynamicLossScaler(zero.loss_scale, enabled=plan.config.precision == "fp16")
+    if plan.fused_device_step:
+        _step_fused(optimizer)
+    loss_scaler = DynamicLossScaler(plan.config.zero.loss_scale, enabled=plan.scales_loss)
     # On a GPU the host step runs behind the next forward (host masters); on a CPU run the two would share the
     # same cores, so it runs in place (the plan's host_step_overlaps).
     return ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=plan.optim_home,
@@ -419,26 +323,15 @@ def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan
                             loss_scaler=loss_scaler, clip_grad_norm=plan.config.clip_grad_norm,
                             no_decay=set(plan.no_decay), norm_duplicates=set(parallel.norm_duplicates),
                             model_parallel_group=ctx.model_parallel_group, traffic=traffic,
-                            state_dtype=TORCH_DTYPES[zero.offload_optimizer.state_dtype],
+                            state_dtype=plan.state_dtype,
                             overlap_next_forward=plan.host_step_overlaps,
                             stage_compute_copies=plan.stages_compute_copies, step_waits=step_waits)
 
 
-def _model_computes_loss(module: nn.Module) -> bool:
-    """Whether the model computes its loss from the labels itself (`module(inputs, labels=labels).loss`): model_zoo's
-    GPTConfig and LlamaConfig declare it as `chunked_loss` (the (B, T, vocab) logits never exist). Read here once, at
-    build: the one place that knows this part of the model's interface (Engine.model_computes_loss carries it)."""
-    return bool(getattr(getattr(module, "config", None), "chunked_loss", False))
-
-
-def _fused_on_the_device(optimizer: torch.optim.Optimizer, plan: EnginePlan, ctx: DistContext) -> None:
-    """On a GPU, torch's Adam, AdamW, SGD and Adagrad whose param groups leave the implementation to torch (fused
-    and foreach unset) step each device-resident chunk with the fused kernel: torch's fastest, and the one that
-    takes a step's non-finite flag (found_inf) on the device, so skipping such a step costs no host sync (any
-    other implementation has the flag read on the host). On the CPU the user's choice stands: a read is free."""
-    kinds = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
-    if ctx.device.type != "cuda" or plan.optim_home != "device" or type(optimizer) not in kinds:
-        return
+def _step_fused(optimizer: torch.optim.Optimizer) -> None:
+    """The plan's `fused_device_step`: each param group that leaves the implementation to torch (fused and foreach
+    unset) steps with torch's fused kernel, the one that takes the step's non-finite flag (found_inf) on the device,
+    so skipping such a step costs no host sync. A group where the user chose keeps the choice."""
     for group in optimizer.param_groups:
         if group.get("fused") is None and not group.get("foreach") and not group.get("capturable") \
                 and not group.get("differentiable"):

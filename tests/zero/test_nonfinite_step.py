@@ -141,16 +141,21 @@ def test_a_nan_on_the_first_step_leaves_the_optimizer_as_never_stepped():
 
 def test_a_gpu_run_steps_torch_optimizers_fused_unless_the_user_chose():
     """What makes the skip free of host syncs on a GPU: torch's Adam/AdamW/SGD with the implementation left to
-    torch get the fused kernel (it takes found_inf); an explicit choice, the CPU, or offloaded state keep theirs."""
+    torch get the fused kernel (it takes found_inf); an explicit choice, the CPU, or offloaded state keep theirs.
+    The plan decides (planner/engine_plan.py), the build applies it to the groups that left the choice."""
     from types import SimpleNamespace
 
-    from zerogpt.build_engine import _fused_on_the_device
+    from tests.planner.engine_plans import plan_for
+    from zerogpt.build_engine import _step_fused
 
-    def fused(kind, device="cuda", home="device", **kwargs):
+    def fused(kind, device="cuda", home="none", **kwargs):
         opt = kind([torch.nn.Parameter(torch.zeros(2))], lr=1e-3, **kwargs)
-        _fused_on_the_device(opt, SimpleNamespace(optim_home=home), SimpleNamespace(device=torch.device(device)))
+        plan = plan_for(dict(stage=2, offload_optimizer=dict(device=home)), optimizer_type=kind,
+                        ctx=SimpleNamespace(device=torch.device(device), dp_size=1, dp_group=None))
+        if plan.fused_device_step:
+            _step_fused(opt)
         return opt.param_groups[0]["fused"]
 
     assert fused(torch.optim.AdamW) is True and fused(torch.optim.Adam) is True and fused(torch.optim.SGD) is True
-    assert fused(torch.optim.AdamW, device="cpu") is None and fused(torch.optim.AdamW, home="host") is None
+    assert fused(torch.optim.AdamW, device="cpu") is None and fused(torch.optim.AdamW, home="cpu") is None
     assert fused(torch.optim.AdamW, foreach=True) is None and fused(torch.optim.AdamW, fused=False) is False

@@ -258,7 +258,7 @@ class Chunk:
             self.shard = self.full[lo:hi]
         else:
             self.shard = torch.zeros(plan.shard_numel, dtype=dtype, device=shard_device)
-            if pin_memory and shard_device.type == "cpu" and device.type == "cuda":
+            if pin_memory and shard_device.type == "cpu":  # the plan pins only a GPU run's host shards
                 self.shard = self.shard.pin_memory()
         self._gather_work: Pending | None = None
         self._gather_buffer: torch.Tensor | None = None

@@ -121,7 +121,8 @@ class Placement:
     """Allocates tensors at a home: the accelerator, (pinned) host RAM, or memory-mapped files it owns."""
 
     device: torch.device
-    pin_memory: bool = True
+    pin_memory: bool = False
+    """Host tensors are pinned (the engine plan's `pins_host_state`: a GPU run's choice)."""
     disk_path: str | None = None
     rank: int = 0
     _disk: dict[int, _DiskTensor] = field(default_factory=dict)
@@ -143,8 +144,8 @@ class Placement:
         if home == "disk":
             tensor = self._disk_tensor(numel, dtype, name)
         else:  # pinned in place: .pin_memory() on a pageable tensor would hold two copies for a moment
-            pin = home == "host" and self.pin_memory and self.device.type == "cuda"
-            tensor = torch.zeros(numel, dtype=dtype, device=self.torch_device(home), pin_memory=pin)
+            tensor = torch.zeros(numel, dtype=dtype, device=self.torch_device(home),
+                                 pin_memory=home == "host" and self.pin_memory)
         return tensor
 
     def is_disk_backed(self, tensor: torch.Tensor) -> bool:
