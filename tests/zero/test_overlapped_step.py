@@ -27,19 +27,37 @@ SETTINGS = [dict(precision="bf16", clip=1.0), dict(precision="bf16", clip=None),
             # a GPU run's pinned staging of the compute copy, sent from the worker (planned here for the overlapped
             # run alone: the plain run, unstaged, is what it must equal)
             dict(precision="bf16", clip=1.0, offload_param=False, staged=True),
-            dict(precision="bf16", clip=0.05, stage=2, staged=True)]
+            dict(precision="bf16", clip=0.05, stage=2, staged=True),
+            # stage 0 waits in the modules' pre-forward hooks as stages 1-2 do; a disk master's pages are read ahead
+            # and let go by the worker
+            dict(precision="bf16", clip=1.0, stage=0), dict(precision="bf16", clip=1.0, disk=True),
+            dict(precision="fp32", clip=0.05, stage=1, disk=True)]
+# The step taken as each gradient leaves for the host (zero/host_step.py's speculation), beside: it must be the plain
+# step too, where it stands (no clip: clip=None or one above every norm) and where the clip makes it step again.
+# A chunk steps ahead where its gradient crosses to the host once per step, whole: not where the micro-steps' sums
+# are added on the host (param offload with accumulation, the last setting), which steps at engine.step() as before.
+SPECULATED = [dict(precision="bf16", clip=None, offload_param=False),
+              dict(precision="bf16", clip=1.0, offload_param=False),
+              dict(precision="bf16", clip=100.0, offload_param=False, staged=True),
+              dict(precision="fp32", clip=0.05, stage=2), dict(precision="bf16", clip=None, stage=0),
+              dict(precision="bf16", clip=100.0, state_dtype="bf16", stage=1), dict(precision="bf16", clip=None)]
 
 
 def make_engine(precision: str, clip: float | None, state_dtype: str = "fp32", stage: int = 3,
-                offload_param: bool = True, staged: bool = False, *, overlap: bool, device: str = "cpu"):
-    """Stage 3 offloads parameters (unless not `offload_param`) and optimizer; stages 1-2 the optimizer alone."""
+                offload_param: bool = True, staged: bool = False, disk: bool = False, *, overlap: bool,
+                device: str = "cpu", speculate: bool = False):
+    """Stage 3 offloads parameters (unless not `offload_param`) and optimizer; stages 0-2 the optimizer alone.
+    `disk`: the optimizer state in memory-mapped files (a fresh directory per engine)."""
+    import tempfile
+
     import zerogpt
     from zerogpt.zero import BucketTensorShardStrategy
 
     torch.manual_seed(0)
     model = gpt2_tiny(vocab_size=VOCAB, dropout=0.0, max_position_embeddings=SEQ)
+    home = dict(device="disk", path=tempfile.mkdtemp(prefix="zerogpt-test-disk-")) if disk else dict(device="cpu")
     zero = dict(stage=stage, shard_strategy=BucketTensorShardStrategy(bucket_mb=0.02),
-                offload_optimizer=dict(device="cpu", state_dtype=state_dtype))
+                offload_optimizer=dict(**home, state_dtype=state_dtype))
     if stage == 3 and offload_param:
         zero["offload_param"] = dict(device="cpu")
     cfg = zerogpt.Config(dict(zero=zero, precision=precision, clip_grad_norm=clip, GRADIENT_ACCUMULATION=ACCUM))
@@ -47,7 +65,8 @@ def make_engine(precision: str, clip: float | None, state_dtype: str = "fp32", s
     # what a GPU run plans (the step behind the next forward, staged compute copies), taken on CPU; the plain run's
     # plan keeps the step in place
     staging = dict(stages_compute_copies=True) if staged and overlap else {}
-    with planned(host_step_overlaps=overlap, **staging):
+    with planned(host_step_overlaps=overlap, host_step_speculates=speculate, hand_over_at_launch=speculate,
+                 **staging):
         return zerogpt.initialize(model, dict(type="HybridAdam", lr=3e-3, weight_decay=0.1), config=cfg, ctx=ctx)
 
 
@@ -113,6 +132,91 @@ def test_overlapped_step_is_the_plain_step_bit_for_bit():
 @pytest.mark.timeout(300)
 def test_overlapped_step_is_the_plain_step_bit_for_bit_on_two_ranks():
     _assert_same(run_distributed(_compare, 2, timeout=280)[0])
+
+
+def _compare_speculated(rank: int, world: int) -> list[dict]:
+    out = []
+    for setting in SPECULATED:
+        run = {}
+        for speculate in (False, True):
+            engine = make_engine(**setting, overlap=speculate, speculate=speculate)
+            losses, _, _ = train(engine, rank, world)
+            host_step = engine.sharded_optim.host_step
+            run[speculate] = dict(losses=losses, params=engine.state_dict_full(), chunks=len(host_step.spares),
+                                  stood=host_step.stood, redone=host_step.redone)
+            engine.close()
+        out.append(run)
+    return out
+
+
+def _assert_speculated_same(results: list[dict]) -> None:
+    for setting, run in zip(SPECULATED, results):
+        plain, speculated = run[False], run[True]
+        assert speculated["losses"] == plain["losses"], setting
+        for name, value in plain["params"].items():
+            assert torch.equal(value, speculated["params"][name]), (setting, name)
+        assert speculated["chunks"] > 0 and plain["chunks"] == 0, setting
+        # every trainable chunk was stepped ahead each step, and each stood or was taken again
+        ahead = 0 if setting.get("offload_param", True) and setting.get("stage", 3) == 3 else STEPS
+        assert speculated["stood"] + speculated["redone"] == ahead * speculated["chunks"], (setting, speculated)
+        if setting["clip"] is None or setting["clip"] >= 100.0:
+            assert speculated["redone"] == 0, (setting, speculated)
+    assert any(run[True]["redone"] for run in results)  # the clip made some step again: that path ran too
+
+
+def test_speculative_step_is_the_plain_step_bit_for_bit():
+    _assert_speculated_same(_compare_speculated(0, 1))
+
+
+@pytest.mark.timeout(300)
+def test_speculative_step_is_the_plain_step_bit_for_bit_on_two_ranks():
+    _assert_speculated_same(run_distributed(_compare_speculated, 2, timeout=280)[0])
+
+
+def test_a_speculative_run_resumes_bit_for_bit(tmp_path):
+    """Checkpoints hold the state the speculative steps committed (never a spare set): a run saved after 2 steps and
+    resumed in a fresh engine ends where the uninterrupted run does."""
+    setting = dict(precision="bf16", clip=100.0, offload_param=False)  # a clip no norm reaches: the steps stand
+
+    def steps(engine, data):
+        for step in data:
+            for micro in step:
+                tokens = micro[0]
+                engine.backward(GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:]))
+                engine.step()
+            engine.zero_grad()
+
+    data = batches(1)
+    whole = make_engine(**setting, overlap=True, speculate=True)
+    steps(whole, data)
+    first = make_engine(**setting, overlap=True, speculate=True)
+    steps(first, data[:2])
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    first.close()
+    resumed = make_engine(**setting, overlap=True, speculate=True)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    steps(resumed, data[2:])
+    assert resumed.sharded_optim.host_step.stood > 0  # the resumed run stepped ahead too
+    for (name, a), b in zip(whole.state_dict_full().items(), resumed.state_dict_full().values()):
+        assert torch.equal(a, b), name
+    whole.close()
+    resumed.close()
+
+
+def test_a_backward_whose_step_is_not_taken_leaves_the_params_as_they_were():
+    """zero_grad() after backward, with no step() (a skipped batch): the speculative steps are dropped and every
+    param shard holds its state's value again."""
+    engine = make_engine("bf16", None, offload_param=False, overlap=True, speculate=True)
+    before = engine.state_dict_full()
+    tokens = batches(1)[0, 0, 0]
+    for _ in range(ACCUM):
+        engine.backward(GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:]))
+    assert engine.sharded_optim.host_step.speculated  # stepped ahead during the last backward
+    engine.zero_grad()
+    assert not engine.sharded_optim.host_step.speculated
+    for name, value in engine.state_dict_full().items():
+        assert torch.equal(value, before[name]), name
+    engine.close()
 
 
 @pytest.mark.gpu

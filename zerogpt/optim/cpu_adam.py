@@ -355,6 +355,35 @@ class CPUAdam(torch.optim.Optimizer):
                        out=None if out is None else out.view(-1), seed=group.get("rounding_seed", 0),
                        decay_ranges=group.get("decay_ranges"))
 
+    @torch.no_grad()
+    def step_into(self, p: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad_scale: float,
+                  out: torch.Tensor | None) -> None:
+        """p's step by zerogpt's fused op, written into `into` (master, exp_avg, exp_avg_sq of p's shapes) and
+        `out`, while p, its moments and its step count stay as they are: the same bits `step()` would leave, for a
+        step taken before it is known to stand (zerogpt/zero/host_step.py). `commit_into` makes it p's own."""
+        group, state = self.param_groups[0], self._init_state(p)
+        host_adam_step(*(t.view(-1) for t in (into[0], p.grad, into[1], into[2])),
+                       step=int(state["step"].item()) + 1, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                       weight_decay=group["weight_decay"], adamw=bool(group["adamw_mode"]),
+                       bias_correction=bool(group["bias_correction"]), grad_scale=grad_scale,
+                       out=None if out is None else out.view(-1), seed=group.get("rounding_seed", 0),
+                       decay_ranges=group.get("decay_ranges"),
+                       start=(p.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)))
+
+    @torch.no_grad()
+    def commit_into(self, p: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Make a `step_into` p's step: p takes `into[0]`'s storage and its state the moments, the step counts one
+        more, and `into` receives what they held (the spare set of the next speculative step). No byte is copied."""
+        state = self.state[p]
+        before = p.detach()  # the same storage, another tensor: p's old values, kept as the spare master
+        p.set_(into[0])
+        into[0].set_(before)
+        for key, spare in zip(("exp_avg", "exp_avg_sq"), into[1:]):
+            held = state[key].detach()
+            state[key] = spare.detach()
+            spare.set_(held)
+        state["step"] += 1
+
     def _ds_id(self, op: Any, group: dict) -> int:
         adamw = bool(group["adamw_mode"])
         if adamw not in self._ds_ids:

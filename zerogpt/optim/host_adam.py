@@ -56,8 +56,13 @@ def host_adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
                    *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                    adamw: bool, bias_correction: bool = True, grad_scale: float = 1.0,
                    out: torch.Tensor | None = None, seed: int = 0,
-                   decay_ranges: list[tuple[int, int]] | None = None) -> None:
+                   decay_ranges: list[tuple[int, int]] | None = None,
+                   start: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """One Adam(W) update of `master` in place; `out` (fp32 or bf16, master's size) receives the new master.
+
+    `start` (master, exp_avg, exp_avg_sq): the state to update from, left as it is; `master`, `exp_avg` and
+    `exp_avg_sq` then only receive the result, the same bits an update in place would leave. A speculative step
+    (zerogpt/zero/host_step.py) writes a spare set this way, so the state it started from survives its rejection.
 
     `step` is the count after this update (1 first). `decay_ranges`, sorted (start, end) element ranges, are the
     only elements that take weight decay (a chunk shard's weights, not its biases and norms); None: all do.
@@ -69,4 +74,5 @@ def host_adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     op = require_host_adam("an Adam step with a fused compute copy or bf16 moments")
     op.adam_step(master, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(betas[0]), float(betas[1]),
                  float(eps), float(weight_decay), bool(adamw), bool(bias_correction), float(grad_scale), int(seed),
-                 None if decay_ranges is None else [int(i) for r in decay_ranges for i in r])
+                 None if decay_ranges is None else [int(i) for r in decay_ranges for i in r],
+                 *(start if start is not None else (None, None, None)))

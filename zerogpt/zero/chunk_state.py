@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from zerogpt.optim.cpu_adam import CPUAdam, decay_slices
-from zerogpt.optim.host_adam import HOST_ADAM_DTYPES
+from zerogpt.optim.host_adam import HOST_ADAM_DTYPES, load_host_adam
 from zerogpt.zero.chunk import Chunk
 
 
@@ -203,6 +203,39 @@ class ChunkState:
             _fused_step_skipping_on(self.optimizer, flag)
         self.master.grad = None
         return out is not None
+
+    # -- a step taken before the global norm is known (zerogpt/zero/host_step.py) ----------------------------------
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether this chunk's step can be taken into a spare set as its gradient arrives: a host master stepped by
+        zerogpt's fused op with Adam state, apart from its param shard (whose storage the commit would swap)."""
+        return (self.steps_on_host and self.home == "host" and not self.master_is_param_shard
+                and self.optimizer.fuses_copies and load_host_adam()[0] is not None
+                and all(isinstance(self.state.get(k), torch.Tensor) for k in ("exp_avg", "exp_avg_sq"))
+                and "max_exp_avg_sq" not in self.state)
+
+    def speculate(self, group: dict, grad_scale: float, grad: torch.Tensor,
+                  spare: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor | None) -> bool:
+        """This chunk's step with `grad` unscaled by `grad_scale` alone (no clip, no non-finite check), written into
+        `spare` (master, exp_avg, exp_avg_sq) and the compute copy, the state left as it is. `commit(spare)` makes it
+        the step taken: the bits `step()` with that factor would leave. Returns whether it wrote the compute copy."""
+        self.optimizer.param_groups[0].maps[-1] = group
+        if grad.dtype != self.master.dtype and not (grad.dtype in HOST_ADAM_DTYPES and _grad_dtype_settable()):
+            grad = grad.to(self.master.dtype)
+        elif grad.dtype != self.master.dtype:
+            self.master.grad_dtype = None
+        out = out if out is not None else self._host_compute_copy()
+        self.master.grad = grad
+        try:
+            self.optimizer.step_into(self.master, spare, grad_scale, out)
+        finally:
+            self.master.grad = None
+        return out is not None
+
+    def commit(self, spare: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """The speculative step into `spare` stands: master and moments take its storage, `spare` theirs."""
+        self.optimizer.commit_into(self.master, spare)
 
     def _host_compute_copy(self) -> torch.Tensor | None:
         """The param shard, when the host step may write the new master straight into it (it is host memory)."""

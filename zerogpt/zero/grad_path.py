@@ -11,6 +11,7 @@ micro-steps (`EnginePlan.accumulate_on_device`), whether a shard that crossed is
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Any, Callable
 
 import torch
 
@@ -54,6 +55,12 @@ class GradPath:
         # chunk index -> fp32 grad shard on the device, the sum of this step's micro-steps (accumulate_on_device)
         self._device_sums: dict[int, torch.Tensor] = {}
         self._last_reduce = True  # this backward's reduction is the step's last (its sum goes to the host)
+        self.host_step_waits = False
+        """The host step runs on its own worker and waits there for the copies it reads (zero/host_step.py): this
+        thread leaves the copies kept as they crossed in flight (the build sets it)."""
+        self.on_final: Callable[[ChunkState, torch.Tensor, Any], None] | None = None
+        """Told of each chunk's whole gradient for the step as it starts for the host (the gradient, its copy's
+        event): zero/host_step.py's speculative step, where the build gave it one."""
 
     def begin(self, last_reduce: bool) -> None:
         """A backward whose reductions are (`last_reduce`) or are not the step's last begins."""
@@ -113,6 +120,8 @@ class GradPath:
             state.take_grad(crossed, state.sumsq(reduced))
             if event is not None:
                 self._pending_d2h.append((None, crossed, event))
+            if self.on_final is not None:
+                self.on_final(state, crossed, event)
             return crossed
         grad = self._add(state, reduced)  # adds when on the same device (CPU; grads on device)
         if reduced.device != grad.device:
@@ -144,9 +153,13 @@ class GradPath:
         return state.grad
 
     def _finish_d2h(self, landed_only: bool = False) -> None:
-        """Add pending grad copies into their shards, in order: all of them (waiting), or those landed."""
+        """Add pending grad copies into their shards, in order: all of them (waiting), or those landed. A copy kept
+        as it crossed, with the host step on its worker, is that worker's to wait for."""
         while self._pending_d2h:
             shard, staging, event = self._pending_d2h[0]
+            if shard is None and self.host_step_waits:
+                self._pending_d2h.pop(0)
+                continue
             if event is not None:
                 if landed_only and not event.query():
                     return
@@ -156,8 +169,9 @@ class GradPath:
             self._pending_d2h.pop(0)
 
     def finish(self) -> None:
-        """Before the step: every copy in flight landed and added, and the compute stream ordered after the copy
-        stream (the norms taken there at hand-over). The states' gradients are final."""
+        """Before the step: every copy in flight landed and added (or left to the host step's worker, which waits
+        for the device work queued before its launch), and the compute stream ordered after the copy stream (the
+        norms taken there at hand-over). The states' gradients are final."""
         self._finish_d2h()
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.placement.device).wait_stream(self.copy_stream)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from zerogpt.optim.host_adam import HOST_ADAM_DTYPES
 from zerogpt.zero.chunk_state import ChunkState
+from zerogpt.zero.offload import Placement
 
 if TYPE_CHECKING:  # the wait hooks are given, and only removed at close: no import of the hooks
     from zerogpt.zero.step_wait_hooks import StepWaitHooks
@@ -60,16 +61,19 @@ class HostStep:
         step_waits: stages 1-2: the modules' pre-forward hooks that wait for their chunks' step (None: none).
     """
 
-    def __init__(self, states: dict[int, ChunkState], *, stage: int, behind_forward: bool, stage_copies: bool,
-                 step_waits: StepWaitHooks | None = None) -> None:
+    def __init__(self, states: dict[int, ChunkState], placement: Placement, *, stage: int, behind_forward: bool,
+                 stage_copies: bool, step_waits: StepWaitHooks | None = None, speculate: bool = False,
+                 param_groups: Callable[[], list[dict]] = list) -> None:
         self.states = states
+        self.param_groups = param_groups  # the user's optimizer's groups, read when a speculative step is queued
+        self.placement = placement  # a disk master's pages: read ahead of its step, evicted after it
         self.stage_copies = stage_copies
         self.step_waits = step_waits
         # The worker only computes on the host (device copies and collectives stay on this thread, in the same order
         # on every rank), and a chunk's first use in forward must wait for its own step: stage 3 gathers each chunk,
         # stages 1-2 have `step_waits` hooks.
         self.overlaps = behind_forward and (stage == 3 or step_waits is not None) and all(
-            s.home == "host" and s.steps_on_host for s in states.values())
+            s.home != "device" and s.steps_on_host for s in states.values())
         """Whether each step runs behind the next forward (`launch`) rather than in place."""
         self.staging: HostStaging | None = None  # made on first use (a GPU run, params on the device)
         self.pending: dict[int, Future] = {}
@@ -79,6 +83,17 @@ class HostStep:
         self._step_s = 0.0  # summed by the worker as an overlapped step's chunks finish
         self._worker: ThreadPoolExecutor | None = None
         self._h2d_stream: Any = None  # an overlapped step's compute copies to the device (the worker's stream)
+        # A step taken as each gradient arrives, before the norm is known (`speculate_chunk`): each chunk that can
+        # has a spare set of master and moments the step writes, so the state it started from survives until
+        # `launch` settles it (the norm said no clip and no non-finite gradient: the spare set becomes the state;
+        # else the chunk steps again from the state, as without speculation).
+        self.spares: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if speculate and self.overlaps and _host_ram_holds_spares(states):
+            self.spares = {i: _spare_set(s, placement) for i, s in states.items() if s.can_speculate}
+        self.stood = self.redone = 0
+        """Speculative chunk steps that stood, and that were taken again (a clip or a non-finite gradient)."""
+        self.speculated: dict[int, Future] = {}
+        """chunk index -> its speculative step this backward, still to be settled by `launch` (or `abandon`)."""
 
     # -- staging ----------------------------------------------------------------------------------------
 
@@ -113,6 +128,62 @@ class HostStep:
             copied.record(self._h2d_stream)
         return copied
 
+    # -- the step as each gradient arrives ----------------------------------------------------------------------
+
+    def speculate_chunk(self, state: ChunkState, grad: torch.Tensor, landed: Any) -> None:
+        """Queue `state`'s step on the worker now that `grad`, its whole gradient for this step, is on its way to the
+        host (`landed`: the CUDA event of its copy, None on a CPU), with no clip and no non-finite check: those
+        need every chunk's gradient. Called by zero/grad_path.py during backward, in backward order; chunks without
+        a spare set step at `launch` as before."""
+        if state.index not in self.spares:
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogpt-host-step")
+        group = self.param_groups()[state.group_index]
+        self.speculated[state.index] = self._worker.submit(self._speculative_step, state, group, grad, landed)
+
+    def _speculative_step(self, state: ChunkState, group: dict, grad: torch.Tensor, landed: Any) -> tuple[bool, Any]:
+        """On the worker: wait for the gradient's copy (which follows the chunk's last use in backward, so its param
+        shard may be overwritten), then step into the spare set. Returns as `_timed_step` does."""
+        if landed is not None:
+            landed.synchronize()
+        start = time.perf_counter()
+        staged = self.staging_for(state)
+        wrote = state.speculate(group, 1.0, grad, self.spares[state.index], out=staged)
+        copied = self.send(state.chunk.shard, staged, landed) if staged is not None and wrote else None
+        self._step_s += time.perf_counter() - start
+        return wrote, copied
+
+    def _settle(self, state: ChunkState, group: dict, scalars: Future, grad: torch.Tensor | None, ready: Any,
+                speculated: Future) -> tuple[bool, Any]:
+        """On the worker, once the norm is known: the speculative step stands where it equals the step the norm asks
+        for (no clip factor other than 1, a finite gradient) and becomes the state; else the chunk steps again
+        from its state, untouched, with the factor and flag, and its compute copy is written again."""
+        done = speculated.result()
+        factor, found_inf = scalars.result()
+        stands = (factor is None or float(factor) == 1.0) and (found_inf is None or not found_inf.item())
+        if stands:
+            state.commit(self.spares[state.index])
+            self.stood += 1
+            return done
+        self.redone += 1
+        return self._timed_step(state, group, scalars, grad, ready, None)
+
+    def abandon(self) -> None:
+        """Drop speculative steps no `launch` settled (a backward whose step was not taken; a checkpoint between
+        the two): each chunk's compute copy is written again from its state, which they never changed."""
+        for speculated in self.speculated.values():  # all done before the staging buffers change hands
+            speculated.result()
+        for index in self.speculated:
+            state = self.states[index]
+            staged = self.staging_for(state)
+            if staged is not None:
+                staged.copy_(state.master)
+                self.send(state.chunk.shard, staged)
+            else:
+                state.write_back()
+        self.speculated.clear()
+
     # -- the step behind the next forward ------------------------------------------------------------------
 
     def launch(self, param_groups: list[dict], factor: torch.Tensor | None, found_inf: torch.Tensor | None,
@@ -136,23 +207,38 @@ class HostStep:
             ready.record(torch.cuda.current_stream(device))
         # the worker, not the training thread, waits for that work and reads the scalars (first in its queue)
         scalars = self._worker.submit(_scalars_on_host, factor, found_inf, ready)
-        for state in self.states.values():
+        order = list(self.states.values())
+        for state, following in zip(order, order[1:] + [None]):
             group = param_groups[state.group_index]
-            self.pending[state.index] = self._worker.submit(self._timed_step, state, group, scalars,
-                                                            state.grad, ready)
+            speculated = self.speculated.pop(state.index, None)
+            if speculated is not None:
+                self.pending[state.index] = self._worker.submit(self._settle, state, group, scalars, state.grad,
+                                                                ready, speculated)
+            else:
+                self.pending[state.index] = self._worker.submit(self._timed_step, state, group, scalars,
+                                                                state.grad, ready, following)
             state.chunk.pending_step = lambda index=state.index: self._finish_chunk(index)
 
     def _timed_step(self, state: ChunkState, group: dict, scalars: Future, grad: torch.Tensor | None,
-                    ready: Any) -> tuple[bool, Any]:
+                    ready: Any, following: ChunkState | None) -> tuple[bool, Any]:
         """One chunk's step on the worker thread, its seconds added to this step's host time. Returns whether the
         step wrote the compute copy, and the event of its copy to the device when it went through the staging
         buffers (issued here, on the worker's own stream, so it overlaps the next chunk's step as in the plain
-        step; the main stream waits for it in `_finish_chunk`)."""
+        step; the main stream waits for it in `_finish_chunk`). A disk-offloaded step reads the `following`
+        chunk's pages ahead and lets this one's go, as the plain step does."""
         factor, found_inf = scalars.result()  # done already: it was queued first on this one worker
         start = time.perf_counter()
+        if following is not None:
+            for t in following.tensors():
+                self.placement.prefetch(t)
         staged = self.staging_for(state)
         wrote = state.step(group, factor, found_inf, grad, out=staged)
         copied = self.send(state.chunk.shard, staged, ready) if staged is not None and wrote else None
+        if not wrote and state.home == "disk":  # the write-back reads the master: while its pages are in RAM
+            state.write_back()
+            wrote = True
+        for t in state.tensors():
+            self.placement.evict(t)
         self._step_s += time.perf_counter() - start  # one worker thread: no other writer
         return wrote, copied
 
@@ -177,6 +263,7 @@ class HostStep:
 
     def close(self) -> None:
         """Finish a pending step, stop the worker thread and take the stages 1-2 wait hooks off."""
+        self.abandon()
         self.finish()
         if self.step_waits is not None:
             self.step_waits.remove()
@@ -184,6 +271,24 @@ class HostStep:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+
+
+def _host_ram_holds_spares(states: dict[int, ChunkState]) -> bool:
+    """Whether the host has room for a spare master and moments per chunk with half its available RAM to spare:
+    the speculative step is a speed-up, never worth an out-of-memory kill."""
+    import psutil
+
+    needed = sum(s.master.numel() * (4 + 2 * s.state["exp_avg"].element_size())
+                 for s in states.values() if s.can_speculate)
+    return 2 * needed <= psutil.virtual_memory().available
+
+
+def _spare_set(state: ChunkState, placement: Placement) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's second master and moments, where its own live (pinned host RAM): what a speculative step writes."""
+    moments = state.state["exp_avg"].dtype
+    return (placement.empty(state.master.numel(), torch.float32, "host", f"spare_master{state.index}"),
+            placement.empty(state.master.numel(), moments, "host", f"spare_exp_avg{state.index}"),
+            placement.empty(state.master.numel(), moments, "host", f"spare_exp_avg_sq{state.index}"))
 
 
 def _scalars_on_host(factor: torch.Tensor | None, found_inf: torch.Tensor | None,

@@ -46,7 +46,8 @@ class ShardedOptimizer:
                  no_decay: set[str] | None = None, norm_duplicates: set[str] | None = None,
                  model_parallel_group: dist.ProcessGroup | None = None, traffic: Traffic | None = None,
                  state_dtype: torch.dtype = torch.float32, overlap_next_forward: bool = False,
-                 stage_compute_copies: bool = False, step_waits: StepWaitHooks | None = None) -> None:
+                 stage_compute_copies: bool = False, step_waits: StepWaitHooks | None = None,
+                 speculate: bool = False) -> None:
         self.optimizer = optimizer  # holds the hyperparameters; LR schedulers bind to it
         self.chunks = chunks
         self.placement = placement
@@ -92,8 +93,12 @@ class ShardedOptimizer:
         optimizer.state.clear()
         # Host masters: the step may run behind the next forward; on a CPU run forward and host step would share
         # the same cores, so the build asks for it only where the compute is a GPU.
-        self.host_step = HostStep(self.states, stage=stage, behind_forward=overlap_next_forward,
-                                  stage_copies=stage_compute_copies, step_waits=step_waits)
+        # The step may also start as each gradient arrives, before the norm (speculate; not fp16, whose overflow
+        # check would discard it every time the scale grows).
+        self.host_step = HostStep(self.states, placement, stage=stage, behind_forward=overlap_next_forward,
+                                  stage_copies=stage_compute_copies, step_waits=step_waits,
+                                  speculate=speculate and not loss_scaler.enabled,
+                                  param_groups=lambda: self.optimizer.param_groups)
 
     def _chunk_state(self, chunk: Chunk, no_decay: set[str]) -> ChunkState:
         plan = chunk.plan
@@ -131,17 +136,34 @@ class ShardedOptimizer:
     # -- gradients ----------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
+        self.host_step.abandon()  # a speculative step whose step() was not taken (fp16's skipped step, ...)
         for state in self.states.values():
             state.drop_grad()
 
     # -- step ---------------------------------------------------------------------------------
 
     def _global_sumsq(self) -> torch.Tensor:
-        local = torch.zeros((), dtype=torch.float32, device=self.placement.device)
+        """The squared norm of every chunk's gradient, summed over the ranks: a 0-dim tensor on the device.
+
+        Squared norms taken on the device add there; those of gradients summed on the host (param offload) add on
+        the host and reach the device in one copy from pinned memory, queued without a wait: copying a pageable
+        host scalar would block this thread until the device is idle.
+        """
+        device = self.placement.device
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        on_host = torch.zeros((), dtype=torch.float32)
         for state in self.states.values():
             if state.grad is not None:
                 sumsq = state.grad_sumsq if state.grad_sumsq is not None else state.sumsq(state.grad)
-                local += sumsq.to(local.device)
+                if sumsq.device == local.device:
+                    local += sumsq
+                else:
+                    on_host += sumsq
+        if local.device.type != "cpu":
+            pinned = on_host.pin_memory()
+            local += pinned.to(device, non_blocking=True)
+        else:
+            local += on_host
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if world > 1 and self.stage > 0:  # stage 0: every rank already holds the full, reduced grads
             dist.all_reduce(local, group=self.group)
@@ -156,7 +178,7 @@ class ShardedOptimizer:
         a non-finite step on the device instead (`self.found_inf`, not read here). Clipping multiplies by
         min(1, max_norm / (norm + eps)) computed on the device: no branch on the norm's value.
         """
-        self.finish_step()
+        self.host_step.finish()  # the previous step's (this backward's speculative steps are settled below)
         scale = self.loss_scaler.scale
         grad_norm = self._global_sumsq().sqrt_() / scale
         if self.loss_scaler.enabled and not torch.isfinite(grad_norm).item():
@@ -234,7 +256,9 @@ class ShardedOptimizer:
 
     def finish_step(self) -> None:
         """Wait for every chunk of an overlapped step; a no-op when none is pending. Anything that reads the
-        masters, the state or every shard (the next step, backward, checkpoints) calls this first."""
+        masters, the state or every shard (the next step, backward, checkpoints) calls this first. Speculative
+        steps no step() settled are dropped first (their param shards written again from the state)."""
+        self.host_step.abandon()
         self.host_step.finish()
 
     def close(self) -> None:
@@ -249,6 +273,7 @@ class ShardedOptimizer:
             out.append(("grads", state.grad, state.grad_home))
             out.append(("master", state.master, state.home))
             out.extend(("optimizer", tensor, state.home) for tensor in state.state_tensors().values())
+            out.extend(("optimizer", tensor, state.home) for tensor in self.host_step.spares.get(state.index, ()))
         return out
 
     def master(self, index: int) -> torch.Tensor | None:

@@ -68,11 +68,25 @@ struct Hyper {
   uint32_t seed;
 };
 
+// Where a step reads the master and moments it updates: null for the arrays it writes (in place), or another set
+// of the same sizes (a speculative step, zerogpt/zero/host_step.py: it writes the spare set, and the state it
+// read stays as it was until the step is validated). Never the arrays written: those are __restrict__.
+template <typename S>
+struct Source {
+  const float* master = nullptr;
+  const S* exp_avg = nullptr;
+  const S* exp_avg_sq = nullptr;
+};
+
 // Elements [0, n) of the arrays, which are elements [first, first + n) of the shard (the hash's index).
-template <typename G, typename S, typename O>
+// `Separate`: read the master and moments from `src` (offset like the written arrays), else from those arrays.
+template <typename G, typename S, typename O, bool Separate>
 inline void adam_elements(float* __restrict__ master, const G* __restrict__ grad, S* __restrict__ exp_avg,
-                          S* __restrict__ exp_avg_sq, O* __restrict__ out, int64_t first, int64_t n,
+                          S* __restrict__ exp_avg_sq, O* __restrict__ out, Source<S> src, int64_t first, int64_t n,
                           const Hyper& h) {
+  const float* master_in = Separate ? src.master : master;
+  const S* exp_avg_in = Separate ? src.exp_avg : exp_avg;
+  const S* exp_avg_sq_in = Separate ? src.exp_avg_sq : exp_avg_sq;
   // locals, not h's fields: the compiler can't prove the stores below don't alias a float inside `h`
   const float beta1 = h.beta1, beta2 = h.beta2, eps = h.eps, step_size = h.step_size;
   const float bc2_rsqrt = h.bias_correction2_rsqrt, grad_scale = h.grad_scale;
@@ -80,10 +94,10 @@ inline void adam_elements(float* __restrict__ master, const G* __restrict__ grad
   const float l2 = h.adamw ? 0.0f : h.weight_decay;  // Adam: g += l2 * p
   const uint32_t seed = h.seed;
   for (int64_t k = 0; k < n; ++k) {
-    float p = master[k] * decay;
-    float g = load(grad, k) * grad_scale + l2 * master[k];
-    float m = load(exp_avg, k);
-    float v = load(exp_avg_sq, k);
+    float p = master_in[k] * decay;
+    float g = load(grad, k) * grad_scale + l2 * master_in[k];
+    float m = load(exp_avg_in, k);
+    float v = load(exp_avg_sq_in, k);
     m = m + (1.0f - beta1) * (g - m);
     v = beta2 * v + (1.0f - beta2) * g * g;
     // one division per element, as DeepSpeed's op: sqrt(v / bc2) = sqrt(v) * (1 / sqrt(bc2)). Where the
@@ -120,11 +134,13 @@ inline void stream_block(O* dst, const O* src) {
 #endif
 }
 
-template <typename G, typename S, typename O>
-void adam_range(float* master, const G* grad, S* exp_avg, S* exp_avg_sq, O* out, int64_t begin, int64_t end,
-                const Hyper& h) {
+template <typename G, typename S, typename O, bool Separate>
+void adam_range(float* master, const G* grad, S* exp_avg, S* exp_avg_sq, O* out, Source<S> src, int64_t begin,
+                int64_t end, const Hyper& h) {
   auto elements = [&](O* o, int64_t from, int64_t n) {
-    adam_elements<G, S, O>(master + from, grad + from, exp_avg + from, exp_avg_sq + from, o, from, n, h);
+    Source<S> at = Separate ? Source<S>{src.master + from, src.exp_avg + from, src.exp_avg_sq + from} : src;
+    adam_elements<G, S, O, Separate>(master + from, grad + from, exp_avg + from, exp_avg_sq + from, o, at, from, n,
+                                     h);
   };
   if constexpr (std::is_void_v<O>) {
     elements(nullptr, begin, end - begin);
@@ -171,9 +187,10 @@ std::vector<Segment> segments_of(int64_t n, const c10::optional<std::vector<int6
   return segments;
 }
 
-template <typename G, typename S, typename O>
-void run(torch::Tensor& master, const torch::Tensor& grad, torch::Tensor& exp_avg, torch::Tensor& exp_avg_sq,
-         O* out, const std::vector<Segment>& segments, const Hyper& decaying, const Hyper& not_decaying) {
+template <typename G, typename S, typename O, bool Separate>
+void run_from(torch::Tensor& master, const torch::Tensor& grad, torch::Tensor& exp_avg, torch::Tensor& exp_avg_sq,
+              O* out, Source<S> src, const std::vector<Segment>& segments, const Hyper& decaying,
+              const Hyper& not_decaying) {
   float* p = master.data_ptr<float>();
   const G* g = grad.data_ptr<G>();
   S* m = exp_avg.data_ptr<S>();
@@ -183,35 +200,54 @@ void run(torch::Tensor& master, const torch::Tensor& grad, torch::Tensor& exp_av
     auto seg = std::upper_bound(segments.begin(), segments.end(), begin,
                                 [](int64_t i, const Segment& s) { return i < s.end; });
     for (; seg != segments.end() && seg->begin < end; ++seg) {
-      adam_range<G, S, O>(p, g, m, v, out, std::max(begin, seg->begin), std::min(end, seg->end),
-                          seg->decays ? decaying : not_decaying);
+      adam_range<G, S, O, Separate>(p, g, m, v, out, src, std::max(begin, seg->begin), std::min(end, seg->end),
+                                    seg->decays ? decaying : not_decaying);
     }
   });
 }
 
+// The master and moments as they were before this step: the spare set's source, or none (in place).
+struct Sources {
+  c10::optional<torch::Tensor> master, exp_avg, exp_avg_sq;
+  bool given() const { return master.has_value(); }
+};
+
+template <typename G, typename S, typename O>
+void run(torch::Tensor& master, const torch::Tensor& grad, torch::Tensor& exp_avg, torch::Tensor& exp_avg_sq,
+         O* out, const Sources& from, const std::vector<Segment>& segments, const Hyper& decaying,
+         const Hyper& not_decaying) {
+  if (!from.given()) {
+    run_from<G, S, O, false>(master, grad, exp_avg, exp_avg_sq, out, Source<S>{}, segments, decaying, not_decaying);
+    return;
+  }
+  Source<S> src{from.master->data_ptr<float>(), from.exp_avg->data_ptr<S>(), from.exp_avg_sq->data_ptr<S>()};
+  run_from<G, S, O, true>(master, grad, exp_avg, exp_avg_sq, out, src, segments, decaying, not_decaying);
+}
+
 template <typename G, typename S>
 void dispatch_out(torch::Tensor& master, const torch::Tensor& grad, torch::Tensor& exp_avg,
-                  torch::Tensor& exp_avg_sq, c10::optional<torch::Tensor>& out, const std::vector<Segment>& segments,
-                  const Hyper& decaying, const Hyper& not_decaying) {
+                  torch::Tensor& exp_avg_sq, c10::optional<torch::Tensor>& out, const Sources& from,
+                  const std::vector<Segment>& segments, const Hyper& decaying, const Hyper& not_decaying) {
   if (!out.has_value()) {
-    run<G, S, void>(master, grad, exp_avg, exp_avg_sq, static_cast<void*>(nullptr), segments, decaying,
+    run<G, S, void>(master, grad, exp_avg, exp_avg_sq, static_cast<void*>(nullptr), from, segments, decaying,
                     not_decaying);
   } else if (out->scalar_type() == at::kBFloat16) {
-    run<G, S, at::BFloat16>(master, grad, exp_avg, exp_avg_sq, out->data_ptr<at::BFloat16>(), segments, decaying,
-                            not_decaying);
+    run<G, S, at::BFloat16>(master, grad, exp_avg, exp_avg_sq, out->data_ptr<at::BFloat16>(), from, segments,
+                            decaying, not_decaying);
   } else {
-    run<G, S, float>(master, grad, exp_avg, exp_avg_sq, out->data_ptr<float>(), segments, decaying, not_decaying);
+    run<G, S, float>(master, grad, exp_avg, exp_avg_sq, out->data_ptr<float>(), from, segments, decaying,
+                     not_decaying);
   }
 }
 
 template <typename G>
 void dispatch_state(torch::Tensor& master, const torch::Tensor& grad, torch::Tensor& exp_avg,
-                    torch::Tensor& exp_avg_sq, c10::optional<torch::Tensor>& out, const std::vector<Segment>& segments,
-                    const Hyper& decaying, const Hyper& not_decaying) {
+                    torch::Tensor& exp_avg_sq, c10::optional<torch::Tensor>& out, const Sources& from,
+                    const std::vector<Segment>& segments, const Hyper& decaying, const Hyper& not_decaying) {
   if (exp_avg.scalar_type() == at::kBFloat16) {
-    dispatch_out<G, at::BFloat16>(master, grad, exp_avg, exp_avg_sq, out, segments, decaying, not_decaying);
+    dispatch_out<G, at::BFloat16>(master, grad, exp_avg, exp_avg_sq, out, from, segments, decaying, not_decaying);
   } else {
-    dispatch_out<G, float>(master, grad, exp_avg, exp_avg_sq, out, segments, decaying, not_decaying);
+    dispatch_out<G, float>(master, grad, exp_avg, exp_avg_sq, out, from, segments, decaying, not_decaying);
   }
 }
 
@@ -228,17 +264,34 @@ void check(const torch::Tensor& t, const char* name, int64_t numel, std::initial
 
 // `step` is the step count after this update (1 on the first step); `grad_scale` multiplies the gradient as it
 // is read (unscale and clip in the same pass); `decay_ranges` (begin0, end0, begin1, ...), when given, are the
-// only elements that take weight decay.
+// only elements that take weight decay. `from_master`, `from_exp_avg`, `from_exp_avg_sq` (all or none): the state
+// the update starts from, left unchanged; master and moments then only receive the result.
 void adam_step(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                c10::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
                double weight_decay, bool adamw, bool bias_correction, double grad_scale, int64_t seed,
-               c10::optional<std::vector<int64_t>> decay_ranges) {
+               c10::optional<std::vector<int64_t>> decay_ranges, c10::optional<torch::Tensor> from_master,
+               c10::optional<torch::Tensor> from_exp_avg, c10::optional<torch::Tensor> from_exp_avg_sq) {
   const int64_t n = master.numel();
   check(master, "master", n, {at::kFloat});
   check(grad, "grad", n, {at::kFloat, at::kBFloat16});
   check(exp_avg, "exp_avg", n, {at::kFloat, at::kBFloat16});
   check(exp_avg_sq, "exp_avg_sq", n, {exp_avg.scalar_type()});
   if (out.has_value()) check(*out, "out", n, {at::kFloat, at::kBFloat16});
+  const Sources from{from_master, from_exp_avg, from_exp_avg_sq};
+  TORCH_CHECK(from_master.has_value() == from_exp_avg.has_value() && from_master.has_value() ==
+              from_exp_avg_sq.has_value(), "host_adam: give all three of from_master, from_exp_avg, from_exp_avg_sq "
+              "or none");
+  if (from.given()) {
+    check(*from.master, "from_master", n, {at::kFloat});
+    check(*from.exp_avg, "from_exp_avg", n, {exp_avg.scalar_type()});
+    check(*from.exp_avg_sq, "from_exp_avg_sq", n, {exp_avg.scalar_type()});
+    for (const torch::Tensor* t : {&master, &exp_avg, &exp_avg_sq}) {  // the kernel writes through __restrict__
+      for (const torch::Tensor* f : {&*from.master, &*from.exp_avg, &*from.exp_avg_sq}) {
+        TORCH_CHECK(t->data_ptr() != f->data_ptr(), "host_adam: a from_ tensor is also written; step in place "
+                    "by giving none");
+      }
+    }
+  }
   TORCH_CHECK(step >= 1, "host_adam: step must be >= 1, got ", step);
   Hyper h;
   h.lr = static_cast<float>(lr);
@@ -257,9 +310,9 @@ void adam_step(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_avg, 
   not_decaying.weight_decay = 0.0f;
   const std::vector<Segment> segments = segments_of(n, decay_ranges);
   if (grad.scalar_type() == at::kBFloat16) {
-    dispatch_state<at::BFloat16>(master, grad, exp_avg, exp_avg_sq, out, segments, h, not_decaying);
+    dispatch_state<at::BFloat16>(master, grad, exp_avg, exp_avg_sq, out, from, segments, h, not_decaying);
   } else {
-    dispatch_state<float>(master, grad, exp_avg, exp_avg_sq, out, segments, h, not_decaying);
+    dispatch_state<float>(master, grad, exp_avg, exp_avg_sq, out, from, segments, h, not_decaying);
   }
 }
 
@@ -268,5 +321,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("master"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out"),
         py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"), py::arg("grad_scale"),
-        py::arg("seed"), py::arg("decay_ranges"), py::call_guard<py::gil_scoped_release>());
+        py::arg("seed"), py::arg("decay_ranges"), py::arg("from_master") = py::none(),
+        py::arg("from_exp_avg") = py::none(), py::arg("from_exp_avg_sq") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
 }
