@@ -114,6 +114,9 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
     grad_path = GradPath(sharded_optim.states, placement, traffic, hand_over_at_launch=plan.hand_over_at_launch,
                          accumulate_on_device=plan.accumulate_on_device, stage=plan.stage,
                          accumulation=plan.config.gradient_accumulation)
+    grad_path.host_step_waits = sharded_optim.host_step.overlaps
+    if sharded_optim.host_step.spares:  # the host step starts as each chunk's gradient leaves for the host
+        grad_path.on_final = sharded_optim.host_step.speculate_chunk
     if keeps_freed_memory:  # the build's own garbage goes; training's heap is kept from here on
         release_freed_host_memory()
     engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, grad_path, placement, plan.config, ctx,
@@ -325,7 +328,8 @@ def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan
                             model_parallel_group=ctx.model_parallel_group, traffic=traffic,
                             state_dtype=plan.state_dtype,
                             overlap_next_forward=plan.host_step_overlaps,
-                            stage_compute_copies=plan.stages_compute_copies, step_waits=step_waits)
+                            stage_compute_copies=plan.stages_compute_copies, step_waits=step_waits,
+                            speculate=plan.host_step_speculates)
 
 
 def _step_fused(optimizer: torch.optim.Optimizer) -> None:

@@ -67,7 +67,7 @@ class EnginePlan:
     pins_param_shards: bool = False
     """Param shards resting on the host are pinned (a GPU run with zero.offload_param.pin_memory)."""
     forward_waits_for_step: bool = False
-    """Stages 1-2 with host masters: each module's pre-forward hook waits for its chunks' step (the host step may
+    """Stages 0-2 with host masters: each module's pre-forward hook waits for its chunks' step (the host step may
     run behind the next forward)."""
     fused_device_step: bool = False
     """A GPU run's torch Adam/AdamW/SGD/Adagrad on the device: groups that leave the implementation to torch step
@@ -92,6 +92,10 @@ class EnginePlan:
     """Host masters stepped by CPUAdam run their step behind the next forward (zero/host_step.py)."""
     stages_compute_copies: bool = False
     """Host masters' compute copies bound for param shards on the device go through pinned staging buffers."""
+    host_step_speculates: bool = False
+    """Host masters step as each chunk's whole gradient leaves for the host, into a spare master and moments, kept
+    where the norm shows no clip and no non-finite gradient (zero/host_step.py): the host step under backward.
+    Where host RAM has room for the spare set (checked at build)."""
 
     def describe(self) -> str:
         """Every decision of the plan, one `name: value` line each (the chunk layout as counts and sizes)."""
@@ -174,12 +178,13 @@ def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]
         state_dtype=TORCH_DTYPES[zero.offload_optimizer.state_dtype], scales_loss=config.precision == "fp16",
         pins_host_state=gpu and zero.offload_optimizer.pin_memory,
         pins_param_shards=gpu and zero.offload_param.pin_memory,
-        forward_waits_for_step=zero.stage in (1, 2) and optim_home == "host",
+        forward_waits_for_step=zero.stage < 3 and optim_home != "device",
         fused_device_step=gpu and optim_home == "device" and optimizer_type in FUSED_KINDS,
         keep_freed_memory=ctx.device.type == "cpu" and host.keep_freed_memory,
         shm_collectives=host.shm_collectives and _shares_host_memory(ctx), model_computes_loss=computes_loss,
         accumulate_on_device=accumulate and fits, grad_accum_bytes=grad_accum_bytes if accumulate else 0,
-        hand_over_at_launch=gpu and optim_home != "device", host_step_overlaps=gpu, stages_compute_copies=gpu)
+        hand_over_at_launch=gpu and optim_home != "device", host_step_overlaps=gpu, stages_compute_copies=gpu,
+        host_step_speculates=gpu and optim_home == "host" and config.precision != "fp16")
 
 
 def _resident_chunks(chunks: list[ChunkPlan], element_size: int, budget: int | None) -> frozenset[int]:
