@@ -387,6 +387,8 @@ def measure(spec: Spec, on_built=lambda facts: None) -> dict:
         tflops = tokens_per_s * model_flops_per_token / 1e12
         peak = device_peak_tflops(device)
         traffic = getattr(forward, "last_step_traffic", None)  # zerogpt's engine: the last step's host<->device bytes
+        # zerogpt's engine: chunks stepped as their gradient left, and how many of those steps stood or were redone
+        host_step = getattr(getattr(forward, "sharded_optim", None), "host_step", None)
         out = dict(spec=asdict(spec), params=num_params, flops_per_token=model_flops_per_token,
                    step_s=seconds / spec.steps, tokens_per_step=tokens_per_step,
                    tokens_per_s=tokens_per_s, tflops=tflops, mfu=tflops / peak if peak else None, losses=losses,
@@ -399,6 +401,8 @@ def measure(spec: Spec, on_built=lambda facts: None) -> dict:
                    h2d_bytes=traffic.h2d_bytes if traffic is not None else None,
                    d2h_bytes=traffic.d2h_bytes if traffic is not None else None,
                    engine_host_step_s=sum(engine_host_s) / len(engine_host_s) if engine_host_s else None,
+                   speculation=None if host_step is None else dict(chunks=len(host_step.spares), stood=host_step.stood,
+                                                                   redone=host_step.redone),
                    chunked_loss_ran=bool(without_logits) and all(without_logits))
         if spec.count_syncs:
             out.update(count_syncs(lambda: [train_step(i) for i in range(spec.count_syncs)], spec.count_syncs, cuda))

@@ -134,13 +134,13 @@ def test_overlapped_step_is_the_plain_step_bit_for_bit_on_two_ranks():
     _assert_same(run_distributed(_compare, 2, timeout=280)[0])
 
 
-def _compare_speculated(rank: int, world: int) -> list[dict]:
+def _compare_speculated(rank: int, world: int, device: str = "cpu") -> list[dict]:
     out = []
     for setting in SPECULATED:
         run = {}
         for speculate in (False, True):
-            engine = make_engine(**setting, overlap=speculate, speculate=speculate)
-            losses, _, _ = train(engine, rank, world)
+            engine = make_engine(**setting, overlap=speculate, speculate=speculate, device=device)
+            losses, _, _ = train(engine, rank, world, device)
             host_step = engine.sharded_optim.host_step
             run[speculate] = dict(losses=losses, params=engine.state_dict_full(), chunks=len(host_step.spares),
                                   stood=host_step.stood, redone=host_step.redone)
@@ -217,6 +217,13 @@ def test_a_backward_whose_step_is_not_taken_leaves_the_params_as_they_were():
     for name, value in engine.state_dict_full().items():
         assert torch.equal(value, before[name]), name
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_speculative_step_is_the_plain_step_bit_for_bit_on_a_gpu():
+    """The gradient copies' events, the worker's stream and the spare sets in pinned memory: same bits."""
+    _assert_speculated_same(run_distributed(_compare_speculated, 1, "cuda", timeout=580, backend="nccl")[0])
 
 
 @pytest.mark.gpu

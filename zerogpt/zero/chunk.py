@@ -246,8 +246,8 @@ class Chunk:
         self.shard_home = "device" if persistent_full else shard_home  # for the memory accounting
         self.full: torch.Tensor | None = None
         # Set while an overlapped optimizer step (ShardedOptimizer) may still be writing this chunk's shard:
-        # calling it waits for that and finishes the write-back (stages 1-2: and the all-gather into `full`).
-        # gather() (stage 3) and the modules' pre-forward hooks (stages 1-2, StepWaitHooks) call it first.
+        # calling it waits for that and finishes the write-back (stages 0-2: and the all-gather into `full`).
+        # gather() (stage 3) and the modules' pre-forward hooks (stages 0-2, StepWaitHooks) call it first.
         self.pending_step: Callable[[], None] | None = None
         self.grad_full: torch.Tensor | None = None
         self._written: set[int] = set()  # slots of grad_full holding a gradient (the rest is garbage)

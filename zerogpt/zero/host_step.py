@@ -58,7 +58,7 @@ class HostStep:
             forward and host step would share the cores).
         stage_copies: compute copies of host masters bound for param shards on the device go through pinned
             staging (a GPU run).
-        step_waits: stages 1-2: the modules' pre-forward hooks that wait for their chunks' step (None: none).
+        step_waits: stages 0-2: the modules' pre-forward hooks that wait for their chunks' step (None: none).
     """
 
     def __init__(self, states: dict[int, ChunkState], placement: Placement, *, stage: int, behind_forward: bool,
@@ -71,7 +71,7 @@ class HostStep:
         self.step_waits = step_waits
         # The worker only computes on the host (device copies and collectives stay on this thread, in the same order
         # on every rank), and a chunk's first use in forward must wait for its own step: stage 3 gathers each chunk,
-        # stages 1-2 have `step_waits` hooks.
+        # stages 0-2 have `step_waits` hooks.
         self.overlaps = behind_forward and (stage == 3 or step_waits is not None) and all(
             s.home != "device" and s.steps_on_host for s in states.values())
         """Whether each step runs behind the next forward (`launch`) rather than in place."""
@@ -193,7 +193,7 @@ class HostStep:
         The non-finite flag and the clip factor are device tensors the caller computed; the worker waits for them (a
         CUDA event, on its own thread) and reads them to the host before its first chunk, so the training thread
         never blocks here: the result is the plain step's bit for bit. A chunk's first use in the next forward waits
-        for its own step (`Chunk.pending_step`: stage 3's gather, stages 1-2's StepWaitHooks), so the next forward's
+        for its own step (`Chunk.pending_step`: stage 3's gather, stages 0-2's StepWaitHooks), so the next forward's
         first blocks start while later chunks still step; `finish()` waits for all. `param_groups`: the user's
         optimizer's, which the chunks follow.
         """
@@ -251,7 +251,7 @@ class HostStep:
             torch.cuda.current_stream(state.chunk.shard.device).wait_event(copied)
         elif not wrote:
             state.write_back()
-        if state.chunk.persistent_full:  # stages 1-2: every rank's new shard into `full`
+        if state.chunk.persistent_full:  # stages 0-2: every rank's new shard into `full`
             state.chunk.all_gather_full()
         if not self.pending:  # the last chunk: the step is complete
             self.last_step_s, self._step_s = self._step_s, 0.0
@@ -262,7 +262,7 @@ class HostStep:
             self._finish_chunk(index)
 
     def close(self) -> None:
-        """Finish a pending step, stop the worker thread and take the stages 1-2 wait hooks off."""
+        """Finish a pending step, stop the worker thread and take the stages 0-2 wait hooks off."""
         self.abandon()
         self.finish()
         if self.step_waits is not None:

@@ -36,7 +36,7 @@ class ShardedOptimizer:
 
     Complete when built. `overlap_next_forward`: the host step may run behind the next forward (zero/host_step.py;
     the build asks for it where the compute is a GPU); `stage_compute_copies`: host masters' compute copies bound
-    for param shards on the device go through pinned staging (a GPU run); `step_waits`: stages 1-2 with host
+    for param shards on the device go through pinned staging (a GPU run); `step_waits`: stages 0-2 with host
     masters, the modules' hooks that make the next forward wait for their chunks' step.
     """
 
@@ -262,7 +262,7 @@ class ShardedOptimizer:
         self.host_step.finish()
 
     def close(self) -> None:
-        """Finish a pending step, stop the worker thread and take the stages 1-2 wait hooks off."""
+        """Finish a pending step, stop the worker thread and take the stages 0-2 wait hooks off."""
         self.host_step.close()
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor | None, str]]:

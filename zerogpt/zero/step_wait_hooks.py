@@ -1,6 +1,6 @@
-"""Stages 1-2: the model's parts wait for their own chunks' overlapped optimizer step before they run.
+"""Stages 0-2: the model's parts wait for their own chunks' overlapped optimizer step before they run.
 
-At stages 1-2 every rank keeps the full parameters (`Chunk.full`) between steps, so nothing gathers them in
+At stages 0-2 every rank keeps the full parameters (`Chunk.full`) between steps, so nothing gathers them in
 forward the way stage 3 does. When the host step runs behind the next forward (HostStep.launch, host_step.py),
 a forward pre-hook finishes a part's chunks first: their step, the write-back of the new shard and the all-gather
 that refreshes `full`, on this thread and in forward order, which is the same on every rank. The first blocks
