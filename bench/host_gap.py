@@ -5,7 +5,9 @@ the optimizer and the parameters offloaded (issue 47 point 6, "the host-RAM gap"
     python bench/host_gap.py --trim-after-load off          # without the malloc_trim after initialize
 
 The checkpoint is a random transformers LlamaForCausalLM saved in bf16 (bench/load_memory.py's write_checkpoint).
-Each rank (a fresh process, gloo, one thread) loads it the native way (model_zoo.from_pretrained on the meta device,
+Each rank (a fresh process, gloo, one thread) first loads a tiny checkpoint the same way and trains it a step
+(load_memory's TINY: imports, op loads, thread pools and first-time setup are not the run), then loads it the native
+way (model_zoo.from_pretrained on the meta device,
 then zerogpt.initialize streams each rank's shards), then trains `--steps` steps of random tokens with the plain loss,
 as train_gpt.py does. A thread samples the rank's resident memory (VmRSS less RssShmem: the shared collective staging
 is the host's, not the rank's) every 2 ms and labels each sample with the phase running (load, forward, backward,
@@ -30,7 +32,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.dirname(_HERE))
-from load_memory import write_checkpoint  # noqa: E402
+from load_memory import TINY, write_checkpoint  # noqa: E402
 from step_time import run_job  # noqa: E402
 
 import torch  # noqa: E402
@@ -130,17 +132,38 @@ def _config(args):
 
 
 def _prediction(engine, model, args) -> dict:
-    """memory_model.estimate for this run, per home, and the host total a CPU rank needs (every home but disk)."""
+    """memory_model.estimate for this run, per home, and the host RAM a CPU rank needs (host_ram: every home but
+    disk, what the homes share on a CPU counted once)."""
     from zerogpt.memory_model import ModelShape, estimate
 
     shape = ModelShape.from_config(model.config)
     est = estimate(shape, stage=3, world_size=dist.get_world_size(), precision="fp32", offload_optimizer="cpu",
                    offload_param="cpu", seq_len=args.seq, batch=args.batch, prefetch=engine.config.zero.prefetch,
-                   bucket_mb=engine.config.zero.shard_strategy.bucket_mb, gpu_overhead=0)
-    return dict(device=est["totals"]["device"], host=est["totals"]["host"],
-                total=est["totals"]["device"] + est["totals"]["host"], activations=est["activations"]["total"],
+                   bucket_mb=engine.config.zero.shard_strategy.bucket_mb, gpu_overhead=0, on_gpu=False)
+    return dict(device=est["totals"]["device"], host=est["totals"]["host"], total=est["host_ram"],
+                shared=est["shared"], activations=est["activations"]["total"],
                 logits=est["activations"]["logits"], buffers=sum(est["buffers"].values()),
                 states=sum(sum(h.values()) for h in est["model_states"].values()), params=shape.num_params)
+
+
+def _train(directory: str, args, steps: int) -> None:
+    """Load `directory` as the measured run does and train `steps` steps, then close (the warm-up)."""
+    import zerogpt
+    from model_zoo import from_pretrained
+    from model_zoo.loss import GPTLMLoss
+    from zerogpt.context import DistContext
+
+    model = from_pretrained(directory)
+    engine = zerogpt.initialize(model, dict(type="HybridAdam", lr=1e-4), GPTLMLoss(shift=False), config=_config(args),
+                                ctx=DistContext.current())
+    for _ in range(steps):
+        x = torch.randint(0, model.config.vocab_size, (args.batch, args.seq + 1))
+        logits = engine(x[:, :-1])
+        engine.backward(engine.criterion(getattr(logits, "logits", logits), x[:, 1:]))
+        engine.step()
+    engine.close()
+    del engine, model
+    gc.collect()
 
 
 def measure_gap(rank: int, _system: str, directory: str, args) -> dict:
@@ -150,6 +173,7 @@ def measure_gap(rank: int, _system: str, directory: str, args) -> dict:
     from zerogpt.context import DistContext
 
     torch.manual_seed(rank)
+    _train(args.warm_dir, args, steps=1)  # imports, op loads, thread pools and first-time setup are not the run's
     if args.keep not in ("on", "off") and not args.keep.startswith("mmap>"):
         raise ValueError(f"--keep on|off|mmap>MIB, got {args.keep!r}")
     if args.keep == "off":
@@ -254,6 +278,7 @@ def main(argv=None) -> dict:
     args.device, args.threads = "cpu", 1
     args.host_memory = "default" if args.keep == "off" else "keep"
     directory = write_checkpoint(args, torch.bfloat16)
+    args.warm_dir = write_checkpoint(argparse.Namespace(**TINY, cache_dir=args.cache_dir), torch.bfloat16)
     start = time.perf_counter()
     result = run_job(args, "zerogpt", directory, measure=measure_gap)
     if "error" in result:

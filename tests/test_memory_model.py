@@ -331,6 +331,19 @@ def test_a_cpu_run_holds_once_what_both_homes_count():
                                + cpu["activations"]["total"] - cpu["shared"])  # accumulation 2: no overlap
 
 
+def test_above_one_rank_a_cpu_run_shares_no_reduced_gradient():
+    """Two ranks, ZeRO-3, optimizer and params offloaded (the issue's 459M Llama run): the reduce-scatter writes a
+    new shard, the host's, beside the full buffer, so nothing is held once; at accumulation 1 the host's gradient
+    shards still overlap the activations in RAM (bench/host_gap.py at 44.4M: live peak 676 MiB, this 693)."""
+    shape = ModelShape(layers=4, hidden=512, heads=8, vocab=32000, pad_vocab_multiple=1, family="llama", kv_heads=4,
+                       ffn=1376)
+    est = estimate(shape, 3, 2, "fp32", "cpu", "cpu", seq_len=256, batch=2, gpu_overhead=0, on_gpu=False)
+    states, acts = est["model_states"], est["activations"]["total"]
+    assert est["shared"] == 0
+    held = est["totals"]["host"] + est["totals"]["device"]  # both homes, as a GPU run holds them
+    assert est["host_ram"] == held - min(states["grads"]["host"], acts)
+
+
 def test_one_rank_fp32_reduces_into_the_grad_shard_itself():
     """Stage 2-3 at one rank, accumulation 1, fp32, gradients on the device: no gradient chunk in flight beside the
     shard (GradPath._add takes the reduced buffer as the shard); above accumulation 1, or in bf16, two."""

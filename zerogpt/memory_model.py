@@ -580,8 +580,11 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
                                   offload_param)
         shared_by = cpu_run_shared_bytes(states, stage, world_size, accumulation, in_flight, gathered)
         shared = sum(shared_by.values())
-        grads_in_ram = states["grads"]["device"] + states["grads"]["host"] + in_flight - shared_by["grads"]
-        cpu_overlap = min(grads_in_ram, acts["total"]) if accumulation == 1 else 0  # as on the device, all in RAM
+        # the gradients held from backward to the step, each once (the chunks in flight are freed once reduced,
+        # or are the host's shards): at accumulation 1 they overlap the activations as on the device, all in RAM
+        grads = states["grads"]
+        grads_in_ram = max(grads["device"] + grads["host"] - shared_by["grads"], grads["host"])
+        cpu_overlap = min(grads_in_ram, acts["total"]) if accumulation == 1 else 0
         host_ram = totals["host"] + totals["device"] - gpu_overhead + overlap - shared - cpu_overlap
     return dict(num_params=shape.num_params, model_states=states, activations=acts, buffers=buffers,
                 gpu_overhead=gpu_overhead, overlap=overlap, totals=totals, shared=shared, host_ram=host_ram)
@@ -593,18 +596,22 @@ def cpu_run_shared_bytes(states: dict[str, dict[str, int]], stage: int, world_si
     copies nothing between the homes (zero/offload.py's start_d2h returns the tensor; Chunk.gather at one rank
     takes the shard as `full`; GradPath._add takes a reduced fp32 shard as the grad shard).
 
-    - The host's gradient shards are the device's reduced gradients when they cross once as they are (stages 0-1,
-      accumulation 1, or a device-side sum crossing at the step): the device's gradients and chunks in flight.
+    - The host's gradient shards are the device's reduced gradients when they cross once as they are: stage 0's
+      (reduced in place), a device-side sum crossing at the step (stages 2-3, parameters on the device), and at one
+      rank any stage's at accumulation 1 (the reduce returns the chunk's buffer, a chunk in flight). Above one rank
+      a reduce-scatter writes a new shard, which is then the host's, beside the device's full buffer.
     - At one rank with the parameters offloaded, the gathered chunks are the host's param shards.
     Measured (bench/plan_memory.py, 8L-384, 36 plans): without this the CPU host need of the offloaded plans was
     13-64% over the live peak.
     Returns: {"grads": bytes, "params": bytes}.
     """
     shared = dict(grads=0, params=0)
-    params_on_device = states["params"]["host"] == 0
-    crosses_as_is = grad_crosses_once(stage, accumulation) or (stage >= 2 and params_on_device)
-    if states["grads"]["host"] and crosses_as_is:
-        shared["grads"] = min(states["grads"]["host"], states["grads"]["device"] + grads_in_flight)
+    grads = states["grads"]
+    device_sum = stage >= 2 and states["params"]["host"] == 0 and accumulation > 1
+    if grads["host"] and (stage == 0 or device_sum):
+        shared["grads"] = min(grads["host"], grads["device"])
+    elif grads["host"] and world_size == 1 and grad_crosses_once(stage, accumulation):
+        shared["grads"] = min(grads["host"], grads["device"] + grads_in_flight)
     if world_size == 1 and states["params"]["host"]:
         shared["params"] = min(gathered, states["params"]["host"])
     return shared
