@@ -17,8 +17,8 @@ from zerogpt.config.strategy import BucketTensorShardStrategy, TensorShardStrate
 
 __all__ = ["HOMES", "OFFLOAD_HOMES", "CATEGORIES", "FAMILIES", "ModelShape", "model_state_bytes", "zero_paper_bytes",
            "activation_bytes", "chunk_of_params", "grads_activations_overlap", "largest_chunk", "gather_peak",
-           "buffer_bytes", "gathered_bytes", "grad_chunks_in_flight", "cpu_run_shared_bytes", "estimate",
-           "grad_crosses_once", "step_grad_itemsize"]
+           "buffer_bytes", "chunk_numels", "gathered_bytes", "grad_chunks_in_flight", "cpu_run_shared_bytes",
+           "estimate", "grad_crosses_once", "step_grad_itemsize"]
 
 HOMES = ("device", "host", "disk")
 """Where a byte of model state lives: the one list (zero/offload.py's Placement, the engine's memory_stats and the
@@ -486,11 +486,17 @@ def largest_chunk(shape: ModelShape, element_size: int, bucket_mb: float) -> int
     """Elements of the largest chunk the engine packs for this shape (`chunk_of_params`): at most a bucket, or one
     parameter larger than a bucket (the embedding), and no more than the whole model (a small model is one chunk
     far under its bucket size)."""
+    return chunk_numels(shape, element_size, bucket_mb)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_numels(shape: ModelShape, element_size: int, bucket_mb: float) -> tuple[int, ...]:
+    """Elements of each chunk the engine packs for this shape (`chunk_of_params`), largest first."""
     sizes: dict[int, int] = {}
     numels = [n for _, n in shape.param_numels()]
     for n, chunk in zip(numels, chunk_of_params(numels, element_size, bucket_mb)):
         sizes[chunk] = sizes.get(chunk, 0) + n
-    return max(sizes.values())
+    return tuple(sorted(sizes.values(), reverse=True))
 
 
 def buffer_bytes(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
@@ -533,16 +539,17 @@ def gathered_bytes(shape: ModelShape, stage: int, world_size: int, precision: st
 
 def grad_chunks_in_flight(shape: ModelShape, stage: int, world_size: int, precision: str, offload_optimizer: str,
                           bucket_mb: float = 25.0, accumulation: int = 1) -> int:
-    """Stages 2-3: about two of the largest chunk's local gradient buffers (one filling, one reducing), compute
-    dtype. None at one rank, accumulation 1, fp32, gradients on the device: the reduced buffer is the chunk's whole
-    gradient and becomes its fp32 grad shard as it is (zero/grad_path.py, GradPath._add), which
-    `model_state_bytes` counts (bench/plan_memory.py, 8L-384 z3 4 x 1: measured 237 MiB, 279 with them counted)."""
+    """Stages 2-3: the local gradient buffers of the two largest chunks (one filling, one reducing; one when the
+    model is one chunk), compute dtype. None at one rank, accumulation 1, fp32, gradients on the device: the
+    reduced buffer is the chunk's whole gradient and becomes its fp32 grad shard as it is (zero/grad_path.py,
+    GradPath._add), which `model_state_bytes` counts (bench/plan_memory.py, 8L-384 z3 4 x 1: measured 237 MiB,
+    279 with them counted; 4L-256, one chunk, z3 1 x 4: 72.5 MiB, 89.8 with two counted)."""
     if stage < 2:
         return 0
     if world_size == 1 and accumulation == 1 and precision == "fp32" and offload_optimizer == "none":
         return 0
     c = DTYPES[precision].itemsize
-    return 2 * largest_chunk(shape, c, bucket_mb) * c
+    return sum(chunk_numels(shape, c, bucket_mb)[:2]) * c
 
 
 def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str = "bf16",
