@@ -10,10 +10,10 @@ after the first, the device peak measured, a peak over the simulated capacity an
 (zerogpt/planner/auto.py: the search over the same space, trial steps of its 3 fastest predicted, calibrated) makes
 its choice. Reported per cell: auto's tokens/s over the grid's best (the two plans measured again, alternating,
 3 times each, the fastest of each kept: single measurements on this shared VM jump 10x; goal >= 0.9x), and over
-the grid memory_model's device total against the measured device peak (the device home's state at each step's end
-plus the peak of the activations saved for backward alive at once; goal: within 10%). Host RAM is not compared
-here: the peak RSS of a process that has run other plans before is not the plan's (freed memory is kept and
-reused); that needs a process per plan (bench/step_memory.py's method).
+the grid memory_model's device total against the trial's in-process device measure (the device home's state at
+each step's end plus the peak of the activations saved for backward alive at once). That measure undercounts (stage
+3's own saved-tensor hooks hide its activations, buffers freed within a micro-step are not sampled): memory
+predictions are checked against exact live peaks, device and host, a process per plan, by bench/plan_memory.py.
 The space is kept small so that it runs in a few minutes on 2 shared cores: fp32, one bucket size (25 MB), prefetch
 2, fp32 moments, the plain loss.
 """
