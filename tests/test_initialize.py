@@ -305,7 +305,9 @@ def test_following_the_config_through_the_build_returns_to_a_file_fewer_than_5_t
                                                                                       accumulation):
     """Issue 47.7: the planner (planner/engine_plan.py) makes the decisions, initialize executes them. Before the
     plan moved there (0039d31), the config's path returned 5 times in each case (config/load.py, config/schema.py
-    twice, zero/chunk.py, amp.py); the driver's path 3 times (zero/chunk.py, amp.py, host_memory.py)."""
+    twice, zero/chunk.py, amp.py); the driver's path 3 times (zero/chunk.py, amp.py, host_memory.py). Now 3
+    (config/load.py and config/schema.py: the schema building its sections; amp.py: the dtype planned, the fp16
+    loss scaler built) and 1 (host_memory.py: the malloc setting applied, then the build's garbage released)."""
     import zerogpt
     from zerogpt.parallel import ParallelModel
 

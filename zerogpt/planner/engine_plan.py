@@ -20,7 +20,8 @@ from zerogpt.amp import TORCH_DTYPES, compute_dtype
 from zerogpt.config import EngineConfig, HostConfig
 from zerogpt.context import DistContext
 from zerogpt.memory_model import OFFLOAD_HOMES
-from zerogpt.zero.chunk import ChunkPlan, plan_chunks, to_local
+from zerogpt.zero.chunk import to_local
+from zerogpt.zero.chunk_plan import ChunkPlan, plan_chunks
 
 __all__ = ["EnginePlan", "plan_engine", "model_computes_loss"]
 

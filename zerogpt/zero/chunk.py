@@ -1,9 +1,8 @@
 """Chunks: parameters packed into flat padded buffers, the unit of communication, placement and step.
 
-The plan half (`ParamSlot`, `ChunkPlan`, `plan_chunks`) is pure arithmetic on sizes and is tested
-without a process group. The runtime half (`Chunk`) owns the buffers of one chunk on one rank and
-moves bytes: all-gather of param shards, reduce(-scatter) of gradients. It knows nothing about
-modules or optimizers; `grad_hooks.py`, `gather_hooks.py` and the engine drive it.
+The layout is a `ChunkPlan` (zero/chunk_plan.py: pure arithmetic on sizes, made by the engine plan). `Chunk`
+owns the buffers of one chunk on one rank and moves bytes: all-gather of param shards, reduce(-scatter) of
+gradients. It knows nothing about modules or optimizers; `grad_hooks.py`, `gather_hooks.py` and the engine drive it.
 
 Tensor parallelism: a parameter may be a DTensor (zerogpt.parallel.tensor), whose global shape spans the
 tensor-parallel ranks. A chunk holds what this rank computes with, the DTensor's local shard: the planner,
@@ -12,8 +11,6 @@ the DTensor's local tensor at the slot. ZeRO then shards those local tensors ove
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -21,127 +18,11 @@ import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor
 
-from zerogpt.config.strategy import ShardStrategy, chunk_groups
+from zerogpt.zero.chunk_plan import ChunkPlan
 from zerogpt.zero.comm import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from zerogpt.zero.offload import Traffic
 from zerogpt.zero.shm import SharedMemoryTransport
 
-
-# ----------------------------------------------------------------------------------------------
-# plan
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where one parameter lives inside its chunk's flat buffer."""
-
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.numel
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """One chunk: its slots, padded size and per-rank shard size.
-
-    The buffer is padded to a multiple of `num_shards` so every rank owns an equal, contiguous shard;
-    equal shards are what the flat all-gather and reduce-scatter (zero/comm.py) require.
-    """
-
-    index: int
-    slots: tuple[ParamSlot, ...]
-    group_index: int  # optimizer param group; -1 for frozen parameters (no grads, no optimizer state)
-    num_shards: int
-
-    @property
-    def numel(self) -> int:
-        return self.slots[-1].end
-
-    @property
-    def padded_numel(self) -> int:
-        return math.ceil(self.numel / self.num_shards) * self.num_shards
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self.num_shards
-
-    @property
-    def trainable(self) -> bool:
-        return self.group_index >= 0
-
-    def shard_range(self, shard: int) -> tuple[int, int]:
-        start = shard * self.shard_numel
-        return start, start + self.shard_numel
-
-    def slot_overlap(self, slot: ParamSlot, shard: int) -> tuple[int, int] | None:
-        """The part of `slot` inside `shard`, as (start, end) offsets in the chunk buffer."""
-        lo, hi = self.shard_range(shard)
-        start, end = max(lo, slot.offset), min(hi, slot.end)
-        return (start, end) if start < end else None
-
-    def shard_pieces(self, shard: int) -> list[tuple[str, int, int, int]]:
-        """What `shard` holds, parameter by parameter: (name, start, end, offset in the shard), with [start, end)
-        an element range of the flattened parameter. The rest of the shard is padding."""
-        lo, _ = self.shard_range(shard)
-        pieces = []
-        for slot in self.slots:
-            overlap = self.slot_overlap(slot, shard)
-            if overlap is not None:
-                pieces.append((slot.name, overlap[0] - slot.offset, overlap[1] - slot.offset, overlap[0] - lo))
-        return pieces
-
-
-def plan_chunks(
-    params: Sequence[tuple[str, tuple[int, ...], int]],
-    strategy: ShardStrategy,
-    num_shards: int,
-    element_size: int,
-) -> list[ChunkPlan]:
-    """Pack parameters, in order, into chunks that never mix optimizer param groups.
-
-    Args:
-        params: (name, shape, group_index) in registration order; group_index -1 = frozen.
-        strategy: decides which consecutive parameters share a chunk.
-        num_shards: ranks that share each chunk (1 at stage 0, the world size otherwise).
-        element_size: bytes per element of the compute dtype (bucket sizes are in bytes).
-    Returns:
-        Chunk plans in execution order.
-    """
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    plans: list[ChunkPlan] = []
-    run: list[int] = []
-
-    def flush() -> None:
-        numels = [math.prod(params[i][1]) for i in run]
-        for group in chunk_groups(strategy, numels, element_size):
-            slots, offset = [], 0
-            for j in group:
-                name, shape, _ = params[run[j]]
-                slots.append(ParamSlot(name, tuple(shape), offset))
-                offset += math.prod(shape)
-            plans.append(ChunkPlan(len(plans), tuple(slots), params[run[0]][2], num_shards))
-        run.clear()
-
-    for i, (_, _, group_index) in enumerate(params):
-        if run and params[run[-1]][2] != group_index:
-            flush()
-        run.append(i)
-    if run:
-        flush()
-    return plans
-
-
-# ----------------------------------------------------------------------------------------------
-# runtime
 
 
 def to_local(tensor: torch.Tensor) -> torch.Tensor:

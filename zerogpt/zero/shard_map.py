@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerogpt.zero.chunk import ChunkPlan
+from zerogpt.zero.chunk_plan import ChunkPlan
 
 
 @dataclass(frozen=True)
