@@ -7,7 +7,7 @@
     python bench/gpu_check.py --status                # here: the goals table from bench/results/ and the next slice
     python bench/gpu_check.py --record FILE...        # here: copy device results into bench/results/ and rewrite
                                                       # bench/README.md's goals table
-    python bench/gpu_check.py --slice verify,offload,largest,compute,llama1b,llama3b --tiny --out /tmp/g   # CPU forms
+    python bench/gpu_check.py --slice verify,offload,largest,compute,llama1b,llama3b,auto --tiny --out /tmp/g  # CPU
 
 Slices, in this order (bench/gpu_slices/): verify (pytest -m gpu, the shipped config through train_gpt.py, device
 syncs per step at stages 0-3 with and without offload), offload (the shipped config's shape and 16k tokens per
@@ -15,9 +15,11 @@ step, zerogpt against DeepSpeed ZeRO-Offload), largest (Llama-3.1-8B's shape, ev
 DeepSpeed at the same size), compute (MFU without offload at stages 0 and 3 on GPT-2 XL: eager, compile, FP8,
 chunked loss; micro-batch 12 and max-autotune), llama1b and llama3b (Llama-3.2-1B at 2048 tokens, Llama-3.2-3B at
 4096, at the largest micro-batch that fits: eager, compile, chunked loss, FP8 + compile at stages 0 and 3, and
-transformers' LlamaForCausalLM beside them). --next takes the first with no result in bench/results/, else the
-one whose latest result is the oldest; when it ends, --next goes on to the next slice whose expected seconds (its
-last recorded elapsed_s, gpu_slices.EXPECTED_S before it has one) fit in what is left of the budget, and so on.
+transformers' LlamaForCausalLM beside them), auto (configs/gpt2_xl_auto.py, plan="auto", against the shipped
+config through train_gpt.py at the same 65,536 tokens per step; issue 47). --next takes the first with no result
+in bench/results/, else the one whose latest result is the oldest; when it ends, --next goes on to the next slice
+whose expected seconds (its last recorded elapsed_s, gpu_slices.EXPECTED_S before it has one) fit in what is left
+of the budget, and so on.
 The budget (--budget-s, 540) counts from this process's start: the installs from .carry/ (which
 bench/gpu_prepare.sh fills here) and the CPU Adam op builds are inside it, and with --next it is the whole run's,
 every slice's included; with --slice each named slice has its own. Every measurement runs in a watched child
@@ -55,7 +57,8 @@ README = os.path.join(_HERE, "README.md")
 # what each slice needs on a bare machine: DeepSpeed (from the carried sdist), the CPU Adam ops
 NEEDS = dict(verify=dict(deepspeed=False, ops=True), offload=dict(deepspeed=True, ops=True),
              largest=dict(deepspeed=True, ops=True), compute=dict(deepspeed=False, ops=False),
-             llama1b=dict(deepspeed=False, ops=False), llama3b=dict(deepspeed=False, ops=False))
+             llama1b=dict(deepspeed=False, ops=False), llama3b=dict(deepspeed=False, ops=False),
+             auto=dict(deepspeed=False, ops=True))
 TINY_VOCAB = 512
 LLAMA3_VOCAB = 128256
 

@@ -1,6 +1,6 @@
 """bench/gpu_check.py without a GPU: which slice --next picks (made-up result files), --record, the goals' statuses,
 bench/README.md's goals block against bench/results/, the watchdog and the budget, each slice's full-size plan, and
-the four slices' tiny CPU forms end to end in one run."""
+the six slices' tiny CPU forms end to end in one run, and the auto slice's in its own."""
 from __future__ import annotations
 
 import argparse
@@ -28,11 +28,11 @@ def slices():
     sys.path.append(BENCH)
     try:
         import gpu_measure
-        from gpu_slices import compute, compute_llama, largest, mfu, record, runner, verify
+        from gpu_slices import auto, compute, compute_llama, largest, mfu, record, runner, verify
     finally:
         sys.path.remove(BENCH)
-    return argparse.Namespace(compute=compute, compute_llama=compute_llama, largest=largest, mfu=mfu, record=record,
-                              runner=runner, verify=verify, measure=gpu_measure)
+    return argparse.Namespace(auto=auto, compute=compute, compute_llama=compute_llama, largest=largest, mfu=mfu,
+                              record=record, runner=runner, verify=verify, measure=gpu_measure)
 
 
 def write(d, name: str, **rec) -> None:
@@ -61,8 +61,11 @@ def test_next_slice_takes_the_first_missing_then_the_oldest(tmp_path, slices):
     assert nxt(tmp_path) == "llama1b"
     write(tmp_path, "gpu_h100_2026-12-03_llama1b.json", slice="llama1b", measured_at="2026-12-03T11:00:00Z")
     write(tmp_path, "gpu_h100_2026-12-03_llama3b.json", slice="llama3b", measured_at="2026-12-03T12:00:00Z")
+    assert nxt(tmp_path) == "auto"
+    write(tmp_path, "gpu_h100_2026-12-03_auto.json", slice="auto", measured_at="2026-12-03T13:00:00Z")
     assert nxt(tmp_path) == "verify"  # every slice has one: the oldest
-    assert slices.record.slice_order(tmp_path) == ["verify", "offload", "largest", "compute", "llama1b", "llama3b"]
+    assert slices.record.slice_order(tmp_path) == ["verify", "offload", "largest", "compute", "llama1b", "llama3b",
+                                                   "auto"]
     write(tmp_path, "gpu_h100_2026-12-04_verify_b.json", slice="verify", measured_at="2026-12-04T08:00:00Z",
           complete=False)  # a partial result counts too
     assert nxt(tmp_path) == "offload"  # offload and largest tie at 2026-12-02 09:00: the order decides
@@ -70,7 +73,8 @@ def test_next_slice_takes_the_first_missing_then_the_oldest(tmp_path, slices):
     assert nxt(tmp_path) == "largest"
     write(tmp_path, "gpu_h100_2026-12-05_largest.json", slice="largest", measured_at="2026-12-05T09:00:00Z")
     assert nxt(tmp_path) == "compute"  # 2026-12-03 (a date, the day's start) is now the oldest
-    assert slices.record.slice_order(tmp_path) == ["compute", "llama1b", "llama3b", "verify", "offload", "largest"]
+    assert slices.record.slice_order(tmp_path) == ["compute", "llama1b", "llama3b", "auto", "verify", "offload",
+                                                   "largest"]
 
 
 def test_next_goes_on_while_the_expected_seconds_fit(tmp_path, slices):
@@ -359,6 +363,13 @@ def test_full_size_plans(slices):
     assert (d.batch, d.seq, d.chunked_loss, d.state_dtype, d.checkpoint) == (1, 1024, False, None, True)
     assert z.shape == d.shape == (depth["layers"], 32, 4096)
     assert slices.largest.step_shape(step).startswith(f"{cfg.BATCH_SIZE} x {cfg.SEQ_LEN}")
+    # auto: the shipped GPT-2 XL config and plan="auto" at the same tokens per step; no memory key set on auto
+    shipped_sets, shipped_tokens = slices.verify.shipped_overrides(args)
+    auto_sets, auto_tokens = slices.auto.auto_overrides(args)
+    auto_cfg = zerogpt.Config.from_file(os.path.join(REPO, slices.auto.AUTO_CONFIG))
+    assert shipped_tokens == auto_tokens == auto_cfg.TOKENS_PER_STEP and auto_cfg.plan == "auto"
+    assert auto_sets == shipped_sets and not any(kv.split("=")[0] in ("BATCH_SIZE", "GRADIENT_ACCUMULATION")
+                                                 for kv in auto_sets)
 
 
 # -- the tiny forms, end to end ----------------------------------------------------------------------------------
@@ -454,12 +465,38 @@ def test_every_slice_runs_in_tiny_form(tmp_path, slices):
 
 @no_cuda
 @pytest.mark.timeout(200)
+def test_auto_slice_runs_in_tiny_form(tmp_path, slices):
+    """The shipped config and plan="auto" through train_gpt.py at the same tiny step: the planner's trials ran,
+    its table copied out, both timed over the same steps; as the goals table shows it, were this a GPU's record."""
+    res = run_check("--slice", "auto", "--out", str(tmp_path), "--commit", "abc1234", timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(next(tmp_path.glob("gpu_cpu_*_auto.json")).read_text())
+    assert r["stopped_by"] is None and r["complete"] and not r["errors"], r
+    shipped, auto, f = r["shipped"], r["auto"], r["figures"]
+    assert shipped["config"] == slices.verify.SHIPPED_CONFIG and auto["config"] == slices.auto.AUTO_CONFIG
+    assert shipped["tokens_per_step"] == auto["tokens_per_step"] == r["tokens_per_step"]
+    assert shipped["timed_steps"] == auto["timed_steps"] == 1 and "error" not in auto, auto  # tiny: --shipped-steps 1
+    assert f["auto_tokens_per_s"] == auto["tokens_per_s"] and f["auto_shipped_tokens_per_s"] == shipped["tokens_per_s"]
+    assert f["auto_vs_shipped"] == pytest.approx(auto["tokens_per_s"] / shipped["tokens_per_s"])
+    table = (tmp_path / "plan_auto.txt").read_text()
+    assert f["auto_plan"] == auto["plan_line"] and auto["plan_line"] in table
+    assert set(auto["factors"]) and all(v > 0 for v in auto["factors"].values())  # calibrated: trials ran
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "gpu_h200_2026-12-01_auto.json").write_text(json.dumps(dict(r, tiny=False)))
+    (row,) = [x for x in slices.record.goals_rows(slices.record.load_records(str(tmp_path / "results")))
+              if x["goal"].keys[0] == "auto_vs_shipped"]
+    assert row["status"] == ("met" if f["auto_vs_shipped"] >= 0.95 else "unmet")
+    assert f"{f['auto_vs_shipped']:.2f}×" in row["text"] and f"chose {f['auto_plan']}" in row["text"]
+
+
+@no_cuda
+@pytest.mark.timeout(200)
 def test_next_runs_more_slices_while_the_budget_allows_in_tiny_form(tmp_path, slices):
     """--next on made-up records: compute first (the oldest), then llama1b (expected 1 s) in what is left, and no
     more: llama3b and the rest are expected to take longer than the whole budget."""
     results, out = tmp_path / "results", tmp_path / "out"
     results.mkdir()
-    for k, name in enumerate(("verify", "offload", "largest", "llama3b")):
+    for k, name in enumerate(("verify", "offload", "largest", "llama3b", "auto")):
         write(results, f"gpu_h200_2026-12-0{k + 2}_{name}.json", slice=name, complete=True, elapsed_s=5000.0)
     write(results, "gpu_h200_2026-12-01_compute.json", slice="compute", complete=True, elapsed_s=1.0)
     write(results, "gpu_h200_2026-12-01_llama1b.json", slice="llama1b", measured_at="2026-12-01T12:00:00Z",

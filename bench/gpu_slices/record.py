@@ -138,7 +138,7 @@ def record(paths: list[str], results_dir: str) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------------
-# the goals (issues 42 and 46): each holds named figures against a target
+# the goals (issues 42, 46 and 47): each holds named figures against a target
 
 @dataclass(frozen=True)
 class Goal:
@@ -194,6 +194,11 @@ GOALS = (
               (("gpt2xl_fp8_ratio", "", RATIO),)),
     threshold("offload at 16k tokens per step, GPT-2 XL", "≥ 28,000 tokens/s", 28_000.0,
               (("k16_zerogpt_tokens_per_s", "", TOKENS),)),
+    # issue 47: the planner's choice against the hand-tuned config, same model and tokens per step (the auto slice)
+    threshold("plan='auto' GPT-2 XL vs the shipped config", "≥ 0.95×", 0.95,
+              (("auto_vs_shipped", "", RATIO),),
+              shown=(("auto_tokens_per_s", "auto", TOKENS), ("auto_shipped_tokens_per_s", "shipped", TOKENS),
+                     ("auto_plan", "chose", "{}"))),
     # the verify slice's two, from the issue's text rather than its table
     Goal("`pytest -m gpu`", "every GPU test passes", (("cuda_checks_failed", "gpu_tests_passed"),)),
     Goal("device syncs between log steps, stages 0-3 with and without offload", "0",

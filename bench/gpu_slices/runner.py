@@ -81,14 +81,14 @@ def kill_children() -> None:
 
 
 def run_watched(cmd: list[str], timeout_s: float, reserve_bytes: int, *, output_path: str | None = None,
-                stop_when=None, stop_grace_s: float = 60.0) -> dict:
+                stop_when=None, stop_grace_s: float = 60.0, env: dict | None = None) -> dict:
     """Run `cmd` in its own process group under a deadline and the host-RAM watchdog.
 
     `output_path`: its output goes there as it comes (kept if it is killed), else it is returned. `stop_when`: a
     callable polled every 0.2 s; once true the process gets SIGTERM (a clean stop: train_gpt.py ends after its
-    step) and `stop_grace_s` to exit. Returns the output, exit code, what killed it (None, "host_ram", "timeout"),
-    whether it was stopped, wall seconds, CPU user/sys seconds (getrusage of children: its compilers too) and the
-    epoch time it ended."""
+    step) and `stop_grace_s` to exit. `env`: variables added to child_env(). Returns the output, exit code, what
+    killed it (None, "host_ram", "timeout"), whether it was stopped, wall seconds, CPU user/sys seconds (getrusage
+    of children: its compilers too) and the epoch time it ended."""
     import psutil
     import resource
 
@@ -96,7 +96,7 @@ def run_watched(cmd: list[str], timeout_s: float, reserve_bytes: int, *, output_
     t0 = time.monotonic()
     sink = open(output_path, "w") if output_path else None
     proc = subprocess.Popen(cmd, stdout=sink or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(), cwd=REPO, start_new_session=True)
+                            env=dict(child_env(), **(env or {})), cwd=REPO, start_new_session=True)
     _children.add(proc)
     killed: list[str] = []
     stopped: list[float] = []

@@ -20,6 +20,7 @@ import re
 import shutil
 import sys
 import tempfile
+from typing import Callable
 
 from gpu_slices.runner import REPO, Spec, log, measure_group, note_failures, run_watched
 
@@ -47,27 +48,42 @@ def sync_specs(args) -> list[Spec]:
     return specs
 
 
+def mock_run_overrides(args) -> list[str]:
+    """train_gpt.py's --set overrides every measured config run takes: mock data, log every step, no checkpoint on
+    the stop; in tiny form also the config's model shrunk (its structure kept: stage, offload, bucket, prefetch,
+    checkpointing), fp32 and `args.seq` tokens per sequence."""
+    sets = ["data.mock=true", f"data.vocab_size={args.vocab}", "train.max_steps=1000", "train.log_interval=1",
+            "train.eval_iters=1", "train.save_on_interrupt=false", "lr_scheduler.warmup_steps=1"]
+    if args.tiny:
+        sets += ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", f"model.max_position_embeddings={args.seq}",
+                 f"SEQ_LEN={args.seq}", "precision=fp32"]
+    return sets
+
+
+TINY_BATCH = 2
+"""The shipped config's micro-batch in tiny form (its accumulation kept): TINY_BATCH x accumulation x args.seq."""
+
+
 def shipped_overrides(args) -> tuple[list[str], int]:
-    """train_gpt.py's --set overrides (mock data, log every step, no checkpoint on the stop) and its tokens/step."""
+    """train_gpt.py's --set overrides for the shipped config (mock_run_overrides) and its tokens/step."""
     import zerogpt
 
     cfg = zerogpt.Config.from_file(os.path.join(REPO, SHIPPED_CONFIG))
     batch, accum, seq = cfg.BATCH_SIZE, cfg.GRADIENT_ACCUMULATION, cfg.SEQ_LEN
-    sets = ["data.mock=true", f"data.vocab_size={args.vocab}", "train.max_steps=1000", "train.log_interval=1",
-            "train.eval_iters=1", "train.save_on_interrupt=false", "lr_scheduler.warmup_steps=1"]
-    if args.tiny:  # the config's structure (stage 3, CPU optimizer, bucket, prefetch, checkpointing) at tiny size
-        batch, seq = 2, args.seq
-        sets += ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", f"model.max_position_embeddings={seq}",
-                 f"SEQ_LEN={seq}", f"BATCH_SIZE={batch}", "precision=fp32"]
+    sets = mock_run_overrides(args)
+    if args.tiny:
+        batch, seq = TINY_BATCH, args.seq
+        sets.append(f"BATCH_SIZE={batch}")
     return sets, batch * accum * seq
 
 
-def train_records(path: str, skip: int, tokens_per_step: int) -> dict:
-    """metrics.jsonl's train records after the first `skip` (log_interval 1: one per step): tokens/s over them
-    (each step's seconds = tokens per step / its tokens/s, which leaves the hooks out), h2d/d2h bytes, host step."""
+def train_records(path: str, skip: int, tokens_per_step: int, most: int | None = None) -> dict:
+    """metrics.jsonl's train records after the first `skip` (log_interval 1: one per step), at `most` of them:
+    tokens/s over them (each step's seconds = tokens per step / its tokens/s, which leaves the hooks out), h2d/d2h
+    bytes, host step."""
     with open(path) as f:
         recs = [r for r in map(json.loads, f) if r.get("split") == "train"]
-    timed = recs[skip:]
+    timed = recs[skip:] if most is None else recs[skip:skip + most]
     out = dict(records=len(recs), timed_steps=len(timed))
     if timed:
         step_s = [tokens_per_step / r["tokens_per_s"] for r in timed]
@@ -79,12 +95,19 @@ def train_records(path: str, skip: int, tokens_per_step: int) -> dict:
     return out
 
 
-def run_train_gpt(args, seconds: float, reserve: int) -> dict:
-    """The shipped config as a user runs it, until `args.shipped_steps` + 1 steps are logged (the first untimed)."""
-    sets, tokens_per_step = shipped_overrides(args)
+def run_train_gpt(args, seconds: float, reserve: int, config: str = SHIPPED_CONFIG,
+                  overrides: tuple[list[str], int] | None = None, env: dict | None = None,
+                  collect: Callable[[str], dict] | None = None, most: int | None = None) -> dict:
+    """A config as a user runs it (the shipped one by default), until `args.shipped_steps` + 1 steps are logged
+    (the first untimed: it holds the build, and with plan="auto" the planner's trials run before it).
+
+    `overrides`: its --set list and tokens per step (default: shipped_overrides); `env`: variables added to the
+    child's environment; `collect(run_dir)`: reads what the run wrote there before the directory is removed (its
+    dict joins the result); `most`: timed steps at most (default: every step logged before the stop took)."""
+    sets, tokens_per_step = overrides or shipped_overrides(args)
     out_dir = tempfile.mkdtemp(prefix="gpu_check_train_")
-    sets.append(f"train.output_dir={out_dir}")
-    cmd = [sys.executable, os.path.join(REPO, "train_gpt.py"), "--config", SHIPPED_CONFIG,
+    sets = [*sets, f"train.output_dir={out_dir}"]
+    cmd = [sys.executable, os.path.join(REPO, "train_gpt.py"), "--config", config,
            *[a for kv in sets for a in ("--set", kv)]]
     metrics = os.path.join(out_dir, "metrics.jsonl")
     wanted = args.shipped_steps + 1
@@ -94,13 +117,15 @@ def run_train_gpt(args, seconds: float, reserve: int) -> dict:
             return False
         with open(metrics) as f:
             return sum('"split": "train"' in line for line in f) >= wanted
-    log(f"  train_gpt.py --config {SHIPPED_CONFIG} " + " ".join(f"--set {kv}" for kv in sets))
-    run = run_watched(cmd, seconds, reserve, stop_when=logged_enough)
+    log(f"  train_gpt.py --config {config} " + " ".join(f"--set {kv}" for kv in sets))
+    run = run_watched(cmd, seconds, reserve, stop_when=logged_enough, env=env)
     output = run.pop("output")
-    res = dict(config=SHIPPED_CONFIG, tokens_per_step=tokens_per_step, command=" ".join(cmd[1:]),
+    res = dict(config=config, tokens_per_step=tokens_per_step, command=" ".join(cmd[1:]),
                **{k: run[k] for k in ("returncode", "killed", "stopped", "wall_s", "user_s", "sys_s")})
     if os.path.exists(metrics):
-        res.update(train_records(metrics, skip=1, tokens_per_step=tokens_per_step))
+        res.update(train_records(metrics, skip=1, tokens_per_step=tokens_per_step, most=most))
+    if collect is not None:
+        res.update(collect(out_dir))
     # a stop we asked for ends with 130 (interrupted, nothing saved); a run that finished would give 0
     if run["killed"] or run["returncode"] not in (0, 130) or not res.get("timed_steps"):
         res["error"] = run["killed"] or f"exit {run['returncode']}"

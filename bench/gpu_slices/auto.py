@@ -1,0 +1,101 @@
+"""The auto slice (issue 47, point 6): does plan="auto" for GPT-2 XL reach 0.95x the shipped hand-tuned config?
+
+Two runs through train_gpt.py on mock data, each as verify.run_train_gpt runs the shipped config (stopped by SIGTERM
+once `--shipped-steps` + 1 steps are logged; tokens/s over the `--shipped-steps` steps after the first logged one,
+the same count in both runs, however many more a run logged before it stopped):
+1. configs/gpt2_xl_zero3_offload.py, hand-tuned for one 80 GB GPU: 64 x 1 x 1024 = 65,536 tokens per step;
+2. configs/gpt2_xl_auto.py, plan="auto": TOKENS_PER_STEP = 64 x 1024 = 65,536 as well, split however the planner
+   chooses. Its planner's trial steps run before the first logged step: inside the run's wall seconds, outside its
+   tokens/s. A fresh plan cache (ZEROGPT_PLAN_CACHE in a temporary directory) makes every run search and try, as a
+   first run on a machine does.
+The two tokens per step are read from the configs and checked equal before anything runs. Figures:
+auto_tokens_per_s, auto_shipped_tokens_per_s, auto_vs_shipped (their ratio), auto_plan (the chosen plan's line,
+from the run's plan.json); the run's plan.txt (the planner's table) is copied to DIR/plan_auto.txt. Shares of the
+time left: 40 / 60 %. The tiny form shrinks both configs as verify's does: 2 layers x 64 wide, fp32, `--seq`
+tokens per sequence, 2 sequences per step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from gpu_slices.runner import REPO, log
+from gpu_slices.verify import SHIPPED_CONFIG, TINY_BATCH, mock_run_overrides, run_train_gpt, shipped_overrides
+
+AUTO_CONFIG = "configs/gpt2_xl_auto.py"
+WEIGHTS = dict(shipped=40, auto=60)  # shares of the measurement time, in this order: auto's trials run inside its own
+PLAN_COPY = "plan_auto.txt"
+
+
+def auto_overrides(args) -> tuple[list[str], int]:
+    """train_gpt.py's --set overrides for the auto config and its tokens per step: the config's TOKENS_PER_STEP (in
+    tiny form the shipped config's tiny step, TINY_BATCH x its accumulation x args.seq, set as TOKENS_PER_STEP).
+    No memory key is set: the planner chooses them all."""
+    import zerogpt
+
+    sets = mock_run_overrides(args)
+    if args.tiny:
+        shipped = zerogpt.Config.from_file(os.path.join(REPO, SHIPPED_CONFIG))
+        tokens = TINY_BATCH * shipped.GRADIENT_ACCUMULATION * args.seq
+        sets.append(f"TOKENS_PER_STEP={tokens}")
+        return sets, tokens
+    return sets, zerogpt.Config.from_file(os.path.join(REPO, AUTO_CONFIG)).TOKENS_PER_STEP
+
+
+def plan_collector(out: str):
+    """collect(run_dir) for run_train_gpt: copy the planner's table (plan.txt) to out/PLAN_COPY, read the chosen
+    plan from plan.json (its one-line description)."""
+    from zerogpt.planner.auto import PLAN_JSON, PLAN_TABLE
+    from zerogpt.planner.plan import Plan
+
+    def collect(run_dir: str) -> dict:
+        got: dict = {}
+        table = os.path.join(run_dir, PLAN_TABLE)
+        if os.path.exists(table):
+            shutil.copyfile(table, os.path.join(out, PLAN_COPY))
+            got["plan_table"] = PLAN_COPY
+        try:
+            with open(os.path.join(run_dir, PLAN_JSON)) as f:
+                saved = json.load(f)
+            got.update(plan=saved["plan"], plan_line=Plan(**saved["plan"]).describe(), factors=saved.get("factors"))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            got["plan_error"] = f"{PLAN_JSON}: {type(e).__name__}: {e}"[:300]
+        return got
+    return collect
+
+
+def run(args, budget, result: dict, save) -> None:
+    reserve = int(args.host_reserve_gib * 2**30)
+    figures = result["figures"]
+    shipped_sets, auto_sets = shipped_overrides(args), auto_overrides(args)
+    if shipped_sets[1] != auto_sets[1]:
+        raise ValueError(f"{SHIPPED_CONFIG} gives {shipped_sets[1]:,} tokens per step, {AUTO_CONFIG} "
+                         f"{auto_sets[1]:,}: make them equal, the comparison is at the same tokens per step")
+    result["tokens_per_step"] = shipped_sets[1]
+    runs = (("shipped", SHIPPED_CONFIG, shipped_sets), ("auto", AUTO_CONFIG, auto_sets))
+    for k, (name, config, sets) in enumerate(runs):
+        log(f"  {k + 1}. {config} through train_gpt.py")
+        seconds = budget.share(WEIGHTS[name], sum(WEIGHTS[n] for n, *_ in runs[k + 1:]))
+        if not budget.can_start(seconds):
+            result["skipped"].append(f"{config}: not started, {seconds:.0f} s left")
+            continue
+        with tempfile.TemporaryDirectory(prefix="gpu_check_plan_cache_") as cache:  # no plan found before
+            env = dict(ZEROGPT_PLAN_CACHE=os.path.join(cache, "plans.json"))
+            collect = plan_collector(args.out) if name == "auto" else None
+            res = result[name] = run_train_gpt(args, seconds, reserve, config, sets, env, collect,
+                                               most=args.shipped_steps)
+        if res.get("error"):
+            result["skipped" if res["error"] == "timeout" else "errors"].append(f"{config}: {res['error']}")
+        save()
+    auto, shipped = result.get("auto", {}), result.get("shipped", {})
+    figures["auto_tokens_per_s"] = auto.get("tokens_per_s")
+    figures["auto_shipped_tokens_per_s"] = shipped.get("tokens_per_s")
+    both = figures["auto_tokens_per_s"] and figures["auto_shipped_tokens_per_s"]
+    figures["auto_vs_shipped"] = figures["auto_tokens_per_s"] / figures["auto_shipped_tokens_per_s"] if both else None
+    figures["auto_plan"] = auto.get("plan_line")
+    if both:
+        log(f"  plan='auto' ({figures['auto_plan']}): {figures['auto_tokens_per_s']:,.0f} tok/s vs the shipped "
+            f"config's {figures['auto_shipped_tokens_per_s']:,.0f} = {figures['auto_vs_shipped']:.2f}x; wall "
+            f"{auto['wall_s']:.0f} s (its trials included) vs {shipped['wall_s']:.0f} s")
