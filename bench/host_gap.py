@@ -95,35 +95,6 @@ class _PhaseSampler(threading.Thread):
         return self.peaks
 
 
-class _LiveBytes:
-    """Torch's CPU allocator over one step (torch.profiler with profile_memory): the most bytes allocated above the
-    step's start at once, and the ops whose allocations were alive then, largest first."""
-
-    def __enter__(self):
-        from torch.profiler import ProfilerActivity, profile
-
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=False)
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._prof.__exit__(*exc)
-
-    def summary(self) -> dict:
-        events = [e for e in self._prof.events() if e.name == "[memory]"]
-        events.sort(key=lambda e: e.time_range.start)
-        live = peak = 0
-        for e in events:
-            live += e.cpu_memory_usage
-            peak = max(peak, live)
-        ops = {}
-        for e in self._prof.events():
-            if e.name != "[memory]" and e.cpu_memory_usage > 0:
-                ops[e.name] = ops.get(e.name, 0) + e.cpu_memory_usage
-        top = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
-        return dict(peak=peak, end=live, top_self_alloc=top)
-
-
 def _config(args):
     import zerogpt
 
@@ -146,6 +117,12 @@ def _prediction(engine, model, args) -> dict:
                 states=sum(sum(h.values()) for h in est["model_states"].values()), params=shape.num_params)
 
 
+def _loss(engine, x: torch.Tensor) -> torch.Tensor:
+    """The micro-batch's loss as the Trainer computes it: the logits die when this returns, before backward."""
+    out = engine(x[:, :-1])
+    return engine.criterion(getattr(out, "logits", out), x[:, 1:])
+
+
 def _train(directory: str, args, steps: int) -> None:
     """Load `directory` as the measured run does and train `steps` steps, then close (the warm-up)."""
     import zerogpt
@@ -157,9 +134,7 @@ def _train(directory: str, args, steps: int) -> None:
     engine = zerogpt.initialize(model, dict(type="HybridAdam", lr=1e-4), GPTLMLoss(shift=False), config=_config(args),
                                 ctx=DistContext.current())
     for _ in range(steps):
-        x = torch.randint(0, model.config.vocab_size, (args.batch, args.seq + 1))
-        logits = engine(x[:, :-1])
-        engine.backward(engine.criterion(getattr(logits, "logits", logits), x[:, 1:]))
+        engine.backward(_loss(engine, torch.randint(0, model.config.vocab_size, (args.batch, args.seq + 1))))
         engine.step()
     engine.close()
     del engine, model
@@ -204,30 +179,23 @@ def measure_gap(rank: int, _system: str, directory: str, args) -> dict:
     predicted = _prediction(engine, model, args)
     g = torch.Generator().manual_seed(rank)
     held = []
-    live = {}
-    for i in range(args.steps):
+    for _ in range(args.steps):
         x = torch.randint(0, model.config.vocab_size, (args.batch, args.seq + 1), generator=g)
-        profiler = _LiveBytes() if i == args.steps - 1 and args.live == "on" else None
-        if profiler:
-            profiler.__enter__()
         sampler.enter("forward")
-        logits = engine(x[:, :-1])
-        loss = engine.criterion(getattr(logits, "logits", logits), x[:, 1:])
+        loss = _loss(engine, x)
         sampler.enter("backward")
         engine.backward(loss)
-        del logits, loss
+        del loss
         sampler.enter("step")
         engine.step()
-        if profiler:
-            profiler.__exit__(None, None, None)
-            live = profiler.summary()
         sampler.enter("between steps")
         held.append(_private_rss() - base)
     peaks = {phase: rss - base for phase, rss in sampler.stop().items()}
     peaks["VmHWM"] = _status("VmHWM") - _status("RssShmem") - base
     mine = dict(rank=rank, base=base, built=built - base, held_between_steps=held, peaks=peaks,
-                peak=max(peaks.values()), live=live, rss_file_built=file_pages - base_file,
-                in_use={phase: b - base_in_use for phase, b in sampler.in_use.items()}, counted=counted, predicted=predicted)
+                peak=max(peaks.values()), rss_file_built=file_pages - base_file,
+                in_use={phase: b - base_in_use for phase, b in sampler.in_use.items()}, counted=counted,
+                predicted=predicted)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     engine.close()
@@ -268,8 +236,6 @@ def main(argv=None) -> dict:
     p.add_argument("--keep", default="on", help="zerogpt's keep-freed-host-memory setting")
     p.add_argument("--trim-after-load", default="off", choices=["on", "off"],
                    help="call malloc_trim once initialize returns (on top of what initialize does itself)")
-    p.add_argument("--live", default="off", choices=["on", "off"],
-                   help="profile torch's CPU allocator over the last step (slow): its live peak above the step's start")
     p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "zerogpt-bench-cache"))
     p.add_argument("--port", type=int, default=29581)
     p.add_argument("--timeout", type=float, default=1200)
@@ -288,10 +254,6 @@ def main(argv=None) -> dict:
     for r in result["ranks"]:
         print(f"rank {r['rank']} RssFile once built, above the start {r['rss_file_built'] / MIB:,.0f} MiB; malloc in use, peak above the start (MiB): "
               + ", ".join(f"{ph} {b / MIB:,.0f}" for ph, b in r["in_use"].items()))
-        if r["live"]:
-            print(f"rank {r['rank']} torch-live peak above the last step's start {r['live']['peak'] / MIB:,.0f} MiB, "
-                  f"end {r['live']['end'] / MIB:,.0f} MiB; allocating ops (MiB, self): "
-                  + ", ".join(f"{n} {b / MIB:,.0f}" for n, b in r["live"]["top_self_alloc"]))
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json + ".tmp", "w") as f:

@@ -574,23 +574,22 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
     acts = activation_bytes(shape, seq_len, batch, precision, checkpoint, flash, dropout, loss_chunk)
     buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb,
                            gather_per_block, offload_param, accumulation)
-    overlap = grads_activations_overlap(states, acts, accumulation)
+    in_flight = grad_chunks_in_flight(shape, stage, world_size, precision, offload_optimizer, bucket_mb, accumulation)
+    overlap = grads_activations_overlap(states, acts, accumulation, in_flight)
     totals = {h: sum(states[cat][h] for cat in CATEGORIES) + buffers[h] for h in HOMES}
     totals["device"] += acts["total"] + gpu_overhead - overlap
     shared = host_ram = 0
     if on_gpu:
         host_ram = totals["host"]
     else:
-        in_flight = grad_chunks_in_flight(shape, stage, world_size, precision, offload_optimizer, bucket_mb,
-                                          accumulation)
         gathered = gathered_bytes(shape, stage, world_size, precision, prefetch, bucket_mb, gather_per_block,
                                   offload_param)
         shared_by = cpu_run_shared_bytes(states, stage, world_size, accumulation, in_flight, gathered)
         shared = sum(shared_by.values())
-        # the gradients held from backward to the step, each once (the chunks in flight are freed once reduced,
-        # or are the host's shards): at accumulation 1 they overlap the activations as on the device, all in RAM
+        # the gradients backward makes, held or in flight, each once: at accumulation 1 they overlap the
+        # activations as on the device, all in RAM
         grads = states["grads"]
-        grads_in_ram = max(grads["device"] + grads["host"] - shared_by["grads"], grads["host"])
+        grads_in_ram = grads["device"] + grads["host"] + in_flight - shared_by["grads"]
         cpu_overlap = min(grads_in_ram, acts["total"]) if accumulation == 1 else 0
         host_ram = totals["host"] + totals["device"] - gpu_overhead + overlap - shared - cpu_overlap
     return dict(num_params=shape.num_params, model_states=states, activations=acts, buffers=buffers,
@@ -624,16 +623,19 @@ def cpu_run_shared_bytes(states: dict[str, dict[str, int]], stage: int, world_si
     return shared
 
 
-def grads_activations_overlap(states: dict[str, dict[str, int]], acts: dict[str, int], accumulation: int) -> int:
+def grads_activations_overlap(states: dict[str, dict[str, int]], acts: dict[str, int], accumulation: int,
+                              grads_in_flight: int = 0) -> int:
     """Bytes the device's gradients and its saved activations never hold at the same time, taken off the sum.
 
     At accumulation 1 the step's gradients on the device (full compute-dtype grads at stages 0-1, the fp32 shards
-    at 2-3) do not exist before its only backward, which makes them as it frees the activations, layer by layer,
-    and the step frees them (zero/chunk.py: `grad_full` is dropped once reduced; the optimizer consumes the
-    shards). The two peaks are then the same memory at different moments: the peak is the larger of the two, not
-    their sum (bench/plan_memory.py, 8L-384 at 4 x 1: measured 237 MiB, the sum 281, the larger 229). Above
-    accumulation 1 the first micro-step's gradients are held through the next ones' forwards: no overlap.
+    at 2-3, and the chunks' buffers in flight, `grads_in_flight`) do not exist before its only backward, which makes
+    them as it frees the activations, layer by layer, and the step frees them (zero/chunk.py: `grad_full` is dropped
+    once reduced; the optimizer consumes the shards). The two peaks are then the same memory at different moments:
+    the peak is the larger of the two, not their sum (bench/plan_memory.py, 8L-384 at 4 x 1: measured 237 MiB, the
+    sum 281, the larger 229; bench/host_gap.py, 2 ranks, the two vocabulary chunks in flight: 613 MiB measured, 693
+    with them beside the activations, 571 without). Above accumulation 1 the first micro-step's gradients are held
+    through the next ones' forwards: no overlap.
     """
     if accumulation != 1:
         return 0
-    return min(states["grads"]["device"], acts["total"])
+    return min(states["grads"]["device"] + grads_in_flight, acts["total"])
