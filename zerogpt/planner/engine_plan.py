@@ -19,7 +19,7 @@ from torch import nn
 from zerogpt.amp import TORCH_DTYPES, compute_dtype
 from zerogpt.config import EngineConfig, HostConfig
 from zerogpt.context import DistContext
-from zerogpt.memory_model import OFFLOAD_HOMES
+from zerogpt.memory_model import OFFLOAD_HOMES, grad_crosses_once
 from zerogpt.zero.chunk import to_local
 from zerogpt.zero.chunk_plan import ChunkPlan, plan_chunks
 
@@ -96,7 +96,8 @@ class EnginePlan:
     host_step_speculates: bool = False
     """Host masters step as each chunk's whole gradient leaves for the host, into a spare master and moments, kept
     where the norm shows no clip and no non-finite gradient (zero/host_step.py): the host step under backward.
-    Where host RAM has room for the spare set (checked at build)."""
+    Where a step's gradient crosses to the host once (summed on the device, or one micro-step's) and host RAM has
+    room for the spare set (checked at build: the spare set is a speed-up the preflight does not count)."""
 
     def describe(self) -> str:
         """Every decision of the plan, one `name: value` line each (the chunk layout as counts and sizes)."""
@@ -185,7 +186,8 @@ def plan_engine(config: EngineConfig, params: list[tuple[str, nn.Parameter, int]
         shm_collectives=host.shm_collectives and _shares_host_memory(ctx), model_computes_loss=computes_loss,
         accumulate_on_device=accumulate and fits, grad_accum_bytes=grad_accum_bytes if accumulate else 0,
         hand_over_at_launch=gpu and optim_home != "device", host_step_overlaps=gpu, stages_compute_copies=gpu,
-        host_step_speculates=gpu and optim_home == "host" and config.precision != "fp16")
+        host_step_speculates=gpu and optim_home == "host" and config.precision != "fp16"
+        and (grad_crosses_once(zero.stage, config.gradient_accumulation) or (accumulate and fits)))
 
 
 def _resident_chunks(chunks: list[ChunkPlan], element_size: int, budget: int | None) -> frozenset[int]:
