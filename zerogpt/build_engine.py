@@ -107,16 +107,11 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
     if plan.forward_waits_for_step:  # the host step may run behind the next forward
         step_waits = StepWaitHooks(module, chunks, grad_hooks.param_to_chunk, find_blocks(module))
     sharded_optim = _build_optimizer(optimizer, chunks, plan, ctx, placement, parallel, traffic, step_waits)
-    # TODO(issue 47.7): ShardedOptimizer still derives these two from optim_home and the chunks; until it takes
-    # them from the plan, the build holds the two derivations equal.
-    assert (sharded_optim.master_is_param_shard, sharded_optim.grad_home) == \
-        (plan.master_is_param_shard, plan.grad_home), (sharded_optim.master_is_param_shard, sharded_optim.grad_home)
+    host_step = sharded_optim.host_step
     grad_path = GradPath(sharded_optim.states, placement, traffic, hand_over_at_launch=plan.hand_over_at_launch,
                          accumulate_on_device=plan.accumulate_on_device, stage=plan.stage,
-                         accumulation=plan.config.gradient_accumulation)
-    grad_path.host_step_waits = sharded_optim.host_step.overlaps
-    if sharded_optim.host_step.spares:  # the host step starts as each chunk's gradient leaves for the host
-        grad_path.on_final = sharded_optim.host_step.speculate_chunk
+                         accumulation=plan.config.gradient_accumulation, host_step_waits=host_step.overlaps,
+                         on_final=host_step.speculate_chunk if host_step.spares else None)
     if keeps_freed_memory:  # the build's own garbage goes; training's heap is kept from here on
         release_freed_host_memory()
     engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, grad_path, placement, plan.config, ctx,
@@ -322,6 +317,7 @@ def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan
     # On a GPU the host step runs behind the next forward (host masters); on a CPU run the two would share the
     # same cores, so it runs in place (the plan's host_step_overlaps).
     return ShardedOptimizer(optimizer, chunks, placement=placement, optim_home=plan.optim_home,
+                            grad_home=plan.grad_home, master_is_param_shard=plan.master_is_param_shard,
                             precision=plan.config.precision, stage=plan.stage, group=ctx.dp_group,
                             loss_scaler=loss_scaler, clip_grad_norm=plan.config.clip_grad_norm,
                             no_decay=set(plan.no_decay), norm_duplicates=set(parallel.norm_duplicates),

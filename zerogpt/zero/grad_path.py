@@ -34,10 +34,16 @@ class GradPath:
         accumulate_on_device: offloaded gradients are summed over the micro-steps in an fp32 shard on the device
             and cross to the host once per step.
         stage, accumulation: what decides whether a step's gradient crosses to the host once (memory_model.py).
+        host_step_waits: the host step runs on its own worker and waits there for the copies it reads
+            (zero/host_step.py): this thread leaves the copies kept as they crossed in flight.
+        on_final: told of each chunk's whole gradient for the step as it starts for the host (the state, the
+            gradient, its copy's event): zero/host_step.py's speculative step, where the plan has one.
     """
 
     def __init__(self, states: dict[int, ChunkState], placement: Placement, traffic: Traffic, *,
-                 hand_over_at_launch: bool, accumulate_on_device: bool, stage: int, accumulation: int) -> None:
+                 hand_over_at_launch: bool, accumulate_on_device: bool, stage: int, accumulation: int,
+                 host_step_waits: bool = False,
+                 on_final: Callable[[ChunkState, torch.Tensor, Any], None] | None = None) -> None:
         self.states = states
         self.placement = placement
         self.traffic = traffic
@@ -55,12 +61,8 @@ class GradPath:
         # chunk index -> fp32 grad shard on the device, the sum of this step's micro-steps (accumulate_on_device)
         self._device_sums: dict[int, torch.Tensor] = {}
         self._last_reduce = True  # this backward's reduction is the step's last (its sum goes to the host)
-        self.host_step_waits = False
-        """The host step runs on its own worker and waits there for the copies it reads (zero/host_step.py): this
-        thread leaves the copies kept as they crossed in flight (the build sets it)."""
-        self.on_final: Callable[[ChunkState, torch.Tensor, Any], None] | None = None
-        """Told of each chunk's whole gradient for the step as it starts for the host (the gradient, its copy's
-        event): zero/host_step.py's speculative step, where the build gave it one."""
+        self.host_step_waits = host_step_waits
+        self.on_final = on_final
 
     def begin(self, last_reduce: bool) -> None:
         """A backward whose reductions are (`last_reduce`) or are not the step's last begins."""

@@ -41,7 +41,8 @@ class ShardedOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, chunks: list[Chunk], *, placement: Placement,
-                 optim_home: str, precision: str, stage: int, group: dist.ProcessGroup | None,
+                 optim_home: str, grad_home: str, master_is_param_shard: bool, precision: str, stage: int,
+                 group: dist.ProcessGroup | None,
                  loss_scaler: DynamicLossScaler, clip_grad_norm: float | None,
                  no_decay: set[str] | None = None, norm_duplicates: set[str] | None = None,
                  model_parallel_group: dist.ProcessGroup | None = None, traffic: Traffic | None = None,
@@ -53,7 +54,7 @@ class ShardedOptimizer:
         self.placement = placement
         self.traffic = traffic or Traffic()  # the write-backs that cross between host and device
         self.optim_home = optim_home
-        self.grad_home = "host" if optim_home == "disk" else optim_home
+        self.grad_home = grad_home  # the plan's (zerogpt/planner/engine_plan.py), as the next one
         self.stage = stage
         self.group = group
         # The ranks with this rank's data-parallel coordinate (tensor x pipeline): they hold different parts of
@@ -66,11 +67,8 @@ class ShardedOptimizer:
         # tensor the trainer counts without reading it
         self.found_inf = torch.zeros((), device=placement.device)
         self.precision = precision
-        # fp32 with the param shards resting where the optimizer lives (both on the device, or both on the host:
-        # stage 3 with param and optimizer offload): the param shard is the master, no second fp32 copy (4 B/param
-        # of host RAM saved). Not when they rest apart (a host master would get a device grad, or the reverse).
-        self.master_is_param_shard = precision == "fp32" and optim_home != "disk" and all(
-            c.shard_home == optim_home for c in chunks if c.plan.trainable)
+        # fp32 with the param shards resting where the optimizer lives: the param shard is the master
+        self.master_is_param_shard = master_is_param_shard
         # Adam's moments at their home: fp32, or bf16 (host/disk homes, stepped by CPUAdam's fused op)
         self.state_dtype = state_dtype
         if state_dtype != torch.float32 and (optim_home == "device" or not is_cpu_adam(optimizer)):
