@@ -348,6 +348,22 @@ def test_above_one_rank_a_cpu_run_shares_no_reduced_gradient():
     assert est["host_ram"] == held - min(states["grads"]["host"] + in_flight, acts)
 
 
+def test_the_step_ahead_of_the_norm_spare_set_is_reported_not_needed():
+    """A GPU run with masters on the host steps each chunk into a spare master and moments where the gradient
+    crosses once and RAM has room (12 bytes/param, 8 with bf16 moments): reported apart, not in host_ram."""
+    shape = ModelShape(layers=2, hidden=64, heads=2, vocab=256, positions=32)
+    kw = dict(seq_len=32, batch=4, gpu_overhead=0)
+    est = estimate(shape, 3, 2, "bf16", "cpu", "cpu", **kw)
+    assert est["speculative_spare"] == -(-shape.num_params // 2) * 12
+    assert est["host_ram"] == est["totals"]["host"]
+    assert estimate(shape, 3, 2, "bf16", "cpu", "cpu", optimizer_bytes_per_param=4, **kw)["speculative_spare"] \
+        == -(-shape.num_params // 2) * 8
+    for other in (dict(precision="fp16"), dict(offload_optimizer="none"), dict(accumulation=2),  # summed on the host
+                  dict(on_gpu=False)):
+        plan = dict(precision="bf16", offload_optimizer="cpu", offload_param="cpu") | other
+        assert estimate(shape, 3, 2, **plan, **kw)["speculative_spare"] == 0, other
+
+
 def test_one_rank_fp32_reduces_into_the_grad_shard_itself():
     """Stage 2-3 at one rank, accumulation 1, fp32, gradients on the device: no gradient chunk in flight beside the
     shard (GradPath._add takes the reduced buffer as the shard); above accumulation 1, or in bf16, two."""

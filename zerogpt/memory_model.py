@@ -18,7 +18,7 @@ from zerogpt.config.strategy import BucketTensorShardStrategy, TensorShardStrate
 __all__ = ["HOMES", "OFFLOAD_HOMES", "CATEGORIES", "FAMILIES", "ModelShape", "model_state_bytes", "zero_paper_bytes",
            "activation_bytes", "chunk_of_params", "grads_activations_overlap", "largest_chunk", "gather_peak",
            "buffer_bytes", "chunk_numels", "gathered_bytes", "grad_chunks_in_flight", "cpu_run_shared_bytes",
-           "estimate", "grad_crosses_once", "step_grad_itemsize"]
+           "speculative_spare_bytes", "estimate", "grad_crosses_once", "step_grad_itemsize"]
 
 HOMES = ("device", "host", "disk")
 """Where a byte of model state lives: the one list (zero/offload.py's Placement, the engine's memory_stats and the
@@ -567,7 +567,8 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
     `on_gpu`: False for a CPU run, whose device is host RAM too: "host_ram" is then every home but disk, the
     bytes both homes share counted once (`cpu_run_shared_bytes`).
     Returns: dict(num_params, model_states, activations, buffers, gpu_overhead, overlap, totals (per home, what a
-    GPU run holds), shared (a CPU run's bytes in both homes' totals), host_ram (this rank's host RAM)).
+    GPU run holds), shared (a CPU run's bytes in both homes' totals), host_ram (this rank's host RAM),
+    speculative_spare (host bytes a GPU run adds where it has room, `speculative_spare_bytes`)).
     """
     states = model_state_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, offload_param,
                                optimizer_bytes_per_param, accumulation, device_budget)
@@ -595,8 +596,26 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
         grads_in_ram = grads["device"] + grads["host"] + in_flight - shared_by["grads"]
         cpu_overlap = min(grads_in_ram, acts["total"]) if accumulation == 1 else 0
         host_ram = totals["host"] + totals["device"] - gpu_overhead + overlap - shared - cpu_overlap
+    spare = speculative_spare_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, states,
+                                    accumulation, optimizer_bytes_per_param) if on_gpu else 0
     return dict(num_params=shape.num_params, model_states=states, activations=acts, buffers=buffers,
-                gpu_overhead=gpu_overhead, overlap=overlap, totals=totals, shared=shared, host_ram=host_ram)
+                gpu_overhead=gpu_overhead, overlap=overlap, totals=totals, shared=shared, host_ram=host_ram,
+                speculative_spare=spare)
+
+
+def speculative_spare_bytes(num_params: int, stage: int, world_size: int, precision: str, offload_optimizer: str,
+                            states: dict[str, dict[str, int]], accumulation: int = 1,
+                            optimizer_bytes_per_param: int = 8) -> int:
+    """Host bytes of the step ahead of the norm's spare master and moments (a GPU run, masters on the host, not
+    fp16, the step's gradient crossing once: planner/engine_plan.py's host_step_speculates), taken at build only
+    where half the available host RAM covers it. A speed-up, not a need: `host_ram` leaves it out and `estimate`
+    reports it apart (docs/DESIGN.md §4: 12 bytes/param, 8 with bf16 moments)."""
+    if offload_optimizer != "cpu" or precision == "fp16":
+        return 0
+    device_sum = stage >= 2 and states["params"]["host"] == 0 and accumulation > 1
+    if not (grad_crosses_once(stage, accumulation) or device_sum):
+        return 0
+    return math.ceil(num_params / (1 if stage == 0 else world_size)) * (4 + optimizer_bytes_per_param)
 
 
 def cpu_run_shared_bytes(states: dict[str, dict[str, int]], stage: int, world_size: int, accumulation: int,
