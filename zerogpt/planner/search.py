@@ -88,14 +88,15 @@ def _estimate(plan: Plan, work: Workload, machine: Machine) -> dict:
                     bucket_mb=plan.bucket_mb, gpu_overhead=machine.gpu_overhead, accumulation=plan.accumulation,
                     optimizer_bytes_per_param=4 if plan.state_dtype == "bf16" else 8,
                     gather_per_block=work.compile, loss_chunk=work.loss_chunk if plan.chunked_loss else 0,
-                    device_budget=plan.device_budget)
+                    device_budget=plan.device_budget, on_gpu=machine.on_gpu)
 
 
 def _needs(est: dict, machine: Machine) -> dict:
-    """Bytes per capacity: the device per rank; host RAM and disk per host. A CPU run's device is host RAM too."""
+    """Bytes per capacity: the device per rank; host RAM and disk per host. A CPU run's device is host RAM too,
+    the bytes both homes share held once (memory_model.estimate's host_ram)."""
     totals = est["totals"]
-    host = totals["host"] + (0 if machine.on_gpu else totals["device"])
-    return dict(device=totals["device"], host=host * machine.local_ranks, disk=totals["disk"] * machine.local_ranks)
+    return dict(device=totals["device"], host=est["host_ram"] * machine.local_ranks,
+                disk=totals["disk"] * machine.local_ranks)
 
 
 def _size(n: float) -> str:
