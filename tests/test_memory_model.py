@@ -377,18 +377,6 @@ def test_one_rank_fp32_reduces_into_the_grad_shard_itself():
     assert grad_chunks_in_flight(shape, 1, 2, "fp32", "none", 25.0, accumulation=1) == 0  # stage 1: none
 
 
-def _plan_memory():
-    import importlib
-    import sys
-
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    sys.path.insert(0, bench)
-    try:
-        return importlib.import_module("plan_memory")
-    finally:
-        sys.path.remove(bench)
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("plan, home", [("z0 1x4 bucket 25MB", "device"), ("z3 4x1 bucket 25MB prefetch 2", "device"),
                                         ("z0 opt->cpu(fp32) 4x1 bucket 25MB", "host")])
