@@ -174,11 +174,7 @@ class ChunkState:
         grad = grad if grad is not None else self.grad  # an overlapped step passes the one it captured
         grad = grad if grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
         host_step = self.steps_on_host
-        if grad.dtype != self.master.dtype:  # kept as it crossed (zero/grad_path.py, GradPath.keeps_as_crossed)
-            if host_step and grad.dtype in HOST_ADAM_DTYPES and _grad_dtype_settable():
-                self.master.grad_dtype = None  # CPUAdam reads it as it is, on the fp32 master
-            else:
-                grad = grad.to(self.master.dtype)  # one chunk's temporary, for the step alone
+        grad = self._as_master_grad(grad, host_step)
         scale = 1.0
         if factor is not None and host_step:  # read once; the update multiplies each gradient as it reads it
             scale = float(factor)
@@ -221,10 +217,7 @@ class ChunkState:
         `spare` (master, exp_avg, exp_avg_sq) and the compute copy, the state left as it is. `commit(spare)` makes it
         the step taken: the bits `step()` with that factor would leave. Returns whether it wrote the compute copy."""
         self.optimizer.param_groups[0].maps[-1] = group
-        if grad.dtype != self.master.dtype and not (grad.dtype in HOST_ADAM_DTYPES and _grad_dtype_settable()):
-            grad = grad.to(self.master.dtype)
-        elif grad.dtype != self.master.dtype:
-            self.master.grad_dtype = None
+        grad = self._as_master_grad(grad, host_step=True)
         out = out if out is not None else self._host_compute_copy()
         self.master.grad = grad
         try:
@@ -232,6 +225,17 @@ class ChunkState:
         finally:
             self.master.grad = None
         return out is not None
+
+    def _as_master_grad(self, grad: torch.Tensor, host_step: bool) -> torch.Tensor:
+        """A gradient kept as it crossed (zero/grad_path.py, GradPath.keeps_as_crossed) in another dtype than the
+        master: CPUAdam's host step reads it as it is, on the fp32 master; any other step gets an fp32 copy (one
+        chunk's temporary, for the step alone)."""
+        if grad.dtype == self.master.dtype:
+            return grad
+        if host_step and grad.dtype in HOST_ADAM_DTYPES and _grad_dtype_settable():
+            self.master.grad_dtype = None
+            return grad
+        return grad.to(self.master.dtype)
 
     def commit(self, spare: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """The speculative step into `spare` stands: master and moments take its storage, `spare` theirs."""

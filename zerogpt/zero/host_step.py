@@ -172,16 +172,10 @@ class HostStep:
     def abandon(self) -> None:
         """Drop speculative steps no `launch` settled (a backward whose step was not taken; a checkpoint between
         the two): each chunk's compute copy is written again from its state, which they never changed."""
-        for speculated in self.speculated.values():  # all done before the staging buffers change hands
+        for speculated in self.speculated.values():  # done before the shards are written again
             speculated.result()
         for index in self.speculated:
-            state = self.states[index]
-            staged = self.staging_for(state)
-            if staged is not None:
-                staged.copy_(state.master)
-                self.send(state.chunk.shard, staged)
-            else:
-                state.write_back()
+            self.states[index].write_back()
         self.speculated.clear()
 
     # -- the step behind the next forward ------------------------------------------------------------------
