@@ -10,17 +10,16 @@ after the first, the device peak measured, a peak over the simulated capacity an
 (zerogpt/planner/auto.py: the search over the same space, trial steps of its 3 fastest predicted, calibrated) makes
 its choice. Reported per cell: auto's tokens/s over the grid's best (the two plans measured again, alternating,
 3 times each, the fastest of each kept: single measurements on this shared VM jump 10x; goal >= 0.9x), and over
-the grid memory_model's device total against the trial's in-process device measure (the device home's state at
-each step's end plus the peak of the activations saved for backward alive at once). That measure undercounts (stage
-3's own saved-tensor hooks hide its activations, buffers freed within a micro-step are not sampled): memory
-predictions are checked against exact live peaks, device and host, a process per plan, by bench/plan_memory.py.
+the grid memory_model's device total against the trial's in-process device measure (zerogpt/planner/live_bytes.py:
+the device home's state at each step's start plus the peak of the bytes the step's ops make and hold at once). On a
+CPU an offloaded plan's homes are one memory, so its device figure there is not a GPU's; memory predictions are
+checked against exact live peaks, device and host, a process per plan, by bench/plan_memory.py.
 The space is kept small so that it runs in a few minutes on 2 shared cores: fp32, one bucket size (25 MB), prefetch
 2, fp32 moments, the plain loss.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import zerogpt  # noqa: E402
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 from model_zoo import GPTLMLoss, build_model  # noqa: E402
 from model_zoo.gpt import gpt2_tiny  # noqa: E402
 from zerogpt.config import Config  # noqa: E402
@@ -152,9 +152,7 @@ def main() -> int:
               f"{r['device_error_pct']['within_10']:>6}/{r['grid']:<4}"
               + " / ".join(f"{v:.0f}" for v in r['device_error_pct']['median_by_stage'].values()))
     if args.out:
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(dict(cpu_flops_per_s=rate, rows=rows), f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        write_json_atomic(args.out, dict(cpu_flops_per_s=rate, rows=rows))
     return 0
 
 

@@ -115,3 +115,64 @@ def test_two_ranks_plan_together_and_train(tmp_path):
     assert ", world 2, fp32)" in table.splitlines()[0]
     assert len(losses(out)) == 2
     assert json.loads((tmp_path / "plans.json").read_text())  # rank 0 cached the choice
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_3_trial_counts_the_activations_it_keeps_through_its_own_hooks():
+    """Stage 3 saves its activations through the engine's saved-tensor hooks; a CPU trial's device peak still grows
+    with the micro-batch as stage 0's does (at one rank the two hold the same)."""
+    from model_zoo import GPTLMLoss, build_model
+    from model_zoo.gpt import gpt2_tiny
+    import zerogpt
+    from zerogpt.config import Config
+    from zerogpt.planner.trial import run_trial
+
+    launched = zerogpt.launch_from_torch(seed=0)
+    growth = {}
+    try:
+        for stage in (0, 3):
+            cfg = Config(precision="fp32", zero=dict(stage=stage), BATCH_SIZE=1, SEQ_LEN=32,
+                         model=dict(type=gpt2_tiny), optimizer=dict(type="AdamW", lr=1e-3)).validate()
+
+            def build():
+                with torch.device("meta"):
+                    model = build_model(dict(cfg.model), vocab_size=1024)
+                return zerogpt.initialize(model, dict(cfg.optimizer), GPTLMLoss(shift=False), config=cfg,
+                                          ctx=launched)
+
+            peaks = [run_trial(build, micro_batch=mb, accumulation=1, seq_len=32, vocab=1024, steps=1)["device_peak"]
+                     for mb in (1, 8)]
+            growth[stage] = peaks[1] - peaks[0]
+    finally:
+        launched.destroy()
+    assert growth[0] > 7 * 32 * 1024 * 4  # 7 more samples' logits at least
+    assert 0.9 * growth[0] <= growth[3] <= 1.1 * growth[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_cpu_trial_counts_the_host_shards_a_gpu_would_copy_to_the_device():
+    """Stage 3 with parameters offloaded at one rank: a CPU run computes on the host shard in place, a GPU run on a
+    device copy of it; the CPU measure counts that copy while the chunk is gathered, and nothing for a device shard."""
+    from model_zoo import GPTLMLoss, build_model
+    from model_zoo.gpt import gpt2_tiny
+    import zerogpt
+    from zerogpt.config import Config
+    from zerogpt.planner.trial import _host_shards_computed_in_place
+
+    launched = zerogpt.launch_from_torch(seed=0)
+    try:
+        for offload in ("cpu", "none"):
+            cfg = Config(precision="fp32", zero=dict(stage=3, offload_param=dict(device=offload)), BATCH_SIZE=1,
+                         SEQ_LEN=32, model=dict(type=gpt2_tiny), optimizer=dict(type="HybridAdam", lr=1e-3)).validate()
+            with torch.device("meta"):
+                model = build_model(dict(cfg.model), vocab_size=1024)
+            engine = zerogpt.initialize(model, dict(cfg.optimizer), GPTLMLoss(shift=False), config=cfg, ctx=launched)
+            chunk = engine.chunks[0]
+            chunk.gather()
+            gathered = _host_shards_computed_in_place(engine)
+            chunk.release()
+            assert _host_shards_computed_in_place(engine) == 0
+            assert gathered == (chunk.shard.untyped_storage().nbytes() if offload == "cpu" else 0)
+            engine.close()
+    finally:
+        launched.destroy()

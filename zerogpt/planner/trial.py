@@ -3,12 +3,11 @@ seconds per step and its peaks; the engine is closed after and the RNG states pu
 starts exactly as a hand-set run of the chosen plan would (its model is built again from the same seed).
 
 Memory measured: on CUDA, torch.cuda.max_memory_allocated over the trial's steps. On a CPU run, whose device is
-simulated: the model state in the device home (Engine.memory_stats at every engine.step() call, after each
-micro-step's backward, and at the step's end) plus the peak of the
-activations saved for backward that are alive at once (autograd's saved-tensor hooks, parameters excluded). Known
-gaps of the CPU measure: at stage 3 the engine's own saved-tensor hooks (zero/gather_hooks.py) take precedence over
-these, so the activations are not seen there, and buffers freed inside a micro-step (gathered chunks, gradient
-chunks in flight) are not either; the simulated out-of-memory is then decided on less than was used.
+simulated: the device home's model state at the step's start plus the peak of the bytes the step's ops on the
+training thread make and hold at once (live_bytes.py: activations, gathered chunks, gradient buffers, the loss's and
+the step's temporaries), plus the host-homed shards a CPU run computes on in place where a GPU would copy them to the
+device (stage 3, parameters offloaded, one rank). On a CPU run an offloaded plan's homes are otherwise one memory:
+what its training thread makes for the host home counts as device there.
 Host: the process's peak resident set over the build and the steps above what it held before (VmHWM after
 resetting it through /proc/self/clear_refs, less VmRSS then): on a CPU run that includes the device home.
 A trial that runs out of memory (torch.OutOfMemoryError, or on CPU a device peak over the simulated capacity) is
@@ -19,12 +18,12 @@ from __future__ import annotations
 import gc
 import random
 import time
-import weakref
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from zerogpt.planner.live_bytes import LiveBytes
 from zerogpt.trainer import Trainer
 from zerogpt.trainer.hooks.base import Hook
 
@@ -52,56 +51,22 @@ def _status(field: str) -> int | None:
         return None
 
 
-class _SavedActivations:
-    """The bytes autograd keeps for backward alive at once (parameters excluded), and their peak."""
-
-    def __init__(self) -> None:
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
-            return t
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key and key not in self._seen:
-            self._seen.add(key)
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._free, key, storage.nbytes())
-        return t
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-    def __enter__(self) -> "_SavedActivations":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
-
 class _StepClock(Hook):
-    """Seconds and device peaks of each step of a trial."""
+    """Seconds and device peaks of each step of a trial.
 
-    def __init__(self, device: torch.device):
-        self.device, self.seconds, self.device_peaks = device, [], []
-        self.saved: _SavedActivations | None = None
-        self.state_peak = 0
+    On CUDA every step is timed and measured. On a CPU the measure (a Python call per op) would slow the step it
+    watches, unevenly across plans (a plan of many small ops pays most): steps before `measured_step` are timed,
+    from it on they are measured."""
 
-    def watch_states(self, engine: Any) -> None:
-        """CPU: the device home's model state sampled at every engine.step() call, after each micro-step's backward,
-        while its gradients are held (the step's end has dropped them)."""
-        step = engine.step
+    def __init__(self, device: torch.device, engine: Any, measured_step: int = 0):
+        self.device, self.engine, self.seconds, self.device_peaks = device, engine, [], []
+        self.measured_step = 0 if device.type == "cuda" else measured_step
+        self.live: LiveBytes | None = None  # on while a CPU step is measured
+        self.start_state = self.computed_in_place = 0
+        self._sampler = None
 
-        def sampled() -> Any:
-            stats = engine.memory_stats()
-            self.state_peak = max(self.state_peak, sum(home["device"] for home in stats.values()))
-            return step()
-        engine.step = sampled
+    def _sample_in_place(self, module: Any, args: Any) -> None:
+        self.computed_in_place = max(self.computed_in_place, _host_shards_computed_in_place(self.engine))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -111,21 +76,35 @@ class _StepClock(Hook):
         self._sync()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self.saved = _SavedActivations().__enter__()
+        elif trainer.state.step >= self.measured_step:  # steps done before this one
+            self.start_state = sum(home["device"] for home in self.engine.memory_stats().values())
+            self.live = LiveBytes().__enter__()
+            self.computed_in_place = 0
+            self._sampler = torch.nn.modules.module.register_module_forward_pre_hook(self._sample_in_place)
         self.start = time.perf_counter()
 
     def after_step(self, trainer) -> None:
         self._sync()
-        self.seconds.append(time.perf_counter() - self.start)
+        seconds = time.perf_counter() - self.start
         if self.device.type == "cuda":
+            self.seconds.append(seconds)
             self.device_peaks.append(torch.cuda.max_memory_allocated(self.device))
+        elif self.live is None:
+            self.seconds.append(seconds)
         else:
-            self.saved.__exit__(None, None, None)
-            stats = trainer.engine.memory_stats()
-            state = max(self.state_peak, sum(home["device"] for home in stats.values()))
-            self.device_peaks.append(state + self.saved.peak)
-            self.state_peak = 0
+            self.live.__exit__(None, None, None)
+            self._sampler.remove()
+            self.device_peaks.append(self.start_state + self.live.peak + self.computed_in_place)
+            self.live = None
+
+
+def _host_shards_computed_in_place(engine: Any) -> int:
+    """Bytes of the gathered chunks that are host-homed shards used where they lie: a CPU run at one shard per chunk
+    computes on them in place (Chunk.gather copies nothing), where a GPU run holds a device copy of each."""
+    def storage(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+    return sum(c.full.untyped_storage().nbytes() for c in engine.chunks
+               if c.full is not None and c.shard_home != "device" and storage(c.full) == storage(c.shard))
 
 
 def rng_states() -> dict:
@@ -144,7 +123,8 @@ def restore_rng_states(states: dict) -> None:
 
 def run_trial(build_engine: Callable[[], Any], micro_batch: int, accumulation: int, seq_len: int, vocab: int,
               steps: int = 2, device_capacity: int | None = None) -> dict:
-    """Build an engine (`build_engine()`), run `steps` optimizer steps on random tokens and measure them.
+    """Build an engine (`build_engine()`), run `steps` optimizer steps on random tokens and measure them (on a CPU,
+    one more step measures the device peak: see _StepClock).
 
     Returns {"seconds": the fastest step after the first, "device_peak", "host_peak"} or {"error": why} when it ran
     out of memory (CUDA's error or, on CPU, a measured device peak over `device_capacity`). RNG states are restored
@@ -156,13 +136,12 @@ def run_trial(build_engine: Callable[[], Any], micro_batch: int, accumulation: i
     before = _status("VmRSS")  # what the process held already: the trial's host peak is above it
     try:
         engine = build_engine()
-        clock = _StepClock(engine.ctx.device)
-        if engine.ctx.device.type != "cuda":
-            clock.watch_states(engine)
+        clock = _StepClock(engine.ctx.device, engine, measured_step=steps)
+        total = steps + (engine.ctx.device.type != "cuda")
         g = torch.Generator().manual_seed(0)
         batches = [torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g)
-                   for _ in range(steps * accumulation)]
-        Trainer(engine, hooks=[clock]).fit(batches, max_steps=steps)
+                   for _ in range(total * accumulation)]
+        Trainer(engine, hooks=[clock]).fit(batches, max_steps=total)
         device_peak = max(clock.device_peaks)
         if engine.ctx.device.type != "cuda" and device_capacity is not None and device_peak > device_capacity:
             raise TrialOutOfMemory(f"device peak {device_peak / 2**30:.2f} GiB > simulated capacity "
