@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import zerogpt
 from zerogpt import preflight
+from zerogpt.atomic_write import write_text_atomic
 from zerogpt.cli import HelpFormatter
 from zerogpt.config import data_config, lr_scheduler_config, parallel_config, train_config
 from zerogpt.errors import USER_ERRORS, env_rank, report_crash, report_user_error
@@ -235,6 +236,8 @@ def setup(cfg, train, data, ctx, dims, resume):
     with slow_phase(ctx.logger, "initialize: building the engine (optimizer, chunks, this rank's shards filled "
                                 "from their init or the model's files)"):
         engine = zerogpt.initialize(model, dict(cfg.optimizer), GPTLMLoss(shift=False), config=cfg, ctx=ctx)
+    if ctx.is_main:  # every build decision, one per line (the engine line above is its summary)
+        write_text_atomic(os.path.join(out, "engine_plan.txt"), engine.plan.describe() + "\n")
     pipeline = Pipeline(engine) if dims.pp > 1 else None
     accum = engine.gradient_accumulation
     lr_scheduler = None

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from step_time import run_job  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 
 MIB = 2**20
 
@@ -256,9 +257,7 @@ def main(argv=None) -> dict:
               + ", ".join(f"{ph} {b / MIB:,.0f}" for ph, b in r["in_use"].items()))
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(args={k: str(v) for k, v in vars(args).items()}, **result), f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        write_json_atomic(args.json, dict(args={k: str(v) for k, v in vars(args).items()}, **result))
     return result
 
 

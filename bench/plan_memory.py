@@ -37,6 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
+
 MIB = 2**20
 STEPS = 3
 WARM = "2L-128"
@@ -221,9 +223,7 @@ def main() -> int:
               + ", ".join(f"z{s} {v:+.0f}%" for s, v in h["median_by_stage"].items()))
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.out:
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(dict(steps=STEPS, results=results), f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        write_json_atomic(args.out, dict(steps=STEPS, results=results))
     return 0
 
 

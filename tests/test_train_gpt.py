@@ -66,7 +66,10 @@ def run_dir(tmp_path_factory, data_dir):
 @pytest.mark.timeout(200)
 def test_two_rank_run_writes_the_run_directory(run_dir, data_dir):
     out, log = run_dir
-    assert sorted(os.listdir(out)) == ["checkpoints", "config.py", "loss.png", "metrics.jsonl", "tensorboard"]
+    assert sorted(os.listdir(out)) == ["checkpoints", "config.py", "engine_plan.txt", "loss.png", "metrics.jsonl",
+                                       "tensorboard"]
+    plan = dict(line.split(": ", 1) for line in (out / "engine_plan.txt").read_text().splitlines())
+    assert plan["stage"] == "2" and plan["precision"] == "fp32"  # every build decision, as the engine took it
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_3", "step_6"]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_6"
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(out / "tensorboard"))

@@ -117,7 +117,7 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
     engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, grad_path, placement, plan.config, ctx,
                     criterion=parallel.criterion(criterion), parallel=parallel, transport=transport,
                     run_config=run_config, keeps_freed_memory=keeps_freed_memory, traffic=traffic,
-                    model_computes_loss=plan.model_computes_loss)
+                    model_computes_loss=plan.model_computes_loss, plan=plan)
     ctx.logger.info(engine.describe())
     return engine
 

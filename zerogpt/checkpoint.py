@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerogpt.atomic_write import write_json_atomic
 from zerogpt.checkpoint_reader import (BUFFERS, FORMAT, META, VERSION, CheckpointError, CheckpointReader,
                                        resolve_checkpoint)
 from zerogpt.context import DistContext
@@ -88,15 +89,6 @@ def _all_gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
-
-
-def _write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str) -> None:
@@ -318,7 +310,7 @@ def _finish_save(engine: CheckpointedEngine, state: dict, ctx: DistContext, gath
     if engine.run_config is not None:
         with open(os.path.join(tmp, "config.py"), "w") as f:
             f.write(engine.run_config.to_python())
-    _write_json_atomic(os.path.join(tmp, META), meta)  # last: its presence marks a complete checkpoint
+    write_json_atomic(os.path.join(tmp, META), meta)  # last: its presence marks a complete checkpoint
     if os.path.exists(final):  # re-saving a step: move the old one aside, never delete before the new is in
         old = os.path.join(parent, f".{name}.old")
         shutil.rmtree(old, ignore_errors=True)

@@ -36,8 +36,11 @@ class Engine:
                  placement: Placement, config: EngineConfig, ctx: DistContext, *, criterion: Callable | None = None,
                  parallel: ParallelModel | None = None, transport: Any = None, run_config: Any = None,
                  keeps_freed_memory: bool = False, traffic: Traffic | None = None,
-                 model_computes_loss: bool = False) -> None:
+                 model_computes_loss: bool = False, plan: Any = None) -> None:
         parallel = parallel or ParallelModel(module)
+        self.plan = plan
+        """The EnginePlan this engine was built from (zerogpt/planner/engine_plan.py): every build decision, printable
+        with `plan.describe()`; train_gpt.py writes it to the run directory as engine_plan.txt."""
         self.module = module
         self.sharded_optim = sharded_optim
         self.optimizer = sharded_optim.optimizer

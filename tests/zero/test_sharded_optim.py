@@ -117,8 +117,9 @@ def test_norm_duplicates_leave_a_parameters_gradient_out_of_the_norm_only():
 
 def test_host_staging_hands_out_its_two_buffers_in_turn():
     from zerogpt.zero.host_step import HostStaging
+    from zerogpt.zero.offload import Placement
 
-    staging = HostStaging(100, torch.bfloat16)
+    staging = HostStaging(100, torch.bfloat16, Placement(torch.device("cpu")))
     first, second, third = staging.take(10), staging.take(100), staging.take(50)
     assert first.numel() == 10 and second.numel() == 100 and third.numel() == 50
     assert first.data_ptr() == third.data_ptr() != second.data_ptr()

@@ -16,7 +16,8 @@ from zerogpt.config import Config
 from zerogpt.memory_model import ModelShape
 from zerogpt.planner.config_plan import apply_plan, fixed_keys_line, workload_from_config
 from zerogpt.planner.explain import explain
-from zerogpt.planner.machine import PlanCache, fingerprint, write_json_atomic, write_text_atomic
+from zerogpt.atomic_write import write_json_atomic, write_text_atomic
+from zerogpt.planner.machine import PlanCache, fingerprint
 from zerogpt.planner.plan import Machine, Plan, PlanError, Workload
 from zerogpt.planner.search import Candidate, Choice, evaluate, search
 from zerogpt.planner.speed import SpeedConstants, calibrate

@@ -15,10 +15,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from zerogpt.atomic_write import write_json_atomic
 from zerogpt.planner.plan import Machine, Plan, PlanError, Workload
 
 __all__ = ["DEVICE_MEM_ENV", "CACHE_ENV", "detect_machine", "fingerprint", "cpu_flops_per_s", "PlanCache",
-           "parse_bytes", "write_text_atomic", "write_json_atomic"]
+           "parse_bytes"]
 
 DEVICE_MEM_ENV = "ZEROGPT_DEVICE_MEM"
 CACHE_ENV = "ZEROGPT_PLAN_CACHE"
@@ -132,16 +133,6 @@ class PlanCache:
         data = self._read()
         data[self.key(work)] = dict(version=version, machine=machine_print, plan=plan.to_dict(), factors=factors,
                                     when=time.strftime("%Y-%m-%d %H:%M:%S"))
-        write_json_atomic(self.path, data)
+        write_json_atomic(self.path, data, sort_keys=True)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename it over (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))

@@ -25,11 +25,12 @@ if TYPE_CHECKING:  # the wait hooks are given, and only removed at close: no imp
 
 class HostStaging:
     """Two pinned host buffers, used in turn: the host step writes one chunk's compute copy into one while the
-    other's copy to the device may still be in flight; taking a buffer waits for its last copy (an event)."""
+    other's copy to the device may still be in flight; taking a buffer waits for its last copy (an event).
+    Pinned as the plan pins host state (`Placement.pin_memory`); events only where copies are queued (CUDA)."""
 
-    def __init__(self, numel: int, dtype: torch.dtype) -> None:
-        pin = torch.cuda.is_available()
-        self.buffers = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(2)]
+    def __init__(self, numel: int, dtype: torch.dtype, placement: Placement) -> None:
+        self.buffers = [torch.empty(numel, dtype=dtype, pin_memory=placement.pin_memory) for _ in range(2)]
+        self.queued = placement.device.type == "cuda"
         self.events: list[Any] = [None, None]
         self.turn = 0
 
@@ -43,7 +44,7 @@ class HostStaging:
 
     def sent(self) -> None:
         """The copy out of the buffer last taken is queued: record when it will have read it."""
-        if torch.cuda.is_available():
+        if self.queued:
             self.events[self.turn] = torch.cuda.Event()
             self.events[self.turn].record()
 
@@ -107,7 +108,7 @@ class HostStep:
             return None
         if self.staging is None:
             largest = max(s.master.numel() for s in self.states.values())
-            self.staging = HostStaging(largest, shard.dtype)
+            self.staging = HostStaging(largest, shard.dtype, self.placement)
         return self.staging.take(shard.numel())
 
     def send(self, shard: torch.Tensor, staged: torch.Tensor, ready: Any = None) -> Any:
