@@ -26,11 +26,12 @@ if TYPE_CHECKING:  # the wait hooks are given, and only removed at close: no imp
 class HostStaging:
     """Two pinned host buffers, used in turn: the host step writes one chunk's compute copy into one while the
     other's copy to the device may still be in flight; taking a buffer waits for its last copy (an event).
-    Pinned as the plan pins host state (`Placement.pin_memory`); events only where copies are queued (CUDA)."""
+    On a GPU run pinned, whatever zero.offload_optimizer.pin_memory says of the state (two buffers of the largest
+    chunk; a copy out of pageable memory would not be queued but made on the spot), with an event per copy."""
 
     def __init__(self, numel: int, dtype: torch.dtype, placement: Placement) -> None:
-        self.buffers = [torch.empty(numel, dtype=dtype, pin_memory=placement.pin_memory) for _ in range(2)]
         self.queued = placement.device.type == "cuda"
+        self.buffers = [torch.empty(numel, dtype=dtype, pin_memory=self.queued) for _ in range(2)]
         self.events: list[Any] = [None, None]
         self.turn = 0
 
