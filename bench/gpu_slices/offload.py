@@ -1,6 +1,8 @@
 """The offload slice: GPT-2 XL (1.56B) at stage 3 with the optimizer on the host, zerogpt against DeepSpeed
 ZeRO-Offload, at two batch shapes in the same run: the shipped config's (configs/gpt2_xl_zero3_offload.py: its
 micro-batch x accumulation x seq, bucket and prefetch) and 16k tokens per step (16 x 1024, one micro-batch).
+zerogpt's group ends with a lever row, last so that a short budget cuts it first: the 16k step with bf16 Adam
+moments (`state_dtype="bf16"`: the host step moves 20 bytes per param, not 28; DeepSpeed has no such moments).
 
 Each system runs its two shapes in its own process with half the budget left: tokens/s, h2d/d2h bytes per step,
 the optimizer-step call's wall seconds with the device synchronized around it (host work the backward did not
@@ -38,11 +40,15 @@ def specs_for(system: str, args) -> list[Spec]:
     extra = dict(bucket_mb=shipped["bucket_mb"], prefetch=shipped["prefetch"]) if system == "zerogpt" else {}
     common = dict(stage=3, checkpoint=True, vocab=args.vocab, time_step=True, steps=args.steps, warmup=args.warmup)
     profile = os.path.join(args.out, "profile_offload.txt") if system == "zerogpt" else None
-    return [Spec(system, shape, offload=shipped["offload"], batch=shipped["batch"], accum=shipped["accum"],
-                 seq=shipped["seq"], label=f"{system} shipped {shipped['batch']}x{shipped['seq']}x{shipped['accum']}",
-                 **common, **extra),
-            Spec(system, shape, offload="cpu", batch=k16_batch, seq=args.seq, profile_to=profile,
-                 label=f"{system} 16k {k16_batch}x{args.seq}", **common)]
+    specs = [Spec(system, shape, offload=shipped["offload"], batch=shipped["batch"], accum=shipped["accum"],
+                  seq=shipped["seq"], label=f"{system} shipped {shipped['batch']}x{shipped['seq']}x{shipped['accum']}",
+                  **common, **extra),
+             Spec(system, shape, offload="cpu", batch=k16_batch, seq=args.seq, profile_to=profile,
+                  label=f"{system} 16k {k16_batch}x{args.seq}", **common)]
+    if system == "zerogpt" and not args.tiny:  # tiny: the bf16 moments need the host-Adam op built
+        specs.append(Spec(system, shape, offload="cpu", batch=k16_batch, seq=args.seq, state_dtype="bf16",
+                          label=f"{system} 16k {k16_batch}x{args.seq}, bf16 moments", **common))
+    return specs
 
 
 def _pick(row: dict | None, key: str):
@@ -60,16 +66,18 @@ def run(args, budget, result: dict, save) -> None:
     for k, system in enumerate(systems):
         log(f"  {system}: the shipped config's shape, then 16k tokens per step")
         got = measure_group(budget, specs_for(system, args), 1, len(systems) - k - 1, reserve, result["skipped"])
-        rows[system] = got + [None] * (2 - len(got))
+        rows[system] = got + [None] * (3 - len(got))
         result["rows"] = [r for rs in rows.values() for r in rs if r]
         save()
     figures = result["figures"]
-    z_shipped, z_16k = rows.get("zerogpt", [None, None])
-    d_shipped, d_16k = rows.get("deepspeed", [None, None])
+    z_shipped, z_16k, z_16k_bf16 = rows.get("zerogpt", [None] * 3)
+    d_shipped, d_16k, _ = rows.get("deepspeed", [None] * 3)
     figures.update(shipped_zerogpt_tokens_per_s=_pick(z_shipped, "tokens_per_s"),
                    shipped_deepspeed_tokens_per_s=_pick(d_shipped, "tokens_per_s"),
                    k16_zerogpt_tokens_per_s=_pick(z_16k, "tokens_per_s"),
                    k16_deepspeed_tokens_per_s=_pick(d_16k, "tokens_per_s"),
+                   k16_bf16_moments_zerogpt_tokens_per_s=_pick(z_16k_bf16, "tokens_per_s"),
+                   k16_bf16_moments_host_step_s=_pick(z_16k_bf16, "engine_host_step_s"),
                    host_step_s=_pick(z_shipped, "engine_host_step_s") or _pick(z_16k, "engine_host_step_s"))
     if _pick(z_shipped, "engine_host_step_s") is None and figures["host_step_s"] is not None:
         figures.setdefault("notes", {})["host_step_s"] = "from the 16k row"
