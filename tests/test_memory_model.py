@@ -232,8 +232,34 @@ def test_llama_activations_against_gpt2s():
     gpt2 = activation_bytes(ModelShape(32, 4096, 32, 128256), s, b, "bf16")
     assert gpt2["per_layer"] == 32 * sbh
     chunked = activation_bytes(shape, s, b, "bf16", checkpoint=True, loss_chunk=256)
-    assert acts["logits"] - chunked["logits"] == (sb - 256) * 128256 * (2 + 8)
+    assert acts["logits"] - chunked["logits"] == sb * 128256 * 12 - 256 * 128256 * (2 + 8)
     assert chunked["layers"] == 32 * 2 * sbh + acts["per_layer"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_plain_loss_peaks_at_12_bytes_per_logit_in_its_backward(dtype):
+    """GPTLMLoss as the Trainer runs it (logits dropped before backward): measured with the trial's CPU measure,
+    forward then backward, against activation_bytes' logits term (GPT-2: no final norm in it)."""
+    import torch
+    from model_zoo import GPTLMLoss
+    from zerogpt.amp import compute_dtype
+    from zerogpt.planner.live_bytes import LiveBytes
+
+    tokens, vocab, hidden = 256, 1024, 32
+    torch.manual_seed(0)
+    x = torch.randn(1, tokens, hidden, requires_grad=True)
+    head = torch.randn(vocab, hidden, dtype=compute_dtype(dtype), requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+    with LiveBytes() as live:
+        logits = x.to(head.dtype) @ head.t()
+        loss = GPTLMLoss(shift=False)(logits, labels)
+        forward = live.peak
+        del logits
+        loss.backward()
+    predicted = activation_bytes(ModelShape(1, hidden, 1, vocab), tokens, 1, dtype)["logits"]
+    per_logit = tokens * vocab
+    assert forward < live.peak  # the backward's, not the forward's
+    assert predicted <= live.peak <= predicted + 2 * tokens * hidden * 4 + per_logit // 8  # + x's copy and grad
 
 
 def test_llama_shape_checks():

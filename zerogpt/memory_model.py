@@ -350,10 +350,12 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
 
     Full per-block checkpointing keeps only each block's input (e*sbh per layer) plus one block's activations
     while it is recomputed. Outside the blocks: GPT-2's embedding output, e*sbh; a Llama's RoPE cos and sin,
-    2e*s*head_dim (shared by the blocks; the embedding keeps only the ids). The loss head keeps compute-dtype
-    logits, their fp32 copy and fp32 log-probs: s*b*V*(e + 8) (e + 4 in fp32), plus a Llama's final RMSNorm;
-    with the chunked loss (`loss_chunk` tokens at a time, model_zoo.loss.chunked_cross_entropy) only one chunk's
-    logits exist at a time.
+    2e*s*head_dim (shared by the blocks; the embedding keeps only the ids). The plain loss peaks at the start of
+    backward, with every activation still held: the fp32 log-probs it saved, nll_loss's dense fp32 gradient and
+    log_softmax's fp32 gradient of the logits, s*b*V*12 (its forward holds less: compute-dtype logits, their fp32
+    copy and the log-probs, e + 8; in fp32 8, the copy being the logits; tests/test_memory_model.py measures both),
+    plus a Llama's final RMSNorm. With the chunked loss (`loss_chunk` tokens at a time,
+    model_zoo.loss.chunked_cross_entropy) one chunk's logits exist at a time: (e + 8) per chunk token.
 
     Returns: dict(per_layer, layers, embeddings, logits, total) in bytes.
     """
@@ -377,7 +379,8 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
         per_layer += (2 * e + (1 if dropout else 0)) * a * s * s * b
     layers = L * e * sbh + per_layer if checkpoint else L * per_layer
     tokens = min(sb, loss_chunk) if loss_chunk > 0 else sb
-    logits = head + tokens * shape.vocab * (e + (4 if e == 4 else 8))
+    per_logit = (e + (4 if e == 4 else 8)) if loss_chunk > 0 else 12
+    logits = head + tokens * shape.vocab * per_logit
     return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits,
                 total=layers + embeddings + logits)
 
