@@ -8,6 +8,7 @@ Llama built on meta, per-layer activations against what autograd saves, the gath
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -444,3 +445,21 @@ def test_host_ram_within_10_percent_at_two_ranks_with_full_offload(tmp_path):
     for rank in json.loads(out.read_text())["ranks"]:
         predicted, measured = rank["predicted"]["total"], rank["peaks"]["VmHWM"]
         assert abs(predicted - measured) <= 0.10 * measured, (rank["rank"], predicted, measured)
+
+
+def test_device_predictions_against_the_h200_offload_rows():
+    """The recorded H200 rows (bench/results, GPT-2 XL, stage 3, optimizer on the host, checkpointed, plain loss,
+    bf16): memory_model's device total, the CUDA context left out, against torch.cuda.max_memory_allocated."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
+                        "gpu_h200_2026-11-28_offload.json")
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r["spec"]["system"] == "zerogpt" and "peak_gpu_gib" in r]
+    assert len(rows) == 2
+    for row in rows:
+        spec = row["spec"]
+        layers, heads, hidden = spec["shape"]
+        est = estimate(ModelShape(layers, hidden, heads, spec["vocab"]), spec["stage"], 1, "bf16", spec["offload"],
+                       "none", spec["seq"], spec["batch"], spec["checkpoint"], prefetch=spec["prefetch"] or 2,
+                       bucket_mb=spec["bucket_mb"] or 25.0, gpu_overhead=0)
+        measured = row["peak_gpu_gib"] * 2**30
+        assert abs(est["totals"]["device"] - measured) <= 0.03 * measured, (spec["label"], est["totals"]["device"])

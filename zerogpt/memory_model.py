@@ -348,8 +348,11 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     attention (`flash=False`) adds the s x s softmax (and its dropout mask) as for GPT-2; with flash the
     attention dropout keeps no mask (the kernel redraws it), and a Llama has no other dropout.
 
-    Full per-block checkpointing keeps only each block's input (e*sbh per layer) plus one block's activations
-    while it is recomputed. Outside the blocks: GPT-2's embedding output, e*sbh; a Llama's RoPE cos and sin,
+    Full per-block checkpointing keeps only each block's input (e*sbh per layer) plus, at the peak, the larger of
+    one block's activations while it is recomputed and the loss's backward (below): the loss runs its backward
+    first and frees it before any block is recomputed. (The H200's GPT-2 XL offload rows, ea4be00: allocator peaks
+    14.71 and 49.57 GiB at 16k and 64k tokens per step; predicted with the larger 14.65 and 49.44, with the sum
+    15.43 and 52.56, the CUDA context's 1 GiB left out.) Outside the blocks: GPT-2's embedding output, e*sbh; a Llama's RoPE cos and sin,
     2e*s*head_dim (shared by the blocks; the embedding keeps only the ids). The plain loss peaks at the start of
     backward, with every activation still held: the fp32 log-probs it saved, nll_loss's dense fp32 gradient and
     log_softmax's fp32 gradient of the logits, s*b*V*12 (its forward holds less: compute-dtype logits, their fp32
@@ -381,8 +384,8 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     tokens = min(sb, loss_chunk) if loss_chunk > 0 else sb
     per_logit = (e + (4 if e == 4 else 8)) if loss_chunk > 0 else 12
     logits = head + tokens * shape.vocab * per_logit
-    return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits,
-                total=layers + embeddings + logits)
+    peak = layers - per_layer + max(per_layer, logits) if checkpoint else layers + logits
+    return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits, total=peak + embeddings)
 
 
 def chunk_of_params(numels: list[int], element_size: int, bucket_mb: float) -> list[int]:
