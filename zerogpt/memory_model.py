@@ -351,14 +351,15 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     Full per-block checkpointing keeps only each block's input (e*sbh per layer) plus, at the peak, the larger of
     one block's activations while it is recomputed and the loss's backward (below): the loss runs its backward
     first and frees it before any block is recomputed. (The H200's GPT-2 XL offload rows, ea4be00: allocator peaks
-    14.71 and 49.57 GiB at 16k and 64k tokens per step; predicted with the larger 14.65 and 49.44, with the sum
-    15.43 and 52.56, the CUDA context's 1 GiB left out.) Outside the blocks: GPT-2's embedding output, e*sbh; a Llama's RoPE cos and sin,
-    2e*s*head_dim (shared by the blocks; the embedding keeps only the ids). The plain loss peaks at the start of
-    backward, with every activation still held: the fp32 log-probs it saved, nll_loss's dense fp32 gradient and
-    log_softmax's fp32 gradient of the logits, s*b*V*12 (its forward holds less: compute-dtype logits, their fp32
-    copy and the log-probs, e + 8; in fp32 8, the copy being the logits; tests/test_memory_model.py measures both),
-    plus a Llama's final RMSNorm. With the chunked loss (`loss_chunk` tokens at a time,
-    model_zoo.loss.chunked_cross_entropy) one chunk's logits exist at a time: (e + 8) per chunk token.
+    14.71 and 49.57 GiB at 16k and 64k tokens per step; predicted with the larger 14.65 and 49.43, with the sum
+    15.43 and 52.56, the CUDA context's 1 GiB left out.) Outside the blocks: GPT-2's embedding output, e*sbh; a
+    Llama's RoPE cos and sin, 2e*s*head_dim (shared by the blocks; the embedding keeps only the ids). The plain
+    loss peaks at the start of backward, with every activation still held: the fp32 log-probs it saved, nll_loss's
+    dense fp32 gradient and log_softmax's fp32 gradient of the logits, s*b*V*12 (its forward holds less:
+    compute-dtype logits, their fp32 copy and the log-probs, e + 8; in fp32 8, the copy being the logits;
+    tests/test_memory_model.py measures both), plus a Llama's final RMSNorm. With the chunked loss (`loss_chunk`
+    tokens at a time, model_zoo.loss.chunked_cross_entropy) one chunk's logits exist at a time: (e + 8) per chunk
+    token.
 
     Returns: dict(per_layer, layers, embeddings, logits, total) in bytes.
     """
