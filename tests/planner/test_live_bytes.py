@@ -38,3 +38,29 @@ def test_activations_kept_by_other_saved_tensor_hooks_are_counted():
     hidden = 128 * 256 * 4  # one (tokens x 256) fp32 activation
     assert plain.peak >= 2 * hidden
     assert hooked.peak == plain.peak
+
+
+def test_a_trial_whose_step_raises_leaves_no_measure_behind():
+    """The CPU measure is a dispatch mode and a global forward hook: a step that raises must take both away."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from zerogpt.planner.trial import _StepClock
+
+    class Engine:
+        chunks = []
+
+        def memory_stats(self):
+            return {}
+
+    class Trainer:
+        class state:
+            step = 0
+
+    clock = _StepClock(torch.device("cpu"), Engine(), measured_step=0)
+    hooks_before = len(torch.nn.modules.module._global_forward_pre_hooks)
+    clock.before_step(Trainer)
+    assert isinstance(_get_current_dispatch_mode_stack()[-1], LiveBytes)
+    clock.close()  # what run_trial's finally does when the step raised
+    clock.close()
+    assert not _get_current_dispatch_mode_stack()
+    assert len(torch.nn.modules.module._global_forward_pre_hooks) == hooks_before

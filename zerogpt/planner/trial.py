@@ -92,9 +92,14 @@ class _StepClock(Hook):
         elif self.live is None:
             self.seconds.append(seconds)
         else:
+            self.device_peaks.append(self.start_state + self.live.peak + self.computed_in_place)
+            self.close()
+
+    def close(self) -> None:
+        """Stop measuring (also when a step raised: the mode and the hook must not outlive the trial)."""
+        if self.live is not None:
             self.live.__exit__(None, None, None)
             self._sampler.remove()
-            self.device_peaks.append(self.start_state + self.live.peak + self.computed_in_place)
             self.live = None
 
 
@@ -130,7 +135,7 @@ def run_trial(build_engine: Callable[[], Any], micro_batch: int, accumulation: i
     out of memory (CUDA's error or, on CPU, a measured device peak over `device_capacity`). RNG states are restored
     either way; the engine is closed and dropped."""
     states = rng_states()
-    engine = None
+    engine = clock = None
     gc.collect()
     _reset_host_peak()
     before = _status("VmRSS")  # what the process held already: the trial's host peak is above it
@@ -153,6 +158,8 @@ def run_trial(build_engine: Callable[[], Any], micro_batch: int, accumulation: i
     except (torch.OutOfMemoryError, TrialOutOfMemory) as e:
         return dict(error=f"out of memory ({str(e).splitlines()[0][:120]})")
     finally:
+        if clock is not None:
+            clock.close()
         if engine is not None:
             engine.close()
         del engine
