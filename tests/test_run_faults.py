@@ -73,7 +73,8 @@ def test_two_runs_started_at_once_into_one_directory_one_refuses_naming_the_othe
     train = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["split"] == "train"]
     assert train == [2, 4, 6]                                       # one run's lines, once each
     assert len(os.listdir(out / "tensorboard")) == 1
-    assert sorted(os.listdir(out)) == ["checkpoints", "config.py", "loss.png", "metrics.jsonl", "tensorboard"]
+    assert sorted(os.listdir(out)) == ["checkpoints", "config.py", "engine_plan.txt", "loss.png", "metrics.jsonl",
+                                       "tensorboard"]
 
 
 # ---------------------------------------------------------------------------------------------------- 31.2
