@@ -354,8 +354,12 @@ def test_a_cpu_run_holds_once_what_both_homes_count():
     gathered = gathered_bytes(shape, 3, 1, "fp32", offload_param="cpu")
     assert cpu["shared"] == min(params, gathered) > 0
     whole = sum(sum(h for home, h in by.items() if home != "disk") for by in cpu["model_states"].values())
+    # accumulation 2: gradients held through the micro-steps overlap nothing; the first buffer backward fills only
+    # the loss's backward peak, gone by then
+    acts = cpu["activations"]
+    assert 0 < cpu["overlap"] <= acts["total"] - acts["after_loss"]
     assert cpu["host_ram"] == (whole + cpu["buffers"]["device"] + cpu["buffers"]["host"]
-                               + cpu["activations"]["total"] - cpu["shared"])  # accumulation 2: no overlap
+                               + acts["total"] - cpu["overlap"] - cpu["shared"])
 
 
 def test_above_one_rank_a_cpu_run_shares_no_reduced_gradient():
@@ -463,3 +467,24 @@ def test_device_predictions_against_the_h200_offload_rows():
                        bucket_mb=spec["bucket_mb"] or 25.0, gpu_overhead=0)
         measured = row["peak_gpu_gib"] * 2**30
         assert abs(est["totals"]["device"] - measured) <= 0.03 * measured, (spec["label"], est["totals"]["device"])
+
+
+def test_above_accumulation_1_the_first_gradient_buffer_does_not_meet_the_loss_peak():
+    """Stage 3 at one rank, fp32, 2 micro-steps: the chunk's gradient buffer is made once the loss's backward is
+    done (its fp32 log-probs and gradients gone), so the device peak is the larger of the loss's peak and what is
+    left of the activations plus that buffer, not their sum; at accumulation 1 nothing changes."""
+    from zerogpt.memory_model import largest_chunk
+
+    shape = ModelShape(layers=2, hidden=128, heads=2, vocab=2048, positions=64)
+    two = estimate(shape, 3, precision="fp32", seq_len=64, batch=2, accumulation=2, gpu_overhead=0)
+    acts = two["activations"]
+    chunk = largest_chunk(shape, 4, 25.0) * 4
+    assert acts["total"] - acts["after_loss"] == 64 * 2 * 2048 * (12 - 4)  # the loss's peak less its fp32 gradient
+    assert two["overlap"] == min(chunk, acts["total"] - acts["after_loss"]) > 0
+    from zerogpt.memory_model import grad_chunks_in_flight, grads_activations_overlap
+
+    one = estimate(shape, 3, precision="bf16", seq_len=64, batch=4, gpu_overhead=0)  # a bf16 chunk in flight
+    in_flight = grad_chunks_in_flight(shape, 3, 1, "bf16", "none")
+    beside = min(in_flight, largest_chunk(shape, 2, 25.0) * 2)
+    assert beside > 0
+    assert one["overlap"] == grads_activations_overlap(one["model_states"], one["activations"], 1, in_flight - beside)

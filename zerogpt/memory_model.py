@@ -361,7 +361,9 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     tokens at a time, model_zoo.loss.chunked_cross_entropy) one chunk's logits exist at a time: (e + 8) per chunk
     token.
 
-    Returns: dict(per_layer, layers, embeddings, logits, total) in bytes.
+    Returns: dict(per_layer, layers, embeddings, logits, total, after_loss) in bytes; `after_loss`: what is held
+    once the plain loss's backward is done and the first parameter gradient is made (the logits' gradient in the
+    compute dtype left of the loss), the moment a stage-2/3 chunk's gradient buffer is first filled.
     """
     e = DTYPES[precision].itemsize
     s, b, a, L = seq_len, batch, shape.heads, shape.layers
@@ -385,8 +387,12 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     tokens = min(sb, loss_chunk) if loss_chunk > 0 else sb
     per_logit = (e + (4 if e == 4 else 8)) if loss_chunk > 0 else 12
     logits = head + tokens * shape.vocab * per_logit
-    peak = layers - per_layer + max(per_layer, logits) if checkpoint else layers + logits
-    return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits, total=peak + embeddings)
+    left = head + tokens * shape.vocab * e if loss_chunk == 0 else logits  # the chunked loss: no such moment counted
+
+    def peak(loss: int) -> int:
+        return (layers - per_layer + max(per_layer, loss) if checkpoint else layers + loss) + embeddings
+    return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits, total=peak(logits),
+                after_loss=peak(left))
 
 
 def chunk_of_params(numels: list[int], element_size: int, bucket_mb: float) -> list[int]:
@@ -583,9 +589,13 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
     buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb,
                            gather_per_block, offload_param, accumulation)
     in_flight = grad_chunks_in_flight(shape, stage, world_size, precision, offload_optimizer, bucket_mb, accumulation)
-    # the first chunk backward fills (the head's: the largest) is held beside the activations, still all there
+    # the first chunk backward fills (the head's: the largest) is held beside the activations, still all there,
+    # but not beside the loss's backward peak, gone before that first gradient is made: above accumulation 1 (at 1,
+    # grads_activations_overlap has the gradients made as the activations go; the H200's rows, at 1, fit without)
     beside = min(in_flight, largest_chunk(shape, DTYPES[precision].itemsize, bucket_mb) * DTYPES[precision].itemsize)
     overlap = grads_activations_overlap(states, acts, accumulation, in_flight - beside)
+    loss_gone = min(beside, acts["total"] - acts["after_loss"]) if accumulation != 1 else 0
+    overlap += loss_gone
     totals = {h: sum(states[cat][h] for cat in CATEGORIES) + buffers[h] for h in HOMES}
     totals["device"] += acts["total"] + gpu_overhead - overlap
     shared = host_ram = 0
@@ -602,7 +612,7 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
         grads = states["grads"]
         grads_in_ram = grads["device"] + grads["host"] + in_flight - shared_by["grads"]
         cpu_overlap = min(grads_in_ram, acts["total"]) if accumulation == 1 else 0
-        host_ram = totals["host"] + totals["device"] - gpu_overhead + overlap - shared - cpu_overlap
+        host_ram = totals["host"] + totals["device"] - gpu_overhead + overlap - loss_gone - shared - cpu_overlap
     spare = speculative_spare_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, states,
                                     accumulation, optimizer_bytes_per_param) if on_gpu else 0
     return dict(num_params=shape.num_params, model_states=states, activations=acts, buffers=buffers,
