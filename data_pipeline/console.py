@@ -84,14 +84,17 @@ class _Bar:
     def _count(self) -> int:
         return sum(len(os.listdir(d)) for d in self.completions if os.path.isdir(d))
 
+    def _draw(self) -> None:
+        done = min(self._count(), self.total)
+        filled = 20 * done // self.total
+        self.out.write(f"\r{self.label}: {done}/{self.total} tasks [{'#' * filled}{' ' * (20 - filled)}]")
+        self.out.flush()
+
     def _run(self) -> None:
-        while True:
-            done = min(self._count(), self.total)
-            filled = 20 * done // self.total
-            self.out.write(f"\r{self.label}: {done}/{self.total} tasks [{'#' * filled}{' ' * (20 - filled)}]")
-            self.out.flush()
-            if self._done.wait(0.2):
-                return
+        self._draw()
+        while not self._done.wait(0.2):
+            self._draw()
+        self._draw()  # the finished count once more before stop() erases the bar (a stage quicker than a redraw)
 
     def stop(self) -> None:
         self._done.set()
