@@ -114,10 +114,9 @@ def initialize(model: nn.Module | ParallelModel, optimizer: Any, criterion: Any 
                          on_final=host_step.speculate_chunk if host_step.spares else None)
     if keeps_freed_memory:  # the build's own garbage goes; training's heap is kept from here on
         release_freed_host_memory()
-    engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, grad_path, placement, plan.config, ctx,
+    engine = Engine(module, sharded_optim, chunks, grad_hooks, gather_hooks, grad_path, placement, plan, ctx,
                     criterion=parallel.criterion(criterion), parallel=parallel, transport=transport,
-                    run_config=run_config, keeps_freed_memory=keeps_freed_memory, traffic=traffic,
-                    model_computes_loss=plan.model_computes_loss, plan=plan)
+                    run_config=run_config, keeps_freed_memory=keeps_freed_memory, traffic=traffic)
     ctx.logger.info(engine.describe())
     return engine
 

@@ -16,6 +16,7 @@ from torch import nn
 from zerogpt.config import EngineConfig
 from zerogpt.context import DistContext
 from zerogpt.memory_model import CATEGORIES, HOMES
+from zerogpt.planner.engine_plan import EnginePlan
 from zerogpt.parallel.layout import ParamLayout, as_layout
 from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.zero.chunk import Chunk
@@ -33,10 +34,9 @@ class Engine:
 
     def __init__(self, module: nn.Module, sharded_optim: ShardedOptimizer, chunks: list[Chunk],
                  grad_hooks: GradReduceHooks, gather_hooks: Stage3GatherHooks | None, grad_path: GradPath,
-                 placement: Placement, config: EngineConfig, ctx: DistContext, *, criterion: Callable | None = None,
+                 placement: Placement, plan: EnginePlan, ctx: DistContext, *, criterion: Callable | None = None,
                  parallel: ParallelModel | None = None, transport: Any = None, run_config: Any = None,
-                 keeps_freed_memory: bool = False, traffic: Traffic | None = None,
-                 model_computes_loss: bool = False, plan: Any = None) -> None:
+                 keeps_freed_memory: bool = False, traffic: Traffic | None = None) -> None:
         parallel = parallel or ParallelModel(module)
         self.plan = plan
         """The EnginePlan this engine was built from (zerogpt/planner/engine_plan.py): every build decision, printable
@@ -50,12 +50,12 @@ class Engine:
         """Reduced gradient shards on their way to the optimizer's chunk states (zero/grad_path.py)."""
         self.chunks = chunks
         self.placement = placement
-        self.config = config
+        self.config: EngineConfig = plan.config
         self.ctx = ctx
         self.logger = ctx.logger
         self.criterion = criterion
         """loss(logits, labels) as this rank computes it (under tensor parallelism: the local loss)."""
-        self.model_computes_loss = model_computes_loss
+        self.model_computes_loss = plan.model_computes_loss
         """The model computes its loss from the labels itself (`module(inputs, labels=labels).loss`; model_zoo's
         chunked_loss, where the (B, T, vocab) logits never exist): the Trainer calls it so, not `criterion`."""
         self.run_config = run_config
@@ -70,8 +70,8 @@ class Engine:
         """The shared-memory transport of the chunks' collectives (host.shm_collectives), closed by close()."""
         # what initialize() applied to the process (host.* keys after their environment overrides)
         self.host_settings = dict(keep_freed_memory=keeps_freed_memory, shm_collectives=transport is not None)
-        self.gradient_accumulation = config.gradient_accumulation
-        self.stage = config.zero.stage
+        self.gradient_accumulation = self.config.gradient_accumulation
+        self.stage = self.config.zero.stage
         self.micro_step = 0  # backward() calls since the last optimizer step
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.last_step_skipped = False  # the last optimizer step was an fp16 overflow, skipped
