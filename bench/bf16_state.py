@@ -30,6 +30,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 OFFLOAD = ["--set", "zero.offload_optimizer.device=cpu", "--set", "optimizer.type=HybridAdam"]
 GOAL = 0.02  # |final valid loss, bf16 moments - fp32 moments|, per seed
 # recipe -> (its learning rate, for the control; train_gpt.py arguments)
@@ -160,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"largest {g['max_abs']:.4f}")
     if args.json:
         meta = dict(commit=commit(), date=datetime.date.today().isoformat(), argv=sys.argv[1:])
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=1)
+        write_json_atomic(args.json, dict(meta=meta, results=results))
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -22,6 +22,7 @@ import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 
 
 def _peak_rss() -> int:
@@ -135,8 +136,7 @@ def main(argv=None) -> dict:
         print(f"build seconds, GPT-2 {args.layers} x {args.hidden}: zerogpt {ok['zerogpt']['seconds']:.1f} s, "
               f"DeepSpeed {ok['deepspeed']['seconds']:.1f} s, ratio zerogpt / DeepSpeed = {summary['ratio']:.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_json_atomic(args.json, summary)
     return summary
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 from zerogpt.optim import CPUAdam, cpu_adam_backend  # noqa: E402
 
 BYTES_PER_PARAM = 28  # 4 fp32 reads + 3 fp32 writes
@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {millions}M | *{probe} probe, same rounds* | | {gb * 1e9 / BYTES_PER_PARAM / 1e6:.0f} at 28 B | "
                   f"{gb:.1f} | {100 * gb / copy_gbps:.0f}% |", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(bandwidth=bw, backend=backend, threads=torch.get_num_threads(), rows=rows), f, indent=1)
+        write_json_atomic(args.json, dict(bandwidth=bw, backend=backend, threads=torch.get_num_threads(),
+                                          rows=rows))
     return 0
 
 

@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data_pipeline.__main__ import main as pipeline  # noqa: E402
 from data_pipeline.find_duplicates import jaccard, normalise, shingle_hashes  # noqa: E402
+from data_pipeline.files import atomic_write  # noqa: E402
 
 FOOTER = ("Share this article on social media. Subscribe to our newsletter for weekly updates. "
           "All rights reserved. Terms of use and privacy policy apply.")
@@ -359,7 +360,7 @@ def main() -> int:
               f"| {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['docs_per_s']:.0f} |")
     print("\ncopies that have a duplicate at J >= threshold, by edit:", results["copies_with_a_duplicate"])
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json) as f:
             json.dump(results, f, indent=2)
     return 0
 

@@ -14,7 +14,6 @@ blocks and fsynced, its pages dropped, then read back; (write + read bytes) / (w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 
 BLOCK = 8 * 2**20
 
@@ -135,9 +135,8 @@ def main() -> None:
           f"{step['step_flushed_s']:.2f} s = {step['step_flushed_mb_s']:.0f} MB/s")
     print(f"step / disk = {ratio:.2f} (with fsync {ratio_flushed:.2f})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(path=args.path, disk=disk, step=step, ratio=ratio, ratio_flushed=ratio_flushed), f,
-                      indent=1)
+        write_json_atomic(args.json, dict(path=args.path, disk=disk, step=step, ratio=ratio,
+                                          ratio_flushed=ratio_flushed))
 
 
 if __name__ == "__main__":

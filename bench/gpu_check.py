@@ -51,6 +51,7 @@ import signal  # noqa: E402
 import traceback  # noqa: E402
 
 from gpu_slices import SLICES, record  # noqa: E402  (no torch: --status, --record and a bad flag stay fast)
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 
 RESULTS = os.path.join(_HERE, "results")
 README = os.path.join(_HERE, "README.md")
@@ -103,9 +104,7 @@ def run_slice(name: str, args, start: float, began: float | None = None) -> str:
 
     def save() -> None:
         result["elapsed_s"] = time.monotonic() - began
-        with open(path + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(path + ".tmp", path)  # never a half-written file, whenever the run is stopped
+        write_json_atomic(path, result)  # never a half-written file, whenever the run is stopped
 
     budget = Budget(args.budget_s, start, min_start_s=3.0 if args.tiny else 20.0)
     log(f"\n== {name} ({'TINY, ' if args.tiny else ''}budget {args.budget_s:.0f} s from the start, "

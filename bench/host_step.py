@@ -20,7 +20,6 @@ does not include it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 from zerogpt.optim.cpu_adam import _load_deepspeed_op  # noqa: E402
 from zerogpt.optim.host_adam import host_adam_step  # noqa: E402
 
@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {best:.3f} ({median:.3f}) | {best / own_floor:.2f}x ({paired:.2f}x) of its own floor "
               f"run beside it, {own_floor:.3f} |", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(threads=torch.get_num_threads(), floor_ns_per_param=floor, rows=rows), f, indent=1)
+        write_json_atomic(args.json, dict(threads=torch.get_num_threads(), floor_ns_per_param=floor, rows=rows))
     return 0
 
 

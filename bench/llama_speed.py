@@ -25,7 +25,6 @@ that spins counts as CPU time, one that sleeps does not. Every process keeps fre
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.dirname(_HERE))
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 from load_memory import deepspeed_config, write_checkpoint  # noqa: E402
 from step_time import run_job, sync  # noqa: E402
 
@@ -232,9 +232,8 @@ def main(argv=None) -> dict:
     table, summary = report(by_stage, args)
     print(table + "\n\n" + "\n".join(summary))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "params": params, "stages": by_stage,
-                       "summary": summary}, f, indent=1)
+        write_json_atomic(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "params": params,
+                                      "stages": by_stage, "summary": summary})
     return by_stage
 
 

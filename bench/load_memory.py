@@ -45,6 +45,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.dirname(_HERE))
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 from step_memory import _reset_peak, _status_bytes  # noqa: E402
 from step_time import run_job  # noqa: E402
 
@@ -347,9 +348,8 @@ def main(argv=None) -> dict:
     summary = ratios(rows, facts)
     print("\n" + "\n".join(summary))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "checkpoint": facts, "rows": rows,
-                       "ratios": summary}, f, indent=1)
+        write_json_atomic(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "checkpoint": facts,
+                                      "rows": rows, "ratios": summary})
     return rows
 
 

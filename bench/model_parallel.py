@@ -25,7 +25,6 @@ machine with several devices run it with `--device cuda`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -34,6 +33,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -264,8 +264,7 @@ def main(argv=None) -> int:
     agree = max(losses) - min(losses) <= 1e-4 * abs(losses[0])
     print(f"first-step losses agree within 1e-4 (the same step computed {len(rows)} ways): {'yes' if agree else 'NO'}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        write_json_atomic(args.json, {"args": vars(args), "rows": rows})
     return 0 if agree else 1
 
 

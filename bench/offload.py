@@ -25,7 +25,6 @@ order), so background load hits all of them alike; ratios are per step (paired),
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -363,9 +363,8 @@ def main(argv=None) -> None:
         print("\nGPU: largest GPT that trains with CPU optimizer + param offload (stage 3, bf16, checkpointing)")
         gpu_rows = gpu_largest(args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "gpu": gpu_rows}, f,
-                      indent=1)
+        write_json_atomic(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+                                      "gpu": gpu_rows})
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from bench.dedup import build_corpus, components, exact_pairs, score  # noqa: E4
 from data_pipeline import dist_stages  # noqa: E402
 from data_pipeline.__main__ import main as pipeline  # noqa: E402
 from data_pipeline.find_duplicates import shingle_hashes  # noqa: E402
+from data_pipeline.files import atomic_write  # noqa: E402
 
 CLEANUP = ["--lang", "en", "--min-tokens", "20"]
 
@@ -152,7 +153,7 @@ def main() -> int:
         print(f"| {name} | {d['cleanup']} | {d.get('dedup', '-')} | {r.get('peak_rss_mb', 0):.0f} "
               f"| {r.get('pairs_equal_single_process', '-')} | {r.get('dedup_f1', '-')} |")
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json) as f:
             json.dump(results, f, indent=2)
     return 0
 

@@ -26,7 +26,6 @@ them, zerogpt included, on glibc's default malloc.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerogpt.atomic_write import write_json_atomic  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -313,8 +313,7 @@ def main(argv=None) -> None:
           f"{args.device}, host memory {args.host_memory}, torch {torch.__version__}\n")
     print(report(rows, args))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+        write_json_atomic(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
 
 
 if __name__ == "__main__":

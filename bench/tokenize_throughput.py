@@ -27,6 +27,8 @@ import sysconfig  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
+from data_pipeline.files import atomic_write  # noqa: E402
+
 
 def build_corpus(path: str, target_mb: float) -> dict:
     """Write a JSONL of real text from the installed Python (deterministic order) up to `target_mb`."""
@@ -209,7 +211,7 @@ def main() -> None:
         print(f"| {d['seq_len']} | {d['samples']} | {d['index_build_s']} | {d['getitem_samples_per_s']:,} | "
               f"{d['dataloader_samples_per_s']:,} | {d['dataloader_tokens_per_s']:,} |")
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json) as f:
             json.dump({"docs": docs, "tokens": total, "cpus": os.cpu_count(), "load_average": load, "rows": rows,
                        "ours_over_best_baseline": round(ours / best_baseline, 3), "dataset": dataset}, f, indent=2)
 
