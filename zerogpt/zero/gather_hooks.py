@@ -16,7 +16,10 @@ Releasing a chunk must free its memory, but autograd saves weights for backward 
 stage 3 would then hold every parameter from forward to backward. So while the root module runs
 forward, a saved-tensors hook stores a saved view of a parameter as (parameter, size, stride, offset)
 and rebuilds it at backward from the parameter's re-gathered data (FSDP frees the storage in place
-instead; DeepSpeed swaps in its own Linear).
+instead; DeepSpeed swaps in its own Linear). Autograd calls only the innermost saved-tensors hooks, so a user's
+own around the forward (save_on_cpu) see nothing the model saves at stage 3: chaining to them needs the hook stack,
+which only a private torch API reads (torch._C._autograd), and zerogpt keeps its private owners few
+(tests/test_private_torch.py).
 """
 from __future__ import annotations
 
