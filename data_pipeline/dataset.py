@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -81,6 +82,25 @@ def _dist_rank_world(group=None) -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     return 0, 1
+
+
+def _built_by_rank_zero(group, built: Callable[[], bool], build: Callable[[], None]) -> int:
+    """Rank 0 runs `build()` unless `built()`; every rank waits for it. Returns this rank.
+
+    Rank 0's error is raised after the barrier, so the other ranks do not hang on it (they go on to find the file
+    missing and say so)."""
+    rank, world = _dist_rank_world(group)
+    error: Exception | None = None
+    if rank == 0 and not built():
+        try:
+            build()
+        except Exception as e:
+            error = e
+    if world > 1:
+        torch.distributed.barrier(group)
+    if error is not None:
+        raise error
+    return rank
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -164,17 +184,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.index_files = {name: f"{stem}.{name}.npy" for name in ("doc_idx", "sample_idx", "shuffle_idx")}
         self.index_files["meta"] = f"{stem}.meta.json"
 
-        rank, world = _dist_rank_world(group)
-        error: Exception | None = None
-        if rank == 0 and not os.path.exists(self.index_files["meta"]):
-            try:
-                self._build_index(key)
-            except Exception as e:  # re-raised after the barrier, so the other ranks do not hang
-                error = e
-        if world > 1:
-            torch.distributed.barrier(group)
-        if error is not None:
-            raise error
+        rank = _built_by_rank_zero(group, lambda: os.path.exists(self.index_files["meta"]),
+                                   lambda: self._build_index(key))
         if not os.path.exists(self.index_files["meta"]):
             raise RuntimeError(f"rank {rank}: index cache {self.index_files['meta']} is missing after rank 0 "
                                "built it; see rank 0's error, and make sure the cache_dir is on a filesystem "
@@ -302,18 +313,9 @@ class WebtextDataset(GPTDataset):
         stem = os.path.splitext(os.path.basename(path))[0]
         prefix = os.path.join(cache_dir, f"{stem}.tokens-{fingerprint}")
 
-        rank, world = _dist_rank_world(group)
-        error: Exception | None = None
-        if rank == 0 and not exists(prefix):
-            from data_pipeline.tokenize_stage import tokenize_file
-            try:
-                tokenize_file(path, tokenizer, prefix, workers=workers or os.cpu_count() or 1, text_key=json_key)
-            except Exception as e:  # re-raised after the barrier, so the other ranks do not hang
-                error = e
-        if world > 1:
-            torch.distributed.barrier(group)
-        if error is not None:
-            raise error
+        from data_pipeline.tokenize_stage import tokenize_file
+        _built_by_rank_zero(group, lambda: exists(prefix), lambda: tokenize_file(
+            path, tokenizer, prefix, workers=workers or os.cpu_count() or 1, text_key=json_key))
         self.path, self.tokenizer_dir = path, tokenizer
         super().__init__(prefix, seq_len, cache_dir=cache_dir, group=group, **kwargs)
 
