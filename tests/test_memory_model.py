@@ -233,7 +233,10 @@ def test_llama_activations_against_gpt2s():
     gpt2 = activation_bytes(ModelShape(32, 4096, 32, 128256), s, b, "bf16")
     assert gpt2["per_layer"] == 32 * sbh
     chunked = activation_bytes(shape, s, b, "bf16", checkpoint=True, loss_chunk=256)
-    assert acts["logits"] - chunked["logits"] == sb * 128256 * 12 - 256 * 128256 * (2 + 8)
+    # the hidden states' and the head's gradients, made in the forward, and their scaled copies in its backward
+    # (here more than one chunk's 256 x 128256 logits, 4 + 2 bytes each)
+    saved = (sb + shape.padded_vocab) * 4096 * 2
+    assert acts["logits"] - chunked["logits"] == sb * 128256 * 12 - 2 * saved
     assert chunked["layers"] == 32 * 2 * sbh + acts["per_layer"]
 
 
@@ -261,6 +264,31 @@ def test_the_plain_loss_peaks_at_12_bytes_per_logit_in_its_backward(dtype):
     per_logit = tokens * vocab
     assert forward < live.peak  # the backward's, not the forward's
     assert predicted <= live.peak <= predicted + 2 * tokens * hidden * 4 + per_logit // 8  # + x's copy and grad
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_the_chunked_loss_holds_its_gradients_and_one_chunk(dtype):
+    """model_zoo's chunked loss (the "torch" backend), forward then backward, measured with the trial's CPU measure
+    against activation_bytes' logits term: the two gradients it makes in its forward and one chunk's logits; and the
+    chunk rule is model_zoo's (LOSS_MIN_CHUNKS)."""
+    import torch
+    from model_zoo.loss import MIN_CHUNKS, chunk_tokens, chunked_cross_entropy
+    from zerogpt.amp import compute_dtype
+    from zerogpt.memory_model import LOSS_MIN_CHUNKS, loss_chunk_tokens
+    from zerogpt.planner.live_bytes import LiveBytes
+
+    assert LOSS_MIN_CHUNKS == MIN_CHUNKS
+    assert all(loss_chunk_tokens(n, c) == chunk_tokens(n, c) for n in (1, 7, 64, 1000) for c in (1, 16, 1024))
+    tokens, vocab, hidden = 512, 1000, 32  # the head padded to 1024 rows
+    shape = ModelShape(1, hidden, 1, vocab)
+    torch.manual_seed(0)
+    x = torch.randn(tokens, hidden, dtype=compute_dtype(dtype), requires_grad=True)
+    head = torch.randn(shape.padded_vocab, hidden, dtype=x.dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    with LiveBytes() as live:
+        chunked_cross_entropy(x, head, labels, vocab_size=vocab, chunk_size=1024, backend="torch").backward()
+    predicted = activation_bytes(shape, tokens, 1, dtype, loss_chunk=1024)["logits"]
+    assert predicted <= live.peak <= predicted * 1.05, (predicted, live.peak)
 
 
 def test_llama_shape_checks():

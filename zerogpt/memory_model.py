@@ -29,6 +29,9 @@ it)."""
 CATEGORIES = ("params", "grads", "master", "optimizer")
 """The kinds of model state (the ZeRO paper's), each counted per home; Engine.memory_stats measures the same."""
 FAMILIES = ("gpt2", "llama")  # the decoder blocks ModelShape describes
+LOSS_MIN_CHUNKS = 8
+"""The chunked loss splits a micro-batch's tokens into at least this many chunks: model_zoo/loss.py's MIN_CHUNKS
+(zerogpt does not import model_zoo; tests/test_memory_model.py holds the two equal)."""
 
 
 @dataclass(frozen=True)
@@ -357,13 +360,20 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     loss peaks at the start of backward, with every activation still held: the fp32 log-probs it saved, nll_loss's
     dense fp32 gradient and log_softmax's fp32 gradient of the logits, s*b*V*12 (its forward holds less:
     compute-dtype logits, their fp32 copy and the log-probs, e + 8; in fp32 8, the copy being the logits;
-    tests/test_memory_model.py measures both), plus a Llama's final RMSNorm. With the chunked loss (`loss_chunk`
-    tokens at a time, model_zoo.loss.chunked_cross_entropy) one chunk's logits exist at a time: (e + 8) per chunk
-    token.
+    tests/test_memory_model.py measures both), plus a Llama's final RMSNorm. The chunked loss
+    (model_zoo.loss.chunked_cross_entropy, at most `loss_chunk` tokens a chunk and at least LOSS_MIN_CHUNKS chunks:
+    `loss_chunk_tokens`) computes the gradients of the hidden states and of the head's weight (padded rows) in its
+    forward and holds them until backward, in the compute dtype (fp32 under fp16); beside them one chunk's fp32
+    logits, and in bf16/fp16 its logits (or their gradient) in the compute dtype, 4 + e per chunk logit (4 in
+    fp32); its backward makes the two gradients scaled beside the saved ones (tests/test_memory_model.py measures
+    it).
 
-    Returns: dict(per_layer, layers, embeddings, logits, total, after_loss) in bytes; `after_loss`: what is held
-    once the plain loss's backward is done and the first parameter gradient is made (the logits' gradient in the
-    compute dtype left of the loss), the moment a stage-2/3 chunk's gradient buffer is first filled.
+    Returns: dict(per_layer, layers, embeddings, logits, total, after_loss, grads_room) in bytes; `logits`: the
+    loss's peak; `grads_room`: the activations gradients made at accumulation 1 take the place of (all of them;
+    checkpointed, the loss's peak above one recomputed block's, grads_activations_overlap);
+    `after_loss`: what is held when the first parameter gradient is made, the moment a stage-2/3 chunk's gradient
+    buffer is first filled (the plain loss: its backward done, the logits' gradient in the compute dtype left; the
+    chunked loss: in its backward, the saved gradients and their scaled copies).
     """
     e = DTYPES[precision].itemsize
     s, b, a, L = seq_len, batch, shape.heads, shape.layers
@@ -384,15 +394,26 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     if not flash:
         per_layer += (2 * e + (1 if dropout else 0)) * a * s * s * b
     layers = L * e * sbh + per_layer if checkpoint else L * per_layer
-    tokens = min(sb, loss_chunk) if loss_chunk > 0 else sb
-    per_logit = (e + (4 if e == 4 else 8)) if loss_chunk > 0 else 12
-    logits = head + tokens * shape.vocab * per_logit
-    left = head + tokens * shape.vocab * e if loss_chunk == 0 else logits  # the chunked loss: no such moment counted
+    if loss_chunk > 0:
+        saved = (sb + shape.padded_vocab) * shape.hidden * (4 if precision == "fp16" else e)
+        one_chunk = loss_chunk_tokens(sb, loss_chunk) * shape.vocab * (4 + (e if e != 4 else 0))
+        logits, left = head + saved + max(one_chunk, saved), head + saved
+    else:
+        logits, left = head + sb * shape.vocab * 12, head + sb * shape.vocab * e
 
     def peak(loss: int) -> int:
         return (layers - per_layer + max(per_layer, loss) if checkpoint else layers + loss) + embeddings
+    # what gradients can take the place of at accumulation 1: every activation (freed as backward makes them); with
+    # checkpointing a block is recomputed after the gradients before it exist, so only the loss's peak above a block
+    grads_room = max(0, logits - per_layer) if checkpoint else peak(logits)
     return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits, total=peak(logits),
-                after_loss=peak(left))
+                after_loss=peak(left), grads_room=grads_room)
+
+
+def loss_chunk_tokens(tokens: int, chunk_size: int) -> int:
+    """Tokens per chunk of the chunked loss: at most `chunk_size`, and at most 1/LOSS_MIN_CHUNKS of the tokens
+    (model_zoo/loss.py's chunk_tokens)."""
+    return max(1, min(chunk_size, -(-tokens // LOSS_MIN_CHUNKS)))
 
 
 def chunk_of_params(numels: list[int], element_size: int, bucket_mb: float) -> list[int]:
@@ -611,7 +632,7 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
         # CPU's measured peaks are overshot, 5.5M Llama at 2 ranks +11%, tests/test_memory_model.py)
         grads = states["grads"]
         grads_in_ram = grads["device"] + grads["host"] + in_flight - shared_by["grads"]
-        cpu_overlap = min(grads_in_ram, acts["total"]) if accumulation == 1 else 0
+        cpu_overlap = min(grads_in_ram, acts["grads_room"]) if accumulation == 1 else 0
         host_ram = totals["host"] + totals["device"] - gpu_overhead + overlap - loss_gone - shared - cpu_overlap
     spare = speculative_spare_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, states,
                                     accumulation, optimizer_bytes_per_param) if on_gpu else 0
@@ -678,4 +699,4 @@ def grads_activations_overlap(states: dict[str, dict[str, int]], acts: dict[str,
     """
     if accumulation != 1:
         return 0
-    return min(states["grads"]["device"] + grads_in_flight, acts["total"])
+    return min(states["grads"]["device"] + grads_in_flight, acts["grads_room"])
