@@ -1,8 +1,9 @@
 """memory_model's predictions against the measured peaks, one fresh process per plan, over bench/auto_plan.py's grid
 (issue 47 point 6, "memory predictions within 10%, device and host").
 
-    python bench/plan_memory.py --out bench/results/plan_memory_cpu.json            # 8L-384, its 36 plans
+    python bench/plan_memory.py --out bench/results/plan_memory_cpu.json            # 8L-384, its 72 plans
     python bench/plan_memory.py --sizes 4L-256,8L-384 --out ...
+    python bench/plan_memory.py --predict-again RESULTS.json --out ...   # new predictions, the same measurements
 
 Each plan runs in its own interpreter, so nothing a previous plan freed is counted. The process first runs the same
 plan on auto_plan's smallest model for one step (imports, op loads and thread pools are not the plan's), then takes
@@ -26,6 +27,7 @@ total is a fair test; the device of a plan without offload is the whole peak.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -175,17 +177,30 @@ def run_size(size: str, timeout: float, log) -> dict:
             rows.append(dict(plan=cand.plan.describe(), error=m["error"]))
             log(f"{size} {cand.plan.describe()}: {m['error']}")
             continue
-        device = m["peak"] - m["host_home"]
-        est = predict(work, cand.plan)
-        pred_device, pred_host = est["totals"]["device"], est["host_ram"]
-        row = dict(plan=m["plan"], stage=cand.plan.stage, offloaded=offloaded(cand.plan), predicted_device=pred_device,
-                   measured_device=device, predicted_host=pred_host, measured_host=m["peak"], host_home=m["host_home"],
-                   shared=est["shared"], device_error_pct=error_pct(pred_device, device),
-                   host_error_pct=error_pct(pred_host, m["peak"]))
-        rows.append(row)
-        log(f"{size} {row['plan']}: device {device / MIB:.1f} MiB predicted {pred_device / MIB:.1f} "
-            f"({row['device_error_pct']:+.0f}%{', homes shared on CPU' if row['offloaded'] else ''}), "
-            f"host {m['peak'] / MIB:.1f} predicted {pred_host / MIB:.1f} ({row['host_error_pct']:+.0f}%)")
+        row = dict(plan=m["plan"], stage=cand.plan.stage, offloaded=offloaded(cand.plan),
+                   measured_device=m["peak"] - m["host_home"], measured_host=m["peak"], host_home=m["host_home"])
+        rows.append(predicted_row(row, work, cand.plan))
+        log(row_line(size, rows[-1]))
+    return size_result(size, work, rows)
+
+
+def predicted_row(row: dict, work, plan) -> dict:
+    """`row` (its measured figures) with memory_model's predictions for `plan` and their errors."""
+    est = predict(work, plan)
+    pred_device, pred_host = est["totals"]["device"], est["host_ram"]
+    return dict(row, predicted_device=pred_device, predicted_host=pred_host, shared=est["shared"],
+                device_error_pct=error_pct(pred_device, row["measured_device"]),
+                host_error_pct=error_pct(pred_host, row["measured_host"]))
+
+
+def row_line(size: str, row: dict) -> str:
+    return (f"{size} {row['plan']}: device {row['measured_device'] / MIB:.1f} MiB predicted "
+            f"{row['predicted_device'] / MIB:.1f} ({row['device_error_pct']:+.0f}%"
+            f"{', homes shared on CPU' if row['offloaded'] else ''}), host {row['measured_host'] / MIB:.1f} predicted "
+            f"{row['predicted_host'] / MIB:.1f} ({row['host_error_pct']:+.0f}%)")
+
+
+def size_result(size: str, work, rows: list[dict]) -> dict:
     ok = [r for r in rows if "error" not in r]
 
     def summary(key: str) -> dict:
@@ -199,18 +214,38 @@ def run_size(size: str, timeout: float, log) -> dict:
                 host=summary("host_error_pct"))
 
 
+def predict_again(path: str, log) -> list[dict]:
+    """The results in `path` with this checkout's memory_model's predictions: the measurements as they were."""
+    with open(path) as f:
+        old = json.load(f)["results"]
+    results = []
+    for size_old in old:
+        work, _, grid = _grid(size_old["model"])
+        plans = {c.plan.describe(): c.plan for c in grid}
+        rows = [r if "error" in r else predicted_row(r, work, plans[r["plan"]]) for r in size_old["plans"]]
+        for r in rows:
+            if "error" not in r:
+                log(row_line(size_old["model"], r))
+        results.append(size_result(size_old["model"], work, rows))
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="8L-384", help="comma-separated auto_plan model sizes")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--timeout", type=float, default=300, help="seconds per plan's process")
+    p.add_argument("--predict-again", metavar="RESULTS", default=None,
+                   help="no measuring: this checkout's predictions against the measurements in RESULTS")
     p.add_argument("--child", nargs=2, metavar=("SIZE", "INDEX"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]))), flush=True)
         return 0
     start = time.perf_counter()
-    results = [run_size(size, args.timeout, lambda s: print(s, flush=True)) for size in args.sizes.split(",")]
+    log = functools.partial(print, flush=True)
+    results = (predict_again(args.predict_again, log) if args.predict_again else
+               [run_size(size, args.timeout, log) for size in args.sizes.split(",")])
     print("\ndevice: plans without offload (an offloaded plan's homes share memory on a CPU); host: every plan")
     print(f"{'model':8}{'plans':>6}{'device err med/max %':>22}{'within 10%':>11}{'host err med/max %':>20}"
           f"{'within 10%':>11}   median by stage (device | host)")
