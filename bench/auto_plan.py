@@ -3,19 +3,20 @@
     python bench/auto_plan.py --out bench/results/auto_plan_cpu.json
 
 For 3 GPT-2-shaped models x 2 device capacities (tight: the median of the grid's measured device peaks, so about
-half the grid runs out of memory; loose: 4x the largest prediction), at one
-tokens per step: every plan of the grid (ZeRO stage 0 or 3, optimizer offload none/cpu, param offload none/cpu,
-micro-batch x accumulation, checkpointing) is built and run for 4 steps (zerogpt/planner/trial.py: the fastest step
+half the grid runs out of memory; loose: 4x the largest prediction), at one tokens per step: every plan of the grid
+(ZeRO stage 0 or 3, optimizer offload none/cpu, param offload none/cpu, micro-batch x accumulation, checkpointing,
+the plain or the chunked loss: 72 plans) is built and run for 4 steps (zerogpt/planner/trial.py: the fastest step
 after the first, the device peak measured, a peak over the simulated capacity an out-of-memory), and plan="auto"
 (zerogpt/planner/auto.py: the search over the same space, trial steps of its 3 fastest predicted, calibrated) makes
 its choice. Reported per cell: auto's tokens/s over the grid's best (the two plans measured again, alternating,
-3 times each, the fastest of each kept: single measurements on this shared VM jump 10x; goal >= 0.9x), and over
+3 times each, the fastest of each kept, the grid's single figures left out: single measurements on this shared VM
+jump 10x, and the grid's best is the luckiest of 72; goal >= 0.9x), and over
 the grid memory_model's device total against the trial's in-process device measure (zerogpt/planner/live_bytes.py:
 the device home's state at each step's start plus the peak of the bytes the step's ops make and hold at once). On a
 CPU an offloaded plan's homes are one memory, so its device figure there is not a GPU's; memory predictions are
 checked against exact live peaks, device and host, a process per plan, by bench/plan_memory.py.
 The space is kept small so that it runs in a few minutes on 2 shared cores: fp32, one bucket size (25 MB), prefetch
-2, fp32 moments, the plain loss.
+2, fp32 moments (the keys the config fixes).
 """
 from __future__ import annotations
 
@@ -48,12 +49,11 @@ SIZES = {"2L-128": dict(n_layer=2, n_head=2, n_embd=128), "4L-256": dict(n_layer
          "8L-384": dict(n_layer=8, n_head=6, n_embd=384)}
 SEQ, VOCAB, SAMPLES = 64, 2048, 4  # tokens per step: 4 x 64
 STEPS = 4  # per measurement: the fastest of steps 2-4 (this VM's cores are shared: single steps jump 10x)
-FIXED = dict(state_dtype="fp32", chunked_loss=False, bucket_mb=25.0, prefetch=2)
 
 
 def config(size: dict) -> Config:
     return Config(plan="auto", precision="fp32", SEQ_LEN=SEQ, TOKENS_PER_STEP=SAMPLES * SEQ,
-                  model=dict(type=gpt2_tiny, vocab_size=VOCAB, max_position_embeddings=SEQ, chunked_loss=False, **size),
+                  model=dict(type=gpt2_tiny, vocab_size=VOCAB, max_position_embeddings=SEQ, **size),
                   optimizer=dict(type="HybridAdam", lr=1e-3), zero=dict(
                       offload_optimizer=dict(state_dtype="fp32"),
                       shard_strategy=zerogpt.config.BucketTensorShardStrategy(25.0), prefetch=2)).validate()
@@ -108,9 +108,11 @@ def run_cell(name: str, size: dict, ctx, rate: float, budgets: list[str], log) -
         chosen_grid = measured[chosen]
         best_s, auto_s = fits[best_plan]["seconds"], chosen_grid["seconds"]
         if chosen != best_plan:  # paired: the two measured again, alternating, the fastest of each
-            for _ in range(3):
-                best_s = min(best_s, measure(cfg, best_plan, ctx, None)["seconds"])
-                auto_s = min(auto_s, measure(cfg, chosen, ctx, None)["seconds"])
+            # the grid's own figures are left out: the best is the fastest of 72 noisy single measurements, so its
+            # figure is biased fast (the winner's curse), and a comparison including it measures the luck
+            pairs = [(measure(cfg, best_plan, ctx, None)["seconds"], measure(cfg, chosen, ctx, None)["seconds"])
+                     for _ in range(3)]
+            best_s, auto_s = min(b for b, _ in pairs), min(a for _, a in pairs)
         ratio = best_s / auto_s if chosen in fits else 0.0
         dev_err = {p.describe(): error_pct(predicted[p].need["device"], m["device_peak"])
                    for p, m in measured.items() if "seconds" in m}
