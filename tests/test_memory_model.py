@@ -233,10 +233,10 @@ def test_llama_activations_against_gpt2s():
     gpt2 = activation_bytes(ModelShape(32, 4096, 32, 128256), s, b, "bf16")
     assert gpt2["per_layer"] == 32 * sbh
     chunked = activation_bytes(shape, s, b, "bf16", checkpoint=True, loss_chunk=256)
-    # the hidden states' and the head's gradients, made in the forward, and their scaled copies in its backward
-    # (here more than one chunk's 256 x 128256 logits, 4 + 2 bytes each)
+    # the hidden states' and the head's gradients, made in the forward and held to backward, and one chunk's
+    # 256 x 128256 logits, 4 + 2 bytes each
     saved = (sb + shape.padded_vocab) * 4096 * 2
-    assert acts["logits"] - chunked["logits"] == sb * 128256 * 12 - 2 * saved
+    assert acts["logits"] - chunked["logits"] == sb * 128256 * 12 - saved - 256 * 128256 * (4 + 2)
     assert chunked["layers"] == 32 * 2 * sbh + acts["per_layer"]
 
 

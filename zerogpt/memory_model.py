@@ -365,15 +365,14 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     `loss_chunk_tokens`) computes the gradients of the hidden states and of the head's weight (padded rows) in its
     forward and holds them until backward, in the compute dtype (fp32 under fp16); beside them one chunk's fp32
     logits, and in bf16/fp16 its logits (or their gradient) in the compute dtype, 4 + e per chunk logit (4 in
-    fp32); its backward makes the two gradients scaled beside the saved ones (tests/test_memory_model.py measures
-    it).
+    fp32); its backward scales the two in place (fp16: and casts them) (tests/test_memory_model.py measures it).
 
     Returns: dict(per_layer, layers, embeddings, logits, total, after_loss, grads_room) in bytes; `logits`: the
     loss's peak; `grads_room`: the activations gradients made at accumulation 1 take the place of (all of them;
     checkpointed, the loss's peak above one recomputed block's, grads_activations_overlap);
     `after_loss`: what is held when the first parameter gradient is made, the moment a stage-2/3 chunk's gradient
     buffer is first filled (the plain loss: its backward done, the logits' gradient in the compute dtype left; the
-    chunked loss: in its backward, the saved gradients and their scaled copies).
+    chunked loss: its two gradients).
     """
     e = DTYPES[precision].itemsize
     s, b, a, L = seq_len, batch, shape.heads, shape.layers
@@ -395,9 +394,11 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
         per_layer += (2 * e + (1 if dropout else 0)) * a * s * s * b
     layers = L * e * sbh + per_layer if checkpoint else L * per_layer
     if loss_chunk > 0:
-        saved = (sb + shape.padded_vocab) * shape.hidden * (4 if precision == "fp16" else e)
+        grads = (sb + shape.padded_vocab) * shape.hidden
+        saved = grads * (4 if precision == "fp16" else e)
         one_chunk = loss_chunk_tokens(sb, loss_chunk) * shape.vocab * (4 + (e if e != 4 else 0))
-        logits, left = head + saved + max(one_chunk, saved), head + saved
+        cast = grads * e if precision == "fp16" else 0  # backward: the fp32 gradients scaled in place, then cast
+        logits, left = head + saved + max(one_chunk, cast), head + saved
     else:
         logits, left = head + sb * shape.vocab * 12, head + sb * shape.vocab * e
 

@@ -51,13 +51,16 @@ def test_loss_and_grads_equal_the_plain_loss(dtype, loss_tol, grad_tol):
         assert got[1][150:].abs().max() == 0  # padding rows are never a class
 
 
-def test_the_incoming_gradient_scales_and_a_retained_graph_backs_twice():
+def test_the_incoming_gradient_scales_and_a_second_backward_is_refused():
+    """The saved gradients are scaled in place (one copy held, not two): a retained graph's second backward would
+    read them scaled, and autograd refuses it."""
     hidden, weight, labels = _inputs(torch.float32)
     want = torch.autograd.grad(3 * _plain(hidden, weight, labels), (hidden, weight))
     loss = 3 * chunked_cross_entropy(hidden, weight, labels, vocab_size=150, chunk_size=8, backend="torch")
-    for _ in range(2):
-        for g, w in zip(torch.autograd.grad(loss, (hidden, weight), retain_graph=True), want):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    for g, w in zip(torch.autograd.grad(loss, (hidden, weight), retain_graph=True), want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, (hidden, weight))
 
 
 def test_without_grad_it_is_the_loss_alone():

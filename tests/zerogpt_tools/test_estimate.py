@@ -241,16 +241,16 @@ def test_cli_llama3_8b_on_one_gpu_fits_128gb_with_bf16_moments_only(capsys):
 
 
 def test_cli_chunked_loss_and_llama_custom_shapes(capsys):
-    """--chunked-loss keeps one chunk's logits (128k vocab: 9.7 GiB less at 8192 tokens, the plain loss's backward
-    peak at 12 bytes per logit against the gradients of the hidden states and the head, and their scaled copies in
-    its backward, 2.1 GiB); custom flags change a Llama shape and are refused on a GPT-2 one."""
+    """--chunked-loss keeps one chunk's logits (128k vocab: 10.5 GiB less at 8192 tokens, the plain loss's backward
+    peak at 12 bytes per logit against the gradients of the hidden states and the head, held from its forward, and
+    one chunk's logits, 1.2 GiB); custom flags change a Llama shape and are refused on a GPT-2 one."""
     base = LLAMA3_8B + ["--seq-len", "8192", "--checkpoint", "--json"]
     plans = {}
     for extra in ([], ["--chunked-loss", "--loss-chunk-size", "256"]):
         assert main(base + extra) == 0
         plans[bool(extra)] = json.loads(capsys.readouterr().out)
     saved = plans[False]["activations"]["logits"] - plans[True]["activations"]["logits"]
-    assert saved == 8192 * 128256 * 12 - 2 * (8192 + 128256) * 4096 * 2
+    assert saved == 8192 * 128256 * 12 - (8192 + 128256) * 4096 * 2 - 256 * 128256 * (4 + 2)
     assert main(["--model", "llama3_8b", "--layers", "16", "--kv-heads", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["model"] == "custom" and plan["shape"]["family"] == "llama"
