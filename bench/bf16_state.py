@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from zerogpt.atomic_write import write_json_atomic  # noqa: E402
+
 OFFLOAD = ["--set", "zero.offload_optimizer.device=cpu", "--set", "optimizer.type=HybridAdam"]
 GOAL = 0.02  # |final valid loss, bf16 moments - fp32 moments|, per seed
 # recipe -> (its learning rate, for the control; train_gpt.py arguments)

@@ -695,8 +695,10 @@ def grads_activations_overlap(states: dict[str, dict[str, int]], acts: dict[str,
     the peak is the larger of the two, not their sum (bench/plan_memory.py, 8L-384 at 4 x 1: measured 237 MiB, the
     sum 281, the larger 229; bench/host_gap.py, 2 ranks, the two vocabulary chunks in flight: 613 MiB measured, 693
     with them beside the activations, 570 without). The first chunk backward fills, the head's, is held beside the
-    activations still all there: `estimate` passes the others. Above accumulation 1 the first micro-step's gradients
-    are held through the next ones' forwards: no overlap.
+    activations still all there: `estimate` passes the others. Checkpointed, a block is recomputed after the
+    gradients before it exist: they take the place of only the loss's peak above a block's (`acts["grads_room"]`,
+    activation_bytes). Above accumulation 1 the first micro-step's gradients are held through the next ones'
+    forwards: no overlap.
     """
     if accumulation != 1:
         return 0
