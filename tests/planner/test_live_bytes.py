@@ -44,7 +44,7 @@ def test_a_trial_whose_step_raises_leaves_no_measure_behind():
     """The CPU measure is a dispatch mode and a global forward hook: a step that raises must take both away."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from zerogpt.planner.trial import _StepClock
+    from zerogpt.planner.trial import StepClock
 
     class Engine:
         chunks = []
@@ -56,7 +56,7 @@ def test_a_trial_whose_step_raises_leaves_no_measure_behind():
         class state:
             step = 0
 
-    clock = _StepClock(torch.device("cpu"), Engine(), measured_step=0)
+    clock = StepClock(torch.device("cpu"), Engine(), measured_step=0)
     hooks_before = len(torch.nn.modules.module._global_forward_pre_hooks)
     clock.before_step(Trainer)
     assert isinstance(_get_current_dispatch_mode_stack()[-1], LiveBytes)

@@ -27,7 +27,7 @@ from zerogpt.planner.live_bytes import LiveBytes
 from zerogpt.trainer import Trainer
 from zerogpt.trainer.hooks.base import Hook
 
-__all__ = ["run_trial", "TrialOutOfMemory", "rng_states", "restore_rng_states"]
+__all__ = ["run_trial", "StepClock", "TrialOutOfMemory", "rng_states", "restore_rng_states"]
 
 
 class TrialOutOfMemory(RuntimeError):
@@ -51,7 +51,7 @@ def _status(field: str) -> int | None:
         return None
 
 
-class _StepClock(Hook):
+class StepClock(Hook):
     """Seconds and device peaks of each step of a trial.
 
     On CUDA every step is timed and measured. On a CPU the measure (a Python call per op) would slow the step it
@@ -129,7 +129,7 @@ def restore_rng_states(states: dict) -> None:
 def run_trial(build_engine: Callable[[], Any], micro_batch: int, accumulation: int, seq_len: int, vocab: int,
               steps: int = 2, device_capacity: int | None = None) -> dict:
     """Build an engine (`build_engine()`), run `steps` optimizer steps on random tokens and measure them (on a CPU,
-    one more step measures the device peak: see _StepClock).
+    one more step measures the device peak: see StepClock).
 
     Returns {"seconds": the fastest step after the first, "device_peak", "host_peak"} or {"error": why} when it ran
     out of memory (CUDA's error or, on CPU, a measured device peak over `device_capacity`). RNG states are restored
@@ -141,7 +141,7 @@ def run_trial(build_engine: Callable[[], Any], micro_batch: int, accumulation: i
     before = _status("VmRSS")  # what the process held already: the trial's host peak is above it
     try:
         engine = build_engine()
-        clock = _StepClock(engine.ctx.device, engine, measured_step=steps)
+        clock = StepClock(engine.ctx.device, engine, measured_step=steps)
         total = steps + (engine.ctx.device.type != "cuda")
         g = torch.Generator().manual_seed(0)
         batches = [torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g)
