@@ -353,7 +353,10 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
 
     Full per-block checkpointing keeps only each block's input (e*sbh per layer) plus, at the peak, the larger of
     one block's activations while it is recomputed and the loss's backward (below): the loss runs its backward
-    first and frees it before any block is recomputed. (The H200's GPT-2 XL offload rows, ea4be00: allocator peaks
+    first and frees it before any block is recomputed, all but what it hands on, held through the recompute: the
+    hidden states' gradient, e*sbh, and a tied head's weight gradient, e*V*h, which autograd sums with the
+    embedding's only at the end of backward (2L-128, z0 4 x 1 chunked loss: 14.2 MiB measured with every allocation
+    whole; 12.6 predicted without it, 13.7 with). (The H200's GPT-2 XL offload rows, ea4be00: allocator peaks
     14.71 and 49.57 GiB at 16k and 64k tokens per step; predicted with the larger 14.65 and 49.43, with the sum
     15.43 and 52.56, the CUDA context's 1 GiB left out.) Outside the blocks: GPT-2's embedding output, e*sbh; a
     Llama's RoPE cos and sin, 2e*s*head_dim (shared by the blocks; the embedding keeps only the ids). The plain
@@ -370,9 +373,9 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     Returns: dict(per_layer, layers, embeddings, logits, total, after_loss, grads_room) in bytes; `logits`: the
     loss's peak; `grads_room`: the activations gradients made at accumulation 1 take the place of (all of them;
     checkpointed, the loss's peak above one recomputed block's, grads_activations_overlap);
-    `after_loss`: what is held when the first parameter gradient is made, the moment a stage-2/3 chunk's gradient
-    buffer is first filled (the plain loss: its backward done, the logits' gradient in the compute dtype left; the
-    chunked loss: its two gradients).
+    `after_loss`: the most held from the moment the first parameter gradient is made, when the first chunk's
+    gradient buffer is made whole (the plain loss: its backward done, the logits' gradient in the compute dtype left;
+    the chunked loss: its two gradients; checkpointed, or a block's recompute beside what the loss handed on).
     """
     e = DTYPES[precision].itemsize
     s, b, a, L = seq_len, batch, shape.heads, shape.layers
@@ -404,11 +407,16 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
 
     def peak(loss: int) -> int:
         return (layers - per_layer + max(per_layer, loss) if checkpoint else layers + loss) + embeddings
-    # what gradients can take the place of at accumulation 1: every activation (freed as backward makes them); with
-    # checkpointing a block is recomputed after the gradients before it exist, so only the loss's peak above a block
-    grads_room = max(0, logits - per_layer) if checkpoint else peak(logits)
-    return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits, total=peak(logits),
-                after_loss=peak(left), grads_room=grads_room)
+    total, after_loss, grads_room = peak(logits), peak(left), peak(logits)
+    if checkpoint:
+        # a block is recomputed after the gradients before it exist, beside what the loss's backward handed on and
+        # holds to the end: the hidden states' gradient and a tied head's weight gradient, which autograd sums with
+        # the embedding's only when that backward is done; gradients take the place of only what was above that
+        recompute = layers + embeddings + (sb + (shape.padded_vocab if shape.tied else 0)) * shape.hidden * e
+        total, after_loss = max(total, recompute), max(after_loss, recompute)
+        grads_room = total - recompute
+    return dict(per_layer=per_layer, layers=layers, embeddings=embeddings, logits=logits, total=total,
+                after_loss=after_loss, grads_room=grads_room)
 
 
 def loss_chunk_tokens(tokens: int, chunk_size: int) -> int:
@@ -614,8 +622,9 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
     # the first chunk backward fills (the head's: the largest) is held beside the activations, still all there,
     # but not beside the loss's backward peak, gone before that first gradient is made: above accumulation 1 (at 1,
     # grads_activations_overlap has the gradients made as the activations go; the H200's rows, at 1, fit without)
-    beside = min(in_flight, largest_chunk(shape, DTYPES[precision].itemsize, bucket_mb) * DTYPES[precision].itemsize)
-    overlap = grads_activations_overlap(states, acts, accumulation, in_flight - beside)
+    head_chunk = largest_chunk(shape, DTYPES[precision].itemsize, bucket_mb) * DTYPES[precision].itemsize
+    beside = min(in_flight, head_chunk)
+    overlap = grads_activations_overlap(states, acts, accumulation, in_flight - beside, 0 if beside else head_chunk)
     loss_gone = min(beside, acts["total"] - acts["after_loss"]) if accumulation != 1 else 0
     overlap += loss_gone
     totals = {h: sum(states[cat][h] for cat in CATEGORIES) + buffers[h] for h in HOMES}
@@ -633,7 +642,7 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
         # CPU's measured peaks are overshot, 5.5M Llama at 2 ranks +11%, tests/test_memory_model.py)
         grads = states["grads"]
         grads_in_ram = grads["device"] + grads["host"] + in_flight - shared_by["grads"]
-        cpu_overlap = min(grads_in_ram, acts["grads_room"]) if accumulation == 1 else 0
+        cpu_overlap = overlap_at_one(grads_in_ram, acts, head_chunk) if accumulation == 1 else 0
         host_ram = totals["host"] + totals["device"] - gpu_overhead + overlap - loss_gone - shared - cpu_overlap
     spare = speculative_spare_bytes(shape.num_params, stage, world_size, precision, offload_optimizer, states,
                                     accumulation, optimizer_bytes_per_param) if on_gpu else 0
@@ -685,7 +694,7 @@ def cpu_run_shared_bytes(states: dict[str, dict[str, int]], stage: int, world_si
 
 
 def grads_activations_overlap(states: dict[str, dict[str, int]], acts: dict[str, int], accumulation: int,
-                              grads_in_flight: int = 0) -> int:
+                              grads_in_flight: int = 0, first_chunk: int = 0) -> int:
     """Bytes the device's gradients and its saved activations never hold at the same time, taken off the sum.
 
     At accumulation 1 the step's gradients on the device (full compute-dtype grads at stages 0-1, the fp32 shards
@@ -694,12 +703,24 @@ def grads_activations_overlap(states: dict[str, dict[str, int]], acts: dict[str,
     once reduced; the optimizer consumes the shards). The two peaks are then the same memory at different moments:
     the peak is the larger of the two, not their sum (bench/plan_memory.py, 8L-384 at 4 x 1: measured 237 MiB, the
     sum 281, the larger 229; bench/host_gap.py, 2 ranks, the two vocabulary chunks in flight: 613 MiB measured, 693
-    with them beside the activations, 570 without). The first chunk backward fills, the head's, is held beside the
-    activations still all there: `estimate` passes the others. Checkpointed, a block is recomputed after the
-    gradients before it exist: they take the place of only the loss's peak above a block's (`acts["grads_room"]`,
-    activation_bytes). Above accumulation 1 the first micro-step's gradients are held through the next ones'
-    forwards: no overlap.
+    with them beside the activations, 570 without). But a chunk's gradient buffer is made whole when its first
+    gradient arrives: the first one's (`first_chunk` bytes, the head's; `estimate` passes it where no buffer in
+    flight already counts it) beside `acts["after_loss"]`, everything but the loss's peak still there (see
+    overlap_at_one). Checkpointed, a block is recomputed after the gradients before it exist: they take the place of
+    only what was above it (`acts["grads_room"]`, activation_bytes). Above accumulation 1 the first micro-step's
+    gradients are held through the next ones' forwards: no overlap.
     """
     if accumulation != 1:
         return 0
-    return min(states["grads"]["device"] + grads_in_flight, acts["grads_room"])
+    return overlap_at_one(states["grads"]["device"] + grads_in_flight, acts, first_chunk)
+
+
+def overlap_at_one(grads: int, acts: dict[str, int], first_chunk: int) -> int:
+    """At accumulation 1, the bytes of `grads` that take the place of activations: the peak of the two together is
+    the largest of the activations' own, what is held after the loss beside the first chunk's whole buffer, and all
+    the gradients beside what is left then (`acts["grads_room"]` under the total). Measured with every allocation
+    counted whole, as a GPU counts it (bench/plan_memory.py, MALLOC_PERTURB_): 2L-128's z0 4 x 1 chunked-loss plan,
+    one chunk, holds its whole gradient beside every activation but one loss chunk's logits (16.0 MiB; 13.1
+    predicted before the first chunk was counted, 15.4 after)."""
+    first = min(first_chunk, grads)
+    return max(0, min(grads, acts["grads_room"], acts["total"] - acts["after_loss"] + grads - first))
