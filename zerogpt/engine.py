@@ -243,25 +243,25 @@ class Engine:
         """
         stats = {c: {h: 0 for h in HOMES} for c in CATEGORIES}
         seen: set[int] = set()
-
-        def add(category: str, tensor: torch.Tensor | None, home: str) -> None:
-            if tensor is None or tensor.numel() == 0:
-                return
+        for category, tensor, home in self.held_tensors():
             ptr = tensor.untyped_storage().data_ptr()
-            if ptr in seen:
-                return
-            seen.add(ptr)
-            stats[category][home] += tensor.untyped_storage().nbytes()
-
-        for chunk in self.chunks:
-            add("params", chunk.full_buffer, "device")  # in-flight prefetches included
-            add("params", chunk.shard, chunk.shard_home)
-            add("grads", chunk.grad_full, "device")
-        for grad in self.grad_path.device_sums():
-            add("grads", grad, "device")
-        for category, tensor, home in self.sharded_optim.held_tensors():
-            add(category, tensor, home)
+            if ptr not in seen:
+                seen.add(ptr)
+                stats[category][home] += tensor.untyped_storage().nbytes()
         return stats
+
+    def held_tensors(self) -> Iterator[tuple[str, torch.Tensor, str]]:
+        """(category, tensor, home) of the model state on this rank, in memory_stats' order (the first role of a
+        storage is the one it counts under); empty and absent tensors left out."""
+        def held():
+            for chunk in self.chunks:
+                yield "params", chunk.full_buffer, "device"  # in-flight prefetches included
+                yield "params", chunk.shard, chunk.shard_home
+                yield "grads", chunk.grad_full, "device"
+            for grad in self.grad_path.device_sums():
+                yield "grads", grad, "device"
+            yield from self.sharded_optim.held_tensors()
+        return ((c, t, h) for c, t, h in held() if t is not None and t.numel())
 
     def num_params(self) -> int:
         return sum(chunk.plan.numel for chunk in self.chunks)

@@ -40,6 +40,21 @@ def test_activations_kept_by_other_saved_tensor_hooks_are_counted():
     assert hooked.peak == plain.peak
 
 
+def test_what_another_home_holds_is_left_out_while_it_is_held():
+    """A storage made here and then held in another home (the host's grad shard at one rank) is not the device's
+    from that moment: the peak counts it only while `elsewhere` does not name it."""
+    held = set()
+    with LiveBytes(lambda: held) as live:
+        grad = torch.ones(1000)  # a reduced gradient buffer, 4000 bytes
+        held.add(grad.untyped_storage().data_ptr())  # the engine takes it as the host's grad shard
+        x = torch.ones(1500)  # the next micro-step's 6000 bytes: the device holds these alone
+        assert live.live == 10000 and live.peak == 6000
+        held.clear()  # back on the device
+        y = torch.ones(1)
+        assert live.peak == 10004
+    del grad, x, y
+
+
 def test_a_trial_whose_step_raises_leaves_no_measure_behind():
     """The CPU measure is a dispatch mode and a global forward hook: a step that raises must take both away."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -51,6 +66,9 @@ def test_a_trial_whose_step_raises_leaves_no_measure_behind():
 
         def memory_stats(self):
             return {}
+
+        def held_tensors(self):
+            return iter(())
 
     class Trainer:
         class state:

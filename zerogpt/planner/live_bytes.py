@@ -8,13 +8,15 @@ activations (stage 3's own saved-tensor hooks included), gathered chunks, gradie
 temporaries of the loss and the step.
 
 Counted: storages made on this thread while the mode is on, that alias none of the op's inputs (a view or an
-in-place op makes nothing new). Not counted: what other threads make (the host step's worker: host memory), and
-what existed before the mode (the caller adds the model state it started from).
+in-place op makes nothing new). Not counted: what other threads make (the host step's worker: host memory), what
+existed before the mode (the caller adds the model state it started from), and, while they are, the storages
+`elsewhere()` names: what the training thread made that has become another home's (at one rank the engine takes a
+reduced gradient buffer as the host's grad shard, where a GPU run copies it out and frees the device's).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,12 +30,14 @@ def _storages(tree: Any) -> list[torch.UntypedStorage]:
 
 
 class LiveBytes(TorchDispatchMode):
-    """`live`: bytes made under the mode and not yet freed; `peak`: the most of them at once."""
+    """`live`: bytes made under the mode and not yet freed; `peak`: the most of them at once, less what `elsewhere()`
+    (the data pointers of storages held in another home) named at that moment."""
 
-    def __init__(self) -> None:
+    def __init__(self, elsewhere: Callable[[], set[int]] | None = None) -> None:
         super().__init__()
         self.live = self.peak = 0
-        self._alive: set[int] = set()
+        self._alive: dict[int, int] = {}  # data pointer -> bytes
+        self._elsewhere = elsewhere
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -46,11 +50,13 @@ class LiveBytes(TorchDispatchMode):
 
     def _count(self, storage: torch.UntypedStorage, key: int) -> None:
         nbytes = storage.nbytes()
-        self._alive.add(key)
+        self._alive[key] = nbytes
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:  # what is elsewhere only lowers it: nothing to ask otherwise
+            away = 0 if self._elsewhere is None else sum(self._alive.get(k, 0) for k in self._elsewhere())
+            self.peak = max(self.peak, self.live - away)
         weakref.finalize(storage, self._free, key, nbytes)
 
     def _free(self, key: int, nbytes: int) -> None:
-        self._alive.discard(key)
+        self._alive.pop(key, None)
         self.live -= nbytes

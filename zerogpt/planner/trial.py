@@ -7,7 +7,8 @@ simulated: the device home's model state at the step's start plus the peak of th
 training thread make and hold at once (live_bytes.py: activations, gathered chunks, gradient buffers, the loss's and
 the step's temporaries), plus the host-homed shards a CPU run computes on in place where a GPU would copy them to the
 device (stage 3, parameters offloaded, one rank). On a CPU run an offloaded plan's homes are otherwise one memory:
-what its training thread makes for the host home counts as device there.
+what the training thread makes and the engine then holds in the host home (held_elsewhere: at one rank the reduced
+gradient buffer taken as the host's grad shard) is left out while it is held there.
 Host: the process's peak resident set over the build and the steps above what it held before (VmHWM after
 resetting it through /proc/self/clear_refs, less VmRSS then): on a CPU run that includes the device home.
 A trial that runs out of memory (torch.OutOfMemoryError, or on CPU a device peak over the simulated capacity) is
@@ -15,6 +16,7 @@ a lost candidate, not a crash.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import random
 import time
@@ -78,7 +80,7 @@ class StepClock(Hook):
             torch.cuda.reset_peak_memory_stats(self.device)
         elif trainer.state.step >= self.measured_step:  # steps done before this one
             self.start_state = sum(home["device"] for home in self.engine.memory_stats().values())
-            self.live = LiveBytes().__enter__()
+            self.live = LiveBytes(functools.partial(held_elsewhere, self.engine)).__enter__()
             self.computed_in_place = 0
             self._sampler = torch.nn.modules.module.register_module_forward_pre_hook(self._sample_in_place)
         self.start = time.perf_counter()
@@ -101,6 +103,14 @@ class StepClock(Hook):
             self.live.__exit__(None, None, None)
             self._sampler.remove()
             self.live = None
+
+
+def held_elsewhere(engine: Any) -> set[int]:
+    """Data pointers of the storages the engine holds in the host or disk home and not in the device's."""
+    homes: dict[int, set[str]] = {}
+    for _, tensor, home in engine.held_tensors():
+        homes.setdefault(tensor.untyped_storage().data_ptr(), set()).add(home)
+    return {ptr for ptr, held in homes.items() if "device" not in held}
 
 
 def _host_shards_computed_in_place(engine: Any) -> int:
