@@ -372,7 +372,7 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
 
     Returns: dict(per_layer, layers, embeddings, logits, total, after_loss, grads_room) in bytes; `logits`: the
     loss's peak; `grads_room`: the activations gradients made at accumulation 1 take the place of (all of them;
-    checkpointed, the loss's peak above one recomputed block's, grads_activations_overlap);
+    checkpointed, what was above a recomputed block beside what the loss handed on, grads_activations_overlap);
     `after_loss`: the most held from the moment the first parameter gradient is made, when the first chunk's
     gradient buffer is made whole (the plain loss: its backward done, the logits' gradient in the compute dtype left;
     the chunked loss: its two gradients; checkpointed, or a block's recompute beside what the loss handed on).
@@ -619,9 +619,9 @@ def estimate(shape: ModelShape, stage: int, world_size: int = 1, precision: str 
     buffers = buffer_bytes(shape, stage, world_size, precision, offload_optimizer, prefetch, bucket_mb,
                            gather_per_block, offload_param, accumulation)
     in_flight = grad_chunks_in_flight(shape, stage, world_size, precision, offload_optimizer, bucket_mb, accumulation)
-    # the first chunk backward fills (the head's: the largest) is held beside the activations, still all there,
-    # but not beside the loss's backward peak, gone before that first gradient is made: above accumulation 1 (at 1,
-    # grads_activations_overlap has the gradients made as the activations go; the H200's rows, at 1, fit without)
+    # the first chunk backward fills (the head's: the largest) is made whole beside the activations, still all
+    # there, but not beside the loss's backward peak, gone before that first gradient is made: above accumulation 1
+    # here; at 1 a buffer in flight is counted beside everything (the H200's rows fit so), else overlap_at_one
     head_chunk = largest_chunk(shape, DTYPES[precision].itemsize, bucket_mb) * DTYPES[precision].itemsize
     beside = min(in_flight, head_chunk)
     overlap = grads_activations_overlap(states, acts, accumulation, in_flight - beside, 0 if beside else head_chunk)
