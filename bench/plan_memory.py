@@ -27,7 +27,7 @@ On a CPU run the "device" is host RAM too. Measured:
     device's), plus the host shards a GPU would copy to the device to compute on (a CPU computes on them in place).
     The homes share memory on a CPU (memory_model.cpu_run_shared_bytes), so VmHWM cannot split them; the op count
     can. Taken for every plan without offload too, it is printed against VmHWM there: the agreement that makes it a
-    measure (2026-11-28f: median -1.5 to +1.3%, at most 8.5%).
+    measure (2026-11-28f: median -1.6 to -0.1%, at most 6.0%).
 Predicted: memory_model.estimate for the plan as measured (the grid and each plan from zerogpt.planner.search), with
 on_gpu=False: device = totals["device"] (gpu_overhead 0: what a GPU would hold), host = host_ram (a CPU run's host
 RAM: every home but disk, the bytes the two homes share on a CPU counted once). Errors are (predicted - measured) /
