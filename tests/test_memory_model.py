@@ -443,7 +443,8 @@ def test_one_rank_fp32_reduces_into_the_grad_shard_itself():
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("plan, home", [("z0 1x4 bucket 25MB", "device"), ("z3 4x1 bucket 25MB prefetch 2", "device"),
-                                        ("z0 opt->cpu(fp32) 4x1 bucket 25MB", "host")])
+                                        ("z0 opt->cpu(fp32) 4x1 bucket 25MB", "host"),
+                                        ("z3 opt->cpu(fp32) param->cpu 1x4 bucket 25MB prefetch 2", "device")])
 def test_prediction_within_10_percent_of_the_measured_live_peak(plan, home):
     """bench/plan_memory.py's method on one plan, in a fresh process: the live peak (VmHWM with a 64 KiB mmap
     threshold and every allocation resident whole, as a GPU counts it) of bench/auto_plan.py's 8L-384 GPT (15M
@@ -452,17 +453,20 @@ def test_prediction_within_10_percent_of_the_measured_live_peak(plan, home):
     4 x 1 makes the gradients while it frees the activations, but each chunk's buffer whole at its first gradient
     (let all the gradients take the activations' place and it is 11% under); z0 with the optimizer offloaded holds
     the crossed gradient once on a CPU (count both homes' copies and the host is 15% over). Where there is one
-    home, the trial's op count (its CPU device measure) agrees with VmHWM."""
+    home, the trial's op count (its CPU device measure) agrees with VmHWM; it measures the device of z3 with the
+    optimizer and parameters offloaded, 1 x 4, where it leaves out each micro-step's gradient once the host holds
+    it (counted, the prediction is 35% under)."""
     plan_memory = _plan_memory()
     work, _, grid = plan_memory._grid("8L-384")
     index = next(i for i, c in enumerate(grid) if c.plan.describe() == plan)
     measured = plan_memory.measure("8L-384", index, timeout=500)
     assert "error" not in measured, measured
     est = plan_memory.predict(work, grid[index].plan)
-    got = measured["peak"]
+    offloaded = plan_memory.offloaded(grid[index].plan)
+    got = measured["op_device"] if home == "device" and offloaded else measured["peak"]
     predicted = est["totals"]["device"] if home == "device" else est["host_ram"]
     assert abs(predicted - got) <= 0.10 * got, (predicted, got)
-    if home == "device":
+    if home == "device" and not offloaded:
         assert abs(measured["op_device"] - got) <= 0.05 * got, (measured["op_device"], got)
 
 
