@@ -407,7 +407,8 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
 
     def peak(loss: int) -> int:
         return (layers - per_layer + max(per_layer, loss) if checkpoint else layers + loss) + embeddings
-    total, after_loss, grads_room = peak(logits), peak(left), peak(logits)
+    total, after_loss = peak(logits), peak(left)
+    grads_room = total
     if checkpoint:
         # a block is recomputed after the gradients before it exist, beside what the loss's backward handed on and
         # holds to the end: the hidden states' gradient and a tied head's weight gradient, which autograd sums with
