@@ -436,7 +436,7 @@ def count_syncs(run_steps, steps: int, cuda: bool) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------
-# (e) the profile of one offloaded step
+# (e) the profile of one step
 
 def profile_step(train_step, optimizer, spec: Spec, sync, cuda: bool) -> list[dict]:
     """Profile one more step; rows (part, host ms, device ms); the full table goes to spec.profile_to."""
@@ -485,7 +485,7 @@ def profile_step(train_step, optimizer, spec: Spec, sync, cuda: bool) -> list[di
     except Exception:  # an older torch names the column self_cuda_time_total
         top = events.table(sort_by="self_cpu_time_total", row_limit=25)
     with open(spec.profile_to, "w") as f:
-        f.write(f"one offloaded zerogpt step: {spec.label}\n\n{table}\n\ntop ops by self time:\n{top}")
+        f.write(f"one zerogpt step: {spec.label}\n\n{table}\n\ntop ops by self time:\n{top}")
     return rows
 
 

@@ -169,7 +169,6 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     counted = labels != ignore_index
     inv_count = 1.0 / counted.sum().to(torch.float32)
     targets = torch.where(counted, labels, 0)
-    real = weight[:vocab_size]
     # fp16 (no exponent range for an unscaled gradient): the logits' gradient goes to the matmuls without the
     # 1/count, which is applied to their fp32 results, kept in fp32 until backward brings the loss scale
     half = hidden.dtype == torch.float16
@@ -179,27 +178,34 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     for start in range(0, hidden.size(0), chunk):
         part = slice(start, start + chunk)
         row_scale = counted[part] if half else counted[part] * inv_count
-        loss_sum, grad_logits = _chunk_loss(hidden[part], real, targets[part, None], counted[part], row_scale,
-                                            want_hidden or want_weight)
+        loss_sum, grad_logits = _chunk_loss(hidden[part], weight, vocab_size, targets[part, None], counted[part],
+                                            row_scale, want_hidden or want_weight)
         total = total + loss_sum
         if grad_hidden is not None:
             if half:
-                grad_hidden[part] = (grad_logits @ real).float() * inv_count
+                grad_hidden[part] = (grad_logits @ weight).float() * inv_count
             else:  # written into its rows of the gradient, no (chunk, C) temporary and copy
-                torch.mm(grad_logits, real, out=grad_hidden[part])
+                torch.mm(grad_logits, weight, out=grad_hidden[part])
         if grad_weight is not None and half:
-            grad_weight[:vocab_size].add_((grad_logits.t() @ hidden[part]).float() * inv_count)
+            grad_weight.add_((grad_logits.t() @ hidden[part]).float() * inv_count)
         elif grad_weight is not None:
-            grad_weight[:vocab_size].addmm_(grad_logits.t(), hidden[part])
+            grad_weight.addmm_(grad_logits.t(), hidden[part])
         del grad_logits  # before the next chunk's logits exist: one chunk's buffers at a time
     return total * inv_count, grad_hidden, grad_weight
 
 
-def _chunk_loss(hidden: torch.Tensor, real: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor,
-                row_scale: torch.Tensor, want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, targets: torch.Tensor,
+                counted: torch.Tensor, row_scale: torch.Tensor, want_grad: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk's summed loss over counted targets, and (softmax - one_hot) x row_scale in the compute dtype (None
-    unless `want_grad`). A function of its own so that its fp32 buffer is freed on return."""
-    logits = F.linear(hidden, real).float()
+    unless `want_grad`), both over every row of `weight`: the classes past `vocab_size` (padding) get a logit of
+    -inf, so their softmax and their gradient are exactly 0. A function of its own so that its fp32 buffer is freed
+    on return."""
+    # the padded width (GPT-2: 50304 = 64 x 786, not 50257) keeps the head's three matmuls on aligned leading
+    # dimensions, as the plain path's lm_head is; cuBLAS's tensor-core kernels want multiples of 8
+    logits = F.linear(hidden, weight).float()
+    if vocab_size < weight.size(0):
+        logits[:, vocab_size:] = float("-inf")
     shifted = logits.sub_(logits.amax(dim=-1, keepdim=True))  # in place: one fp32 (chunk, V) buffer throughout
     target = shifted.gather(1, targets).squeeze(1)
     sums = shifted.exp_().sum(dim=-1)

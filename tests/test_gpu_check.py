@@ -320,7 +320,7 @@ def test_full_size_plans(slices):
     """What a GPU run measures (built here, not run): the sync matrix, the compute rows, the 8B's depth."""
     args = argparse.Namespace(tiny=False, seq=1024, vocab=50257, llama_vocab=128256, steps=3, warmup=2,
                               systems=["zerogpt", "deepspeed", "torch"], host_reserve_gib=8.0,
-                              largest_bytes_per_param=14.0, largest_max_layers=32)
+                              largest_bytes_per_param=14.0, largest_max_layers=32, out="OUT")
     rows = {(s.stage, s.offload, s.compile, s.chunked_loss, s.state_dtype) for s in slices.verify.sync_specs(args)}
     assert {(t, o) for t, o, *_ in rows} >= {(t, o) for t in range(4) for o in ("none", "cpu")}
     assert {(3, "cpu+param"), (3, "disk")} <= {(t, o) for t, o, *_ in rows}
@@ -328,6 +328,8 @@ def test_full_size_plans(slices):
     assert (3, "cpu", False, False, "bf16") in rows
     plan = slices.compute.plan(args)
     rows = {(s.system, v, s.stage, s.batch, s.compile_mode) for g in plan.values() for v, s in g}
+    assert {(v, s.stage, s.batch, s.profile_to) for g in plan.values() for v, s in g if s.profile_to} == {
+        (v, z, 8, f"OUT/{slices.compute.profile_name(v, z)}") for v in ("eager", "chunked loss") for z in (0, 3)}
     variants = ("eager", "chunked loss", "compile", "compile+chunked loss", "fp8", "fp8+compile")
     assert {r for r in rows if r[3] == 8 and r[4] is None} == {
         ("zerogpt", v, t, 8, None) for t in (0, 3) for v in variants} | {("torch", "eager", 0, 8, None)}
@@ -444,6 +446,8 @@ def test_every_slice_runs_in_tiny_form(tmp_path, slices):
     assert len(c["errors"]) == 2 and c["figures"]["mfu_best"] is None  # no MFU without a known peak
     assert c["figures"]["gpt2xl_chunked_ratio"] > 0 and c["figures"]["gpt2xl_batch"] == 2
     assert len(c["tiny_omitted"]) == 10 and all("compile" in label for label in c["tiny_omitted"])
+    assert c["profiles"] == sorted(slices.compute.profile_name(v, z) for v in ("eager", "chunked loss") for z in (0, 3))
+    assert "top ops by self time" in (tmp_path / c["profiles"][0]).read_text()
 
     for name in ("llama1b", "llama3b"):  # the fit row, then group A at its batch: zerogpt and transformers
         r = got[name]

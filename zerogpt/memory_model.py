@@ -367,7 +367,7 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     (model_zoo.loss.chunked_cross_entropy, at most `loss_chunk` tokens a chunk and at least LOSS_MIN_CHUNKS chunks:
     `loss_chunk_tokens`) computes the gradients of the hidden states and of the head's weight (padded rows) in its
     forward and holds them until backward, in the compute dtype (fp32 under fp16); beside them one chunk's fp32
-    logits, and in bf16/fp16 its logits (or their gradient) in the compute dtype, 4 + e per chunk logit (4 in
+    logits over the padded vocabulary (the padding's at -inf), and in bf16/fp16 its logits (or their gradient) in the compute dtype, 4 + e per chunk logit (4 in
     fp32); its backward scales the two in place (fp16: and casts them) (tests/test_memory_model.py measures it).
 
     Returns: dict(per_layer, layers, embeddings, logits, total, after_loss, grads_room) in bytes; `logits`: the
@@ -399,7 +399,7 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     if loss_chunk > 0:
         grads = (sb + shape.padded_vocab) * shape.hidden
         saved = grads * (4 if precision == "fp16" else e)
-        one_chunk = loss_chunk_tokens(sb, loss_chunk) * shape.vocab * (4 + (e if e != 4 else 0))
+        one_chunk = loss_chunk_tokens(sb, loss_chunk) * shape.padded_vocab * (4 + (e if e != 4 else 0))
         cast = grads * e if precision == "fp16" else 0  # backward: the fp32 gradients scaled in place, then cast
         logits, left = head + saved + max(one_chunk, cast), head + saved
     else:

@@ -16,6 +16,7 @@ The Llama family's slices (compute_llama.py) run through the same `measure_group
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from gpu_slices.mfu import table_figures
@@ -39,6 +40,13 @@ LOSS_KERNEL_ROWS = (("torch", "chunked loss"), ("cce", "chunked loss cce"), ("li
 TORCH_ROWS = (("A", "eager", False, None), ("D", "compile", True, LEVER_BATCH))  # (group, variant, compile, batch)
 WEIGHTS = dict(A=20, B=20, C=20, D=20, E=20)
 TINY_LOSS_CHUNK = 32  # tokens per chunk in the tiny form: 4 chunks of a 2 x 64 micro-batch
+PROFILED = ("eager", "chunked loss")  # zerogpt's rows at the slice's batch that profile one more step each: where
+# the chunked loss's time goes (0.78x the plain loss at stage 0 on the H200, 0.66x at stage 3), kernel by kernel
+
+
+def profile_name(variant: str, stage: int) -> str:
+    """The profile file (in --out) of a PROFILED row."""
+    return f"profile_compute_{variant.replace(' ', '_')}_z{stage}.txt"
 
 
 def plan(args) -> dict[str, list[tuple[str, Spec]]]:
@@ -48,10 +56,12 @@ def plan(args) -> dict[str, list[tuple[str, Spec]]]:
 
     def spec(system, stage, variant, precision, compile, chunked, batch, mode):
         chunk = TINY_LOSS_CHUNK if args.tiny and chunked else None  # None: GPTConfig's 1024 tokens at most
+        profile = (os.path.join(args.out, profile_name(variant, stage))
+                   if system == "zerogpt" and variant in PROFILED and not batch else None)
         batch = batch or base_batch  # the levers' own (compiled: never in the tiny form)
         return Spec(system, TINY_XL if args.tiny else XL, stage=stage, batch=batch, seq=args.seq,
                     steps=args.steps + 2, warmup=args.warmup, vocab=args.vocab, precision=precision, compile=compile,
-                    chunked_loss=chunked, loss_chunk_size=chunk, compile_mode=mode,
+                    chunked_loss=chunked, loss_chunk_size=chunk, compile_mode=mode, profile_to=profile,
                     label=f"{system} gpt2_xl" + (f" stage {stage}" if system == "zerogpt" else "")
                     + f" {variant} b{batch}x{args.seq}")
     for group, variant, precision, compile, chunked, stages, batch, mode in VARIANTS:
@@ -145,3 +155,4 @@ def run(args, budget, result: dict, save) -> None:
         eager = [t["mfu"] for t in table if t["system"] == "zerogpt" and t["stage"] == stage and t["mfu"]
                  and t["variant"] == "eager" and t["batch"] == (2 if args.tiny else 8) and not t["error"]]
         figures[f"mfu_eager_stage{stage}"] = eager[0] if eager else None
+    result["profiles"] = sorted(f for f in os.listdir(args.out) if f.startswith("profile_compute_"))

@@ -89,15 +89,21 @@ def test_llama_tied_and_untied_heads_get_the_plain_grads(tied):
 
 
 class MatmulsAndVocabTensors(TorchDispatchMode):
-    """The matmuls run and the shapes of the tensors made with the vocabulary as their last dim."""
+    """The matmuls run, the shapes of their operands and outputs, and the shapes of the tensors made with the
+    vocabulary as their last dim."""
+
+    MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm)
 
     def __init__(self, vocab: int) -> None:
         super().__init__()
-        self.vocab, self.matmuls, self.shapes = vocab, 0, set()
+        self.vocab, self.matmuls, self.shapes, self.matmul_shapes = vocab, 0, set(), set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.matmuls += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        if func.overloadpacket in self.MATMULS:
+            self.matmuls += 1
+            self.matmul_shapes |= {tuple(t.shape) for t in pytree.tree_leaves((args, kwargs, out))
+                                   if isinstance(t, torch.Tensor)}
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.size(-1) == self.vocab:
                 self.shapes.add(tuple(t.shape))
@@ -108,14 +114,29 @@ def test_backward_recomputes_nothing():
     """The gradients are made in the forward: backward runs no matmul and makes no (tokens x vocab) tensor."""
     hidden, weight, labels = _inputs(torch.float32)
     loss = chunked_cross_entropy(hidden, weight, labels, vocab_size=150, chunk_size=8, backend="torch")
-    with MatmulsAndVocabTensors(vocab=150) as backward:
+    with MatmulsAndVocabTensors(vocab=192) as backward:
         loss.backward()
     assert backward.matmuls == 0 and not backward.shapes
-    with MatmulsAndVocabTensors(vocab=150) as forward:  # the probe sees the forward's chunks
+    with MatmulsAndVocabTensors(vocab=192) as forward:  # the probe sees the forward's chunks
         chunked_cross_entropy(hidden, weight, labels, vocab_size=150, chunk_size=8, backend="torch")
     chunk = 5  # chunk_tokens(40, 8): 40 tokens in 8 chunks
-    assert forward.matmuls > 0 and (chunk, 150) in forward.shapes
-    assert max(rows for rows, _ in forward.shapes - {(32, 150)}) == chunk  # (32, 150): the weight's transpose
+    assert forward.matmuls > 0 and (chunk, 192) in forward.shapes
+    assert max(rows for rows, _ in forward.shapes - {(32, 192)}) == chunk  # (32, 192): the weight's transpose
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_heads_matmuls_run_over_the_padded_vocabulary(dtype):
+    """The plain path's lm_head multiplies by the padded weight (GPT-2: 50304 rows, a multiple of 64), and so do
+    the chunked loss's three matmuls: no operand or output has the real vocabulary's width (50257 there, 150 here),
+    whose odd leading dimension keeps cuBLAS off its aligned tensor-core kernels (the chunked loss ran at 0.78x the
+    plain loss on an H200 with it). The padding's logits are -inf: never a class, no gradient."""
+    hidden, weight, labels = _inputs(dtype)
+    with MatmulsAndVocabTensors(vocab=192) as probe:
+        loss = chunked_cross_entropy(hidden, weight, labels, vocab_size=150, chunk_size=8, backend="torch")
+        loss.backward()
+    assert probe.matmuls == 8 * 3, probe.matmuls  # each chunk's logits, hidden gradient and weight gradient
+    assert not any(150 in shape for shape in probe.matmul_shapes), probe.matmul_shapes
+    assert weight.grad[150:].abs().max() == 0 and torch.isfinite(loss)
 
 
 class LiveBytes(TorchDispatchMode):
