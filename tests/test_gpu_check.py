@@ -333,9 +333,11 @@ def test_full_size_plans(slices):
     variants = ("eager", "chunked loss", "compile", "compile+chunked loss", "fp8", "fp8+compile")
     assert {r for r in rows if r[3] == 8 and r[4] is None} == {
         ("zerogpt", v, t, 8, None) for t in (0, 3) for v in variants} | {("torch", "eager", 0, 8, None)}
-    # the levers: micro-batch 12 (the 49.9% anchor's) with plain PyTorch's compile beside it, max-autotune
+    # the levers: micro-batch 12 (the 49.9% anchor's) with plain PyTorch's compile beside it, CUDA graphs,
+    # max-autotune
     assert {r for r in rows if r[3] != 8 or r[4]} == {
         ("zerogpt", "compile", 0, 12, None), ("zerogpt", "compile", 3, 12, None), ("torch", "compile", 0, 12, None),
+        ("zerogpt", "compile reduce-overhead", 0, 8, "reduce-overhead"),
         ("zerogpt", "compile max-autotune-no-cudagraphs", 0, 8, "max-autotune-no-cudagraphs")}
     assert all(s.shape == (48, 25, 1600) for g in plan.values() for _, s in g)
     assert list(plan) == ["A", "B", "C", "D", "E"] and plan["E"][0][1].compile_mode  # the slowest compile last
@@ -445,7 +447,7 @@ def test_every_slice_runs_in_tiny_form(tmp_path, slices):
         assert table[("zerogpt", stage, "fp8")]["error"]  # float8 needs CUDA: an error row, and the slice goes on
     assert len(c["errors"]) == 2 and c["figures"]["mfu_best"] is None  # no MFU without a known peak
     assert c["figures"]["gpt2xl_chunked_ratio"] > 0 and c["figures"]["gpt2xl_batch"] == 2
-    assert len(c["tiny_omitted"]) == 10 and all("compile" in label for label in c["tiny_omitted"])
+    assert len(c["tiny_omitted"]) == 11 and all("compile" in label for label in c["tiny_omitted"])
     assert c["profiles"] == sorted(slices.compute.profile_name(v, z) for v in ("eager", "chunked loss") for z in (0, 3))
     assert "top ops by self time" in (tmp_path / c["profiles"][0]).read_text()
 

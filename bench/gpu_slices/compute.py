@@ -1,11 +1,14 @@
 """The compute slice: MFU without offload on GPT-2 XL (1.56B, micro-batch 8 x 1024, bf16) at stages 0 and 3,
 eager, under compile, in FP8 (torchao, carried by gpu_prepare.sh), with the chunked loss, and combined; then the
-levers toward the 52% goal (issue 46.2): micro-batch 12 (pytorch/ao#1297's 49.9% anchor, plain PyTorch beside it)
-and torch.compile's max-autotune-no-cudagraphs mode.
+levers toward the 52% goal (issue 46.2): micro-batch 12 (pytorch/ao#1297's 49.9% anchor, plain PyTorch beside it),
+CUDA graphs (torch.compile's reduce-overhead mode: each compiled block replayed as one graph) and the
+max-autotune-no-cudagraphs mode. (The fused-norm lever is GPT-2's own LayerNorm kernel, and compiled, inductor's
+fusion of it with the residual add: the eager and compile rows; a Llama's RMSNorm is torch's fused rms_norm.)
 
 Five processes, each with its share of the budget, cheapest first, so a slow compile cuts only the rows after
 it: (A) eager and chunked loss, then plain PyTorch eager beside them; (B) compile=True and compile + chunked
-loss; (C) FP8 and FP8 + compile; (D) micro-batch 12, compiled, zerogpt and plain PyTorch; (E) max-autotune,
+loss; (C) FP8 and FP8 + compile; (D) micro-batch 12, compiled, zerogpt and plain PyTorch, and CUDA graphs;
+(E) max-autotune,
 last (its autotuning is the slowest compile). MFU counts model FLOPs (PaLM) over the GPU's dense bf16 peak (989
 TFLOPS on an H100 or H200), FP8 rows too; the compile time is a row's first step less its eager twin's.
 torch.compile's disk caches outlive a process: a compile time is a cold one only on a fresh machine. Tiny (CPU)
@@ -25,6 +28,7 @@ from gpu_slices.runner import Spec, log, measure_group, note_failures
 XL, TINY_XL = (48, 25, 1600), (4, 2, 64)
 LEVER_BATCH = 12
 LEVER_MODE = "max-autotune-no-cudagraphs"
+GRAPHS_MODE = "reduce-overhead"  # inductor's triton.cudagraphs
 # (group, variant, precision, compile, chunked_loss, stages, batch: None = the slice's, compile mode)
 VARIANTS = (("A", "eager", None, False, False, (0, 3), None, None),
             ("A", "chunked loss", None, False, True, (0, 3), None, None),
@@ -33,6 +37,7 @@ VARIANTS = (("A", "eager", None, False, False, (0, 3), None, None),
             ("C", "fp8", "fp8", False, False, (0, 3), None, None),
             ("C", "fp8+compile", "fp8", True, False, (0, 3), None, None),
             ("D", "compile", None, True, False, (0, 3), LEVER_BATCH, None),
+            ("D", f"compile {GRAPHS_MODE}", None, True, False, (0,), None, GRAPHS_MODE),
             ("E", f"compile {LEVER_MODE}", None, True, False, (0,), None, LEVER_MODE))
 # issue 46.3: the chunked loss's backends side by side at stage 0 (model_zoo.loss.LOSS_BACKENDS): "chunked loss" is
 # zerogpt's own kernel (forced "torch"); a library's row runs where it is installed (Spec.loss_backend)
