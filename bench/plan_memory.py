@@ -4,6 +4,7 @@
     python bench/plan_memory.py --out bench/results/plan_memory_cpu.json            # 8L-384, its 72 plans
     python bench/plan_memory.py --sizes 4L-256,8L-384 --out ...
     python bench/plan_memory.py --predict-again RESULTS.json --out ...   # new predictions, the same measurements
+    python bench/plan_memory.py --in-process --sizes 2L-128 --out ...    # on a GPU: the device alone, one process
 
 Each plan runs in its own interpreter, so nothing a previous plan freed is counted. The process first runs the same
 plan on auto_plan's smallest model for one step (imports, op loads and thread pools are not the plan's), then takes
@@ -28,6 +29,10 @@ On a CPU run the "device" is host RAM too. Measured:
     The homes share memory on a CPU (memory_model.cpu_run_shared_bytes), so VmHWM cannot split them; the op count
     can. Taken for every plan without offload too, it is printed against VmHWM there: the agreement that makes it a
     measure (2026-11-28f: median -1.6 to -0.1%, at most 6.0%).
+--in-process (the GPU slice `auto` runs it): every plan in this one process, the device peak alone. On CUDA that is
+the caching allocator's max_memory_allocated over each step, less what was allocated before the plan's build: the
+allocator counts what is live, not the heap's history, so no fresh process is needed (a warm-up plan first puts
+cuBLAS's workspaces and the like in the baseline). On a CPU it is the op count above, for every plan.
 Predicted: memory_model.estimate for the plan as measured (the grid and each plan from zerogpt.planner.search), with
 on_gpu=False: device = totals["device"] (gpu_overhead 0: what a GPU would hold), host = host_ram (a CPU run's host
 RAM: every home but disk, the bytes the two homes share on a CPU counted once). Errors are (predicted - measured) /
@@ -138,6 +143,42 @@ def child(size: str, index: int) -> dict:
     return out
 
 
+def run_size_in_process(size: str, limit: int | None, log, on_rows=None) -> dict:
+    """The first `limit` plans (None: all) of `size`'s grid in this process, the device peak alone (the module's
+    docstring, --in-process); `on_rows(rows)` after each plan, so a run cut short keeps what it measured."""
+    import gc
+
+    import torch
+
+    import zerogpt
+
+    work, _, grid = _grid(size)
+    ctx = zerogpt.launch_from_torch(seed=0)
+    cuda = ctx.device.type == "cuda"
+    rows = []
+    try:
+        _run(WARM, 0, ctx, steps=1)
+        for index, cand in enumerate(grid[:limit]):
+            gc.collect()
+            base = torch.cuda.memory_allocated(ctx.device) if cuda else 0
+            try:
+                m = _run(size, index, ctx, STEPS)
+            except Exception as e:  # a plan that fails (a GPU out of memory) is a row too
+                rows.append(dict(plan=cand.plan.describe(), error=f"{type(e).__name__}: {e}"[:200]))
+                log(f"{size} {cand.plan.describe()}: {rows[-1]['error']}")
+                continue
+            row = dict(plan=m["plan"], stage=cand.plan.stage, offloaded=offloaded(cand.plan),
+                       measured_device=m["op_device"] - base,
+                       device_measure="max_memory_allocated" if cuda else "op count")
+            rows.append(predicted_row(row, work, cand.plan))
+            log(row_line(size, rows[-1]))
+            if on_rows is not None:
+                on_rows(rows)
+    finally:
+        ctx.destroy()
+    return size_result(size, work, rows)
+
+
 def measure(size: str, index: int, timeout: float) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "MALLOC_PERTURB_": "85",
            "ZEROGPT_KEEP_HOST_MEMORY": "0", "OMP_NUM_THREADS": "1"}
@@ -191,25 +232,30 @@ def predicted_row(row: dict, work, plan) -> dict:
     """`row` (its measured figures) with memory_model's predictions for `plan` and their errors."""
     est = predict(work, plan)
     pred_device, pred_host = est["totals"]["device"], est["host_ram"]
-    return dict(row, predicted_device=pred_device, predicted_host=pred_host, shared=est["shared"],
-                device_error_pct=error_pct(pred_device, row["measured_device"]),
-                host_error_pct=error_pct(pred_host, row["measured_host"]))
+    out = dict(row, predicted_device=pred_device, predicted_host=pred_host, shared=est["shared"],
+               device_error_pct=error_pct(pred_device, row["measured_device"]))
+    if "measured_host" in row:  # not in-process
+        out["host_error_pct"] = error_pct(pred_host, row["measured_host"])
+    return out
 
 
 def row_line(size: str, row: dict) -> str:
+    measure = row.get("device_measure", "op count" if row["offloaded"] else "VmHWM")
+    host = (f", host {row['measured_host'] / MIB:.1f} predicted {row['predicted_host'] / MIB:.1f} "
+            f"({row['host_error_pct']:+.0f}%)" if "measured_host" in row else "")
     return (f"{size} {row['plan']}: device {row['measured_device'] / MIB:.1f} MiB predicted "
-            f"{row['predicted_device'] / MIB:.1f} ({row['device_error_pct']:+.0f}%"
-            f"{', op count' if row['offloaded'] else ''}), host {row['measured_host'] / MIB:.1f} predicted "
-            f"{row['predicted_host'] / MIB:.1f} ({row['host_error_pct']:+.0f}%)")
+            f"{row['predicted_device'] / MIB:.1f} ({row['device_error_pct']:+.0f}%, {measure}){host}")
 
 
 def size_result(size: str, work, rows: list[dict]) -> dict:
     ok = [r for r in rows if "error" not in r]
 
-    def summary(key: str) -> dict:
+    def summary(key: str) -> dict | None:
         # an offloaded plan's device: the op count (not in results from before it left the host's buffers out)
-        rows_ = [r for r in ok
-                 if key == "host_error_pct" or not r["offloaded"] or r.get("device_measure") == "op count"]
+        rows_ = [r for r in ok if key in r and (key == "host_error_pct" or not r["offloaded"]
+                                                or r.get("device_measure") in ("op count", "max_memory_allocated"))]
+        if not rows_:  # in-process: no host
+            return None
         errors = [r[key] for r in rows_]
         return dict(median=statistics.median(errors), max_abs=max(map(abs, errors)),
                     within_10=sum(abs(e) <= 10 for e in errors), plans=len(errors),
@@ -217,7 +263,8 @@ def size_result(size: str, work, rows: list[dict]) -> dict:
                                      for s in sorted({r["stage"] for r in rows_})})
     result = dict(model=size, params=work.shape.num_params, plans=rows, device=summary("device_error_pct"),
                   host=summary("host_error_pct"))
-    single = [error_pct(r["op_device"], r["measured_host"]) for r in ok if not r["offloaded"] and "op_device" in r]
+    single = [error_pct(r["op_device"], r["measured_host"]) for r in ok
+              if not r["offloaded"] and "op_device" in r and "measured_host" in r]
     if single:  # the op count against VmHWM where both see the whole peak
         result["op_count_vs_vmhwm"] = dict(median=statistics.median(single), max_abs=max(map(abs, single)),
                                            plans=len(single))
@@ -240,6 +287,26 @@ def predict_again(path: str, log) -> list[dict]:
     return results
 
 
+def summary_lines(results: list[dict]) -> list[str]:
+    """The table printed at the end: per model, device and (not in-process) host errors."""
+    def cols(x: dict | None) -> str:
+        return f"{'':>33}" if x is None else f"{x['median']:>12.1f}/{x['max_abs']:<9.1f}{x['within_10']:>6}/{x['plans']:<4}"
+
+    def by_stage(x: dict | None) -> str:
+        return "" if x is None else ", ".join(f"z{s} {v:+.0f}%" for s, v in x["median_by_stage"].items())
+    lines = [f"{'model':8}{'plans':>6}{'device err med/max %':>22}{'within 10%':>11}{'host err med/max %':>20}"
+             f"{'within 10%':>11}   median by stage (device | host)"]
+    for r in results:
+        d, h = r["device"], r["host"]
+        lines.append(f"{r['model']:8}{d['plans']:>6}{cols(d)}{cols(h)}   {by_stage(d)} | {by_stage(h)}")
+    for r in results:
+        if "op_count_vs_vmhwm" in r:
+            o = r["op_count_vs_vmhwm"]
+            lines.append(f"{r['model']}: the op count against VmHWM without offload, median {o['median']:+.1f}%, "
+                         f"max |{o['max_abs']:.1f}|% over {o['plans']} plans")
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="8L-384", help="comma-separated auto_plan model sizes")
@@ -247,6 +314,9 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300, help="seconds per plan's process")
     p.add_argument("--predict-again", metavar="RESULTS", default=None,
                    help="no measuring: this checkout's predictions against the measurements in RESULTS")
+    p.add_argument("--in-process", action="store_true",
+                   help="every plan in this process, the device alone (max_memory_allocated on CUDA)")
+    p.add_argument("--limit", type=int, default=None, help="with --in-process: the first LIMIT plans of each size")
     p.add_argument("--child", nargs=2, metavar=("SIZE", "INDEX"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -254,27 +324,29 @@ def main() -> int:
         return 0
     start = time.perf_counter()
     log = functools.partial(print, flush=True)
-    results = (predict_again(args.predict_again, log) if args.predict_again else
-               [run_size(size, args.timeout, log) for size in args.sizes.split(",")])
-    print("\ndevice: VmHWM without offload, the op count with it; host: VmHWM")
-    print(f"{'model':8}{'plans':>6}{'device err med/max %':>22}{'within 10%':>11}{'host err med/max %':>20}"
-          f"{'within 10%':>11}   median by stage (device | host)")
-    for r in results:
-        d, h = r["device"], r["host"]
-        print(f"{r['model']:8}{h['plans']:>6}{d['median']:>12.1f}/{d['max_abs']:<9.1f}"
-              f"{d['within_10']:>6}/{d['plans']:<4}{h['median']:>10.1f}/{h['max_abs']:<9.1f}"
-              f"{h['within_10']:>6}/{h['plans']:<4}   "
-              + ", ".join(f"z{s} {v:+.0f}%" for s, v in d["median_by_stage"].items()) + " | "
-              + ", ".join(f"z{s} {v:+.0f}%" for s, v in h["median_by_stage"].items()))
-    for r in results:
-        if "op_count_vs_vmhwm" in r:
-            o = r["op_count_vs_vmhwm"]
-            print(f"{r['model']}: the op count against VmHWM without offload, median {o['median']:+.1f}%, "
-                  f"max |{o['max_abs']:.1f}|% over {o['plans']} plans")
+    how = ("in one process, the device alone: max_memory_allocated on CUDA, else the op count" if args.in_process
+           else "resident whole (MALLOC_PERTURB_)")
+
+    def save(results: list[dict]) -> None:
+        if args.out:
+            write_json_atomic(args.out, dict(steps=STEPS, allocations=how, results=results))
+    if args.predict_again:
+        results = predict_again(args.predict_again, log)
+    elif args.in_process:
+        results = []
+        for size in args.sizes.split(","):
+            work = _grid(size)[0]
+            results.append(run_size_in_process(
+                size, args.limit, log, on_rows=lambda rows, size=size, work=work: save(
+                    results + [size_result(size, work, rows)])))
+            save(results)
+    else:
+        results = [run_size(size, args.timeout, log) for size in args.sizes.split(",")]
+    print("\ndevice: " + ("in this process, " + how.split(": ")[1] if args.in_process else
+                          "VmHWM without offload, the op count with it; host: VmHWM"))
+    print("\n".join(summary_lines(results)))
     print(f"({time.perf_counter() - start:.0f} s)")
-    if args.out:
-        write_json_atomic(args.out, dict(steps=STEPS, allocations="resident whole (MALLOC_PERTURB_)",
-                                         results=results))
+    save(results)
     return 0
 
 

@@ -493,6 +493,14 @@ def test_auto_slice_runs_in_tiny_form(tmp_path, slices):
               if x["goal"].keys[0] == "auto_vs_shipped"]
     assert row["status"] == ("met" if f["auto_vs_shipped"] >= 0.95 else "unmet")
     assert f"{f['auto_vs_shipped']:.2f}×" in row["text"] and f"chose {f['auto_plan']}" in row["text"]
+    # memory_model against the device's own count over a grid (a CPU: the op count), the first plans in tiny form
+    m = r["memory"]
+    assert m["device"]["plans"] == slices.auto.MEMORY_TINY_PLANS and not m["failed"] and m["killed"] is None, m
+    assert f["auto_memory_within_10"] == m["device"]["within_10"] / m["device"]["plans"]
+    assert "by op count" in f["auto_memory_within_10_what"] and (tmp_path / slices.auto.MEMORY_FILE).exists()
+    (row,) = [x for x in slices.record.goals_rows(slices.record.load_records(str(tmp_path / "results")))
+              if x["goal"].keys[0] == "auto_memory_within_10"]
+    assert row["status"] == ("met" if f["auto_memory_within_10"] == 1 else "unmet")
 
 
 @no_cuda

@@ -8,24 +8,33 @@ the same count in both runs, however many more a run logged before it stopped):
    chooses. Its planner's trial steps run before the first logged step: inside the run's wall seconds, outside its
    tokens/s. A fresh plan cache (ZEROGPT_PLAN_CACHE in a temporary directory) makes every run search and try, as a
    first run on a machine does.
+3. memory_model against the GPU's own count: bench/plan_memory.py --in-process on auto_plan's 2L-128 grid (72
+   plans, every stage, offload, micro-batch and loss; fp32), each plan's max_memory_allocated over its steps less
+   what was allocated before its build, against the device memory_model predicts (issue 47.6: within 10%; the CPU
+   measures this grid's offloaded plans by an op count, and five of them missed). Results in
+   DIR/plan_memory_gpu.json.
 The two tokens per step are read from the configs and checked equal before anything runs. Figures:
 auto_tokens_per_s, auto_shipped_tokens_per_s, auto_vs_shipped (their ratio), auto_plan (the chosen plan's line,
-from the run's plan.json); the run's plan.txt (the planner's table) is copied to DIR/plan_auto.txt. Shares of the
-time left: 40 / 60 %. The tiny form shrinks both configs as verify's does: 2 layers x 64 wide, fp32, `--seq`
-tokens per sequence, 2 sequences per step.
+from the run's plan.json); auto_memory_within_10 (the share of plans predicted within 10%, `_what` the counts); the
+run's plan.txt (the planner's table) is copied to DIR/plan_auto.txt. Shares of the time left: 35 / 50 / 15 %. The
+tiny form shrinks both configs as verify's does: 2 layers x 64 wide, fp32, `--seq` tokens per sequence, 2 sequences
+per step, and measures the grid's first MEMORY_TINY_PLANS plans (on a CPU: the op count).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 import tempfile
 
-from gpu_slices.runner import REPO, log
+from gpu_slices.runner import REPO, log, run_watched
 from gpu_slices.verify import SHIPPED_CONFIG, TINY_BATCH, mock_run_overrides, run_train_gpt, shipped_overrides
 
 AUTO_CONFIG = "configs/gpt2_xl_auto.py"
-WEIGHTS = dict(shipped=40, auto=60)  # shares of the measurement time, in this order: auto's trials run inside its own
+WEIGHTS = dict(shipped=35, auto=50, memory=15)  # shares of the measurement time, in this order: auto's trials run
+# inside its own
+MEMORY_SIZE, MEMORY_FILE, MEMORY_TINY_PLANS = "2L-128", "plan_memory_gpu.json", 2
 PLAN_COPY = "plan_auto.txt"
 
 
@@ -77,7 +86,7 @@ def run(args, budget, result: dict, save) -> None:
     runs = (("shipped", SHIPPED_CONFIG, shipped_sets), ("auto", AUTO_CONFIG, auto_sets))
     for k, (name, config, sets) in enumerate(runs):
         log(f"  {k + 1}. {config} through train_gpt.py")
-        seconds = budget.share(WEIGHTS[name], sum(WEIGHTS[n] for n, *_ in runs[k + 1:]))
+        seconds = budget.share(WEIGHTS[name], sum(WEIGHTS[n] for n, *_ in runs[k + 1:]) + WEIGHTS["memory"])
         if not budget.can_start(seconds):
             result["skipped"].append(f"{config}: not started, {seconds:.0f} s left")
             continue
@@ -99,3 +108,40 @@ def run(args, budget, result: dict, save) -> None:
         log(f"  plan='auto' ({figures['auto_plan']}): {figures['auto_tokens_per_s']:,.0f} tok/s vs the shipped "
             f"config's {figures['auto_shipped_tokens_per_s']:,.0f} = {figures['auto_vs_shipped']:.2f}x; wall "
             f"{auto['wall_s']:.0f} s (its trials included) vs {shipped['wall_s']:.0f} s")
+    run_memory(args, budget, reserve, result)
+    save()
+
+
+def run_memory(args, budget, reserve: int, result: dict) -> None:
+    """Part 3: plan_memory.py --in-process in a watched process; result["memory"] and the figure."""
+    log(f"  3. memory_model against max_memory_allocated, {MEMORY_SIZE}'s grid in one process")
+    seconds = budget.share(WEIGHTS["memory"])
+    if not budget.can_start(seconds):
+        result["skipped"].append(f"memory: not started, {seconds:.0f} s left")
+        return
+    path = os.path.join(args.out, MEMORY_FILE)
+    cmd = [sys.executable, os.path.join(REPO, "bench", "plan_memory.py"), "--in-process", "--sizes", MEMORY_SIZE,
+           "--out", path] + (["--limit", str(MEMORY_TINY_PLANS)] if args.tiny else [])
+    run = run_watched(cmd, seconds, reserve)
+    memory = result["memory"] = dict(file=MEMORY_FILE, killed=run["killed"], returncode=run["returncode"],
+                                     wall_s=run["wall_s"])
+    try:
+        with open(path) as f:
+            (size,) = json.load(f)["results"]
+    except (OSError, ValueError, KeyError) as e:
+        memory["error"] = f"{MEMORY_FILE}: {type(e).__name__}: {e}; output: {run['output'][-300:]}"
+        result["errors"].append(f"memory: {memory['error']}")
+        return
+    rows = [r for r in size["plans"] if "error" not in r]
+    device = memory["device"] = size["device"]
+    memory["misses"] = [dict(plan=r["plan"], measured=r["measured_device"], predicted=r["predicted_device"],
+                             error_pct=r["device_error_pct"]) for r in rows if abs(r["device_error_pct"]) > 10]
+    memory["failed"] = [r["plan"] for r in size["plans"] if "error" in r]
+    measure = rows[0]["device_measure"] if rows else "none"
+    figures = result["figures"]
+    figures["auto_memory_within_10"] = device["within_10"] / device["plans"]
+    figures["auto_memory_within_10_what"] = (
+        f"{device['within_10']} of {device['plans']} plans of {MEMORY_SIZE}, median {device['median']:+.1f}%, "
+        f"max |{device['max_abs']:.1f}|%, by {measure}" + (f"; {len(memory['failed'])} failed" if memory["failed"]
+                                                           else ""))
+    log(f"  memory: {figures['auto_memory_within_10_what']}")

@@ -199,6 +199,8 @@ GOALS = (
               (("auto_vs_shipped", "", RATIO),),
               shown=(("auto_tokens_per_s", "auto", TOKENS), ("auto_shipped_tokens_per_s", "shipped", TOKENS),
                      ("auto_plan", "chose", "{}"))),
+    threshold("memory_model vs the GPU's allocator, every plan of a grid", "within 10% for every plan", 1.0,
+              (("auto_memory_within_10", "within 10%:", PCT),)),
     # the verify slice's two, from the text rather than its table
     Goal("`pytest -m gpu`", "every GPU test passes", (("cuda_checks_failed", "gpu_tests_passed"),)),
     Goal("device syncs between log steps, stages 0-3 with and without offload", "0",
