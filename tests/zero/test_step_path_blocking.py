@@ -1,6 +1,7 @@
 """No blocking call on the training thread between log steps (issue 46 point 5), in the rows gpu_check's verify slice
 counts device syncs in: stages 0-3; optimizer offload to cpu, cpu with the params, disk; bf16 moments; the chunked
-loss. A GPU run's plan is taken on this CPU (tests/zero/gpu_plan.py): the host step behind the next forward on its
+loss; and the models users bring (a Llama with grouped-query attention, a Qwen3 with q/k norms and a tied head,
+whose vocabularies are padded as GPT-2's is). A GPU run's plan is taken on this CPU (tests/zero/gpu_plan.py): the host step behind the next forward on its
 worker, gradients handed over as their reductions launch, compute copies staged. tests/zero/blocking_ops.py says
 what counts as blocking and why this sees what a Python-level count cannot.
 """
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from model_zoo.gpt import GPTLMLoss, gpt2_tiny
+from model_zoo.llama import llama_tiny
 from tests.zero.blocking_ops import BlockingOps
 from tests.zero.gpu_plan import planned
 from zerogpt.context import DistContext
@@ -23,18 +25,23 @@ ROWS.update({f"stage {s} offload=cpu": dict(stage=s, offload="cpu") for s in ran
 ROWS.update({"stage 3 offload=cpu+param": dict(stage=3, offload="cpu", offload_param=True),
              "stage 3 offload=disk": dict(stage=3, offload="disk"),
              "stage 3 offload=cpu state_dtype=bf16": dict(stage=3, offload="cpu", state_dtype="bf16"),
-             "stage 3 chunked loss": dict(stage=3, chunked_loss=True)})
+             "stage 3 chunked loss": dict(stage=3, chunked_loss=True),
+             "llama stage 3": dict(stage=3, model="llama"),
+             "qwen3 stage 3 offload=cpu chunked loss": dict(stage=3, offload="cpu", chunked_loss=True, model="qwen3")})
+MODELS = dict(gpt2=gpt2_tiny, llama=llama_tiny, qwen3=lambda **kw: llama_tiny(qk_norm=True, tie_word_embeddings=True,
+                                                                              **kw))
 
 
 def build(stage: int, offload: str | None = None, offload_param: bool = False, state_dtype: str = "fp32",
-          chunked_loss: bool = False):
+          chunked_loss: bool = False, model: str = "gpt2"):
     """The optimizer a GPU run gets: HybridAdam where offloaded, else torch's fused AdamW (what initialize makes a
     GPU run's AdamW), whose kernel skips a non-finite step on the device."""
     import zerogpt
 
     torch.manual_seed(0)
-    model = gpt2_tiny(vocab_size=VOCAB, dropout=0.0, max_position_embeddings=SEQ, chunked_loss=chunked_loss,
-                      loss_chunk_size=8)
+    extra = dict(dropout=0.0) if model == "gpt2" else {}
+    model = MODELS[model](vocab_size=VOCAB, max_position_embeddings=SEQ, chunked_loss=chunked_loss, loss_chunk_size=8,
+                          **extra)
     zero: dict = dict(stage=stage)
     optimizer = dict(type="AdamW", lr=1e-3, weight_decay=0.1, fused=True)
     if offload is not None:
