@@ -326,6 +326,9 @@ def test_full_size_plans(slices):
     assert {(3, "cpu+param"), (3, "disk")} <= {(t, o) for t, o, *_ in rows}
     assert (3, "none", True, False, None) in rows and (3, "none", False, True, None) in rows
     assert (3, "cpu", False, False, "bf16") in rows
+    llamas = {(s.model, s.stage, s.offload, s.chunked_loss, s.vocab) for s in slices.verify.sync_specs(args)
+              if s.model != "gpt"}
+    assert llamas == {("llama3_8b", 3, "none", False, 128256), ("llama3_2_1b", 3, "cpu", True, 128256)}
     plan = slices.compute.plan(args)
     rows = {(s.system, v, s.stage, s.batch, s.compile_mode) for g in plan.values() for v, s in g}
     assert {(v, s.stage, s.batch, s.profile_to) for g in plan.values() for v, s in g if s.profile_to} == {
@@ -397,7 +400,7 @@ def test_every_slice_runs_in_tiny_form(tmp_path, slices):
 
     v = got["verify"]  # syncs: counted on a GPU only; every row a run of its CUDA path's CPU twin
     assert [(s["stage"], s["offload"]) for s in v["syncs"]] == [(0, "none"), (3, "cpu+param"), (3, "disk"),
-                                                                 (3, "none")]
+                                                                 (3, "none"), (3, "cpu")]
     assert all(s["error"] is None and s["syncs_per_step"] is None and s["losses"] for s in v["syncs"]), v["syncs"]
     t = v["train_gpt"]  # stopped by SIGTERM once logged, nothing saved
     assert t["stopped"] and t["returncode"] == 130 and "error" not in t, t

@@ -3,7 +3,8 @@
 Three steps, each with its share of the budget (25 / 30 / 45 %; what one leaves flows to the next):
 1. device syncs per step: a small GPT at stages 0-3 without and with optimizer offload, stage 3 with the
    parameters offloaded too, with bf16 Adam moments, with the disk tier, under compile and with the chunked loss,
-   all with 2 micro-batches per step (device-side accumulation); after the timed steps, a few more run under
+   and the Llama family at the same size (an untied GQA Llama at stage 3; a tied one offloaded with the chunked loss
+   over the 128k vocabulary), all with 2 micro-batches per step (device-side accumulation); after the timed steps, a few more run under
    torch.cuda.set_sync_debug_mode("warn") and every synchronizing call is counted by the line that made it (the
    steps between two log steps: the goal is 0). Each row is also a smoke run of that CUDA path.
 2. configs/gpt2_xl_zero3_offload.py through train_gpt.py on mock data: stopped with SIGTERM once it has logged
@@ -30,20 +31,27 @@ DISK = os.path.join(tempfile.gettempdir(), "gpu_check_verify_disk")
 
 
 def sync_specs(args) -> list[Spec]:
-    """The sync-count matrix: (stage, offload, extra) on a small GPT, 2 micro-batches per step. The tiny form runs
-    four of its rows, without compile (minutes on the CPU) and bf16 moments (their op would build in the worker)."""
+    """The sync-count matrix: (stage, offload, extra) on a small GPT and Llamas of its size, 2 micro-batches per step.
+    The tiny form runs five of its rows, without compile (minutes on the CPU) and bf16 moments (their op would build
+    in the worker)."""
     shape, batch, seq = ((2, 2, 64), 1, 32) if args.tiny else ((4, 8, 512), 2, 256)
     chunked = dict(chunked_loss=True, loss_chunk_size=batch * seq // 4)
     rows = [(stage, offload, {}) for stage in range(4) for offload in ("none", "cpu")]
+    # the models users bring: an untied GQA Llama, and a tied one (Llama-3.2's) offloaded with the chunked loss over
+    # the 128k vocabulary; both at the small GPT's depth and width (gpu_measure.llama_shape)
+    llama = [(3, "none", dict(model="llama3_8b", vocab=args.llama_vocab)),
+             (3, "cpu", dict(model="llama3_2_1b", vocab=args.llama_vocab, **chunked))]
     rows += [(3, "cpu+param", {}), (3, "cpu", dict(state_dtype="bf16")), (3, "disk", dict(offload_path=DISK)),
-             (3, "none", chunked), (3, "none", dict(compile=True))]  # compile last: the slowest to start
+             (3, "none", chunked), *llama, (3, "none", dict(compile=True))]  # compile last: the slowest to start
     if args.tiny:
-        rows = [(0, "none", {}), (3, "cpu+param", {}), (3, "disk", dict(offload_path=DISK)), (3, "none", chunked)]
+        rows = [(0, "none", {}), (3, "cpu+param", {}), (3, "disk", dict(offload_path=DISK)), (3, "none", chunked),
+                llama[1]]
     specs = []
     for stage, offload, extra in rows:
-        what = " ".join(f"{k}={v}" for k, v in extra.items() if k != "offload_path")
+        what = " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("offload_path", "vocab"))
+        extra = dict(dict(vocab=args.vocab), **extra)
         specs.append(Spec("zerogpt", shape, stage=stage, offload=offload, batch=batch, seq=seq, accum=2,
-                          steps=min(2, args.steps), warmup=args.warmup, vocab=args.vocab, count_syncs=3, **extra,
+                          steps=min(2, args.steps), warmup=args.warmup, count_syncs=3, **extra,
                           label=f"syncs stage {stage} offload={offload} {what}".strip()))
     return specs
 
