@@ -118,3 +118,16 @@ def test_a_cached_plan_that_no_longer_fits_is_planned_again(tmp_path):
                         cache=cache, version="1.0", log=lambda _: None, machine_print="machine-a")
     assert any(n.startswith(f"the plan found ({first.chosen.plan.describe()}) does not fit now") for n in again.notes)
     assert again.chosen.fits and again.chosen.plan != first.chosen.plan
+
+
+def test_the_loss_is_chosen_by_measurement_when_every_fast_plan_takes_one_loss():
+    """On an H200's memory GPT-2 XL's fastest predicted plans are alike in their loss, and the speed model cannot
+    tell the two losses apart: the last trial goes to the fastest plan with the other loss, kept where it measures
+    faster."""
+    h200 = gpu(141, 128)
+    trials = Trials([3.0, 3.0, 2.0])
+    result = choose_plan(xl_cfg(), XL, 1, h200, default_constants(h200), model_config=XL_CONFIG, trial=trials,
+                         trials=3, log=lambda _: None, machine_print="h200", version="1.0")
+    losses = [p.chunked_loss for p in trials.plans]
+    assert losses[0] == losses[1] != losses[2], [p.describe() for p in trials.plans]
+    assert result.chosen.plan == trials.plans[2]
