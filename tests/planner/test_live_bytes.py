@@ -55,6 +55,27 @@ def test_what_another_home_holds_is_left_out_while_it_is_held():
     del grad, x, y
 
 
+def test_the_measure_lets_go_of_what_it_watched_when_it_ends():
+    """A storage made under the mode that outlives it (an optimizer state made in the measured step) must not keep
+    the measure, nor the engine its `elsewhere` names, alive: a CPU trial's whole engine stayed to the process's
+    end that way (bench/auto_plan.py grew to 24 GB)."""
+    import gc
+    import weakref
+
+    class Engine:  # what `elsewhere` closes over
+        pass
+
+    engine = Engine()
+    gone = weakref.ref(engine)
+    with LiveBytes(lambda: {id(engine)}) as live:
+        state = torch.zeros(1000)  # outlives the mode
+    measure = weakref.ref(live)
+    del engine, live
+    gc.collect()
+    assert gone() is None and measure() is None
+    assert state.sum() == 0
+
+
 def test_a_trial_whose_step_raises_leaves_no_measure_behind():
     """The CPU measure is a dispatch mode and a global forward hook: a step that raises must take both away."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack

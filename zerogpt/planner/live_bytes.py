@@ -38,6 +38,19 @@ class LiveBytes(TorchDispatchMode):
         self.live = self.peak = 0
         self._alive: dict[int, int] = {}  # data pointer -> bytes
         self._elsewhere = elsewhere
+        self._finalizers: list[weakref.finalize] = []
+
+    def __exit__(self, *exc: Any) -> Any:
+        """The measure ends with the mode: its finalizers go (weakref.finalize's registry is global, and a storage
+        that outlives the mode, an optimizer state made in the measured step, would hold this object and through
+        `elsewhere` the engine it names: a trial's whole engine, kept to the process's end)."""
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for finalizer in self._finalizers:
+                finalizer.detach()
+            self._finalizers.clear()
+            self._elsewhere = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -55,7 +68,7 @@ class LiveBytes(TorchDispatchMode):
         if self.live > self.peak:  # what is elsewhere only lowers it: nothing to ask otherwise
             away = 0 if self._elsewhere is None else sum(self._alive.get(k, 0) for k in self._elsewhere())
             self.peak = max(self.peak, self.live - away)
-        weakref.finalize(storage, self._free, key, nbytes)
+        self._finalizers.append(weakref.finalize(storage, self._free, key, nbytes))
 
     def _free(self, key: int, nbytes: int) -> None:
         self._alive.pop(key, None)
