@@ -41,6 +41,9 @@ RUNS = {
     "load_memory.py": (["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
                         "--vocab", "256", "--max-seq", "64", "--ways", "streaming", "--cache-dir", "{tmp}"],
                        "| streaming | 1 |"),
+    # one mode, one round of a tiny model: a pair of fresh processes
+    "malloc_modes.py": (["--modes", "heap", "--rounds", "1", "--layers", "1", "--heads", "2", "--width", "32",
+                         "--vocab", "256", "--seq", "16", "--steps", "4"], "peak RSS MiB"),
     "model_parallel.py": (["--model", "gpt2_tiny", "--seq", "16", "--steps", "1", "--warmup", "0",
                            "--systems", "tp2-sp", "pp2"],
                           "first-step losses agree within 1e-4 (the same step computed 2 ways): yes"),
