@@ -143,9 +143,9 @@ def child(size: str, index: int) -> dict:
     return out
 
 
-def run_size_in_process(size: str, limit: int | None, log, on_rows=None) -> dict:
+def run_size_in_process(size: str, limit: int | None, log, on_result=None) -> dict:
     """The first `limit` plans (None: all) of `size`'s grid in this process, the device peak alone (the module's
-    docstring, --in-process); `on_rows(rows)` after each plan, so a run cut short keeps what it measured."""
+    docstring, --in-process); `on_result(size_result)` after each plan, so a run cut short keeps what it measured."""
     import gc
 
     import torch
@@ -172,8 +172,8 @@ def run_size_in_process(size: str, limit: int | None, log, on_rows=None) -> dict
                        device_measure="max_memory_allocated" if cuda else "op count")
             rows.append(predicted_row(row, work, cand.plan))
             log(row_line(size, rows[-1]))
-            if on_rows is not None:
-                on_rows(rows)
+            if on_result is not None:
+                on_result(size_result(size, work, rows))
     finally:
         ctx.destroy()
     return size_result(size, work, rows)
@@ -290,7 +290,9 @@ def predict_again(path: str, log) -> list[dict]:
 def summary_lines(results: list[dict]) -> list[str]:
     """The table printed at the end: per model, device and (not in-process) host errors."""
     def cols(x: dict | None) -> str:
-        return f"{'':>33}" if x is None else f"{x['median']:>12.1f}/{x['max_abs']:<9.1f}{x['within_10']:>6}/{x['plans']:<4}"
+        if x is None:
+            return f"{'':>33}"
+        return f"{x['median']:>12.1f}/{x['max_abs']:<9.1f}{x['within_10']:>6}/{x['plans']:<4}"
 
     def by_stage(x: dict | None) -> str:
         return "" if x is None else ", ".join(f"z{s} {v:+.0f}%" for s, v in x["median_by_stage"].items())
@@ -324,8 +326,7 @@ def main() -> int:
         return 0
     start = time.perf_counter()
     log = functools.partial(print, flush=True)
-    how = ("in one process, the device alone: max_memory_allocated on CUDA, else the op count" if args.in_process
-           else "resident whole (MALLOC_PERTURB_)")
+    how = ("in one process, the device alone" if args.in_process else "resident whole (MALLOC_PERTURB_)")
 
     def save(results: list[dict]) -> None:
         if args.out:
@@ -335,15 +336,13 @@ def main() -> int:
     elif args.in_process:
         results = []
         for size in args.sizes.split(","):
-            work = _grid(size)[0]
-            results.append(run_size_in_process(
-                size, args.limit, log, on_rows=lambda rows, size=size, work=work: save(
-                    results + [size_result(size, work, rows)])))
+            results.append(run_size_in_process(size, args.limit, log,
+                                               on_result=lambda partial: save(results + [partial])))
             save(results)
     else:
         results = [run_size(size, args.timeout, log) for size in args.sizes.split(",")]
-    print("\ndevice: " + ("in this process, " + how.split(": ")[1] if args.in_process else
-                          "VmHWM without offload, the op count with it; host: VmHWM"))
+    print("\ndevice: " + ("in this process, max_memory_allocated on CUDA, else the op count" if args.in_process
+                          else "VmHWM without offload, the op count with it; host: VmHWM"))
     print("\n".join(summary_lines(results)))
     print(f"({time.perf_counter() - start:.0f} s)")
     save(results)

@@ -367,8 +367,9 @@ def activation_bytes(shape: ModelShape, seq_len: int, batch: int, precision: str
     (model_zoo.loss.chunked_cross_entropy, at most `loss_chunk` tokens a chunk and at least LOSS_MIN_CHUNKS chunks:
     `loss_chunk_tokens`) computes the gradients of the hidden states and of the head's weight (padded rows) in its
     forward and holds them until backward, in the compute dtype (fp32 under fp16); beside them one chunk's fp32
-    logits over the padded vocabulary (the padding's at -inf), and in bf16/fp16 its logits (or their gradient) in the compute dtype, 4 + e per chunk logit (4 in
-    fp32); its backward scales the two in place (fp16: and casts them) (tests/test_memory_model.py measures it).
+    logits over the padded vocabulary (the padding's at -inf), and in bf16/fp16 its logits (or their gradient) in
+    the compute dtype, 4 + e per chunk logit (4 in fp32); its backward scales the two in place (fp16: and casts
+    them) (tests/test_memory_model.py measures it).
 
     Returns: dict(per_layer, layers, embeddings, logits, total, after_loss, grads_room) in bytes; `logits`: the
     loss's peak; `grads_room`: the activations gradients made at accumulation 1 take the place of (all of them;

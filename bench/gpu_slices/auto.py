@@ -134,10 +134,14 @@ def run_memory(args, budget, reserve: int, result: dict) -> None:
         return
     rows = [r for r in size["plans"] if "error" not in r]
     device = memory["device"] = size["device"]
+    memory["failed"] = [r["plan"] for r in size["plans"] if "error" in r]
+    if device is None:  # no plan ran
+        memory["error"] = f"no plan measured; failed: {memory['failed'][:3]}"
+        result["errors"].append(f"memory: {memory['error']}")
+        return
     memory["misses"] = [dict(plan=r["plan"], measured=r["measured_device"], predicted=r["predicted_device"],
                              error_pct=r["device_error_pct"]) for r in rows if abs(r["device_error_pct"]) > 10]
-    memory["failed"] = [r["plan"] for r in size["plans"] if "error" in r]
-    measure = rows[0]["device_measure"] if rows else "none"
+    measure = rows[0]["device_measure"]
     figures = result["figures"]
     figures["auto_memory_within_10"] = device["within_10"] / device["plans"]
     figures["auto_memory_within_10_what"] = (

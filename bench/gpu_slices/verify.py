@@ -4,9 +4,9 @@ Three steps, each with its share of the budget (25 / 30 / 45 %; what one leaves 
 1. device syncs per step: a small GPT at stages 0-3 without and with optimizer offload, stage 3 with the
    parameters offloaded too, with bf16 Adam moments, with the disk tier, under compile and with the chunked loss,
    and the Llama family at the same size (an untied GQA Llama at stage 3; a tied one offloaded with the chunked loss
-   over the 128k vocabulary), all with 2 micro-batches per step (device-side accumulation); after the timed steps, a few more run under
-   torch.cuda.set_sync_debug_mode("warn") and every synchronizing call is counted by the line that made it (the
-   steps between two log steps: the goal is 0). Each row is also a smoke run of that CUDA path.
+   over the 128k vocabulary), all with 2 micro-batches per step (device-side accumulation); after the timed steps, a
+   few more run under torch.cuda.set_sync_debug_mode("warn") and every synchronizing call is counted by the line
+   that made it (the steps between two log steps: the goal is 0). Each row is also a smoke run of that CUDA path.
 2. configs/gpt2_xl_zero3_offload.py through train_gpt.py on mock data: stopped with SIGTERM once it has logged
    the steps wanted (save_on_interrupt off, so no 22 GB checkpoint is written); tokens/s, h2d/d2h bytes and the
    engine's host step from its metrics.jsonl.
@@ -49,7 +49,7 @@ def sync_specs(args) -> list[Spec]:
     specs = []
     for stage, offload, extra in rows:
         what = " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("offload_path", "vocab"))
-        extra = dict(dict(vocab=args.vocab), **extra)
+        extra = {"vocab": args.vocab, **extra}
         specs.append(Spec("zerogpt", shape, stage=stage, offload=offload, batch=batch, seq=seq, accum=2,
                           steps=min(2, args.steps), warmup=args.warmup, count_syncs=3, **extra,
                           label=f"syncs stage {stage} offload={offload} {what}".strip()))

@@ -1,8 +1,9 @@
 """No blocking call on the training thread between log steps (issue 46 point 5), in the rows gpu_check's verify slice
 counts device syncs in: stages 0-3; optimizer offload to cpu, cpu with the params, disk; bf16 moments; the chunked
 loss; and the models users bring (a Llama with grouped-query attention, a Qwen3 with q/k norms and a tied head,
-whose vocabularies are padded as GPT-2's is). A GPU run's plan is taken on this CPU (tests/zero/gpu_plan.py): the host step behind the next forward on its
-worker, gradients handed over as their reductions launch, compute copies staged. tests/zero/blocking_ops.py says
+whose vocabularies are padded as GPT-2's is). A GPU run's plan is taken on this CPU (tests/zero/gpu_plan.py): the
+host step behind the next forward on its worker, gradients handed over as their reductions launch, compute copies
+staged. tests/zero/blocking_ops.py says
 what counts as blocking and why this sees what a Python-level count cannot.
 """
 from __future__ import annotations
