@@ -58,10 +58,12 @@ PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
 
 PRIVATE_TORCH_BEHAVIOURS: tuple[tuple[str, str, str], ...] = (
     # (torch's owner, what zerogpt relies on, where zerogpt relies on it: why)
-    ("torch.optim fused Adam/AdamW/SGD/Adagrad step()", "an instance attribute `found_inf` (set and deleted around "
-     "one step by torch.amp.GradScaler.step), read as the fused kernel's skip flag",
-     "zero/chunk_state.py _fused_step_skipping_on: a non-finite gradient norm skips a torch fused optimizer's step "
-     "on the device, with no host sync; the step takes no such argument"),
+    ("torch.optim fused Adam/AdamW/SGD/Adagrad step()", "instance attributes `found_inf` and `grad_scale` (set and "
+     "deleted around one step by torch.amp.GradScaler.step), read as the fused kernel's skip flag and the divisor "
+     "of each gradient, applied before its weight decay",
+     "zero/chunk_state.py _fused_step: a non-finite gradient norm skips a torch fused optimizer's step on the "
+     "device, with no host sync, and the clip factor is applied in the kernel's own read of the gradient; the "
+     "step takes no such arguments"),
     ("torch.optim.Optimizer", "step() reads a param group only with group[key] / group.get (never copies it into "
      "a dict, never checks its type)",
      "zero/chunk_state.py chunk_optimizer: each chunk's optimizer group is a ChainMap(own params and defaults, the "

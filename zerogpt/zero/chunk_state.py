@@ -175,9 +175,11 @@ class ChunkState:
         grad = grad if grad is not None else torch.zeros_like(self.master)  # decay, momentum still act
         host_step = self.steps_on_host
         grad = self._as_master_grad(grad, host_step)
-        scale = 1.0
+        scale, unscale = 1.0, None
         if factor is not None and host_step:  # read once; the update multiplies each gradient as it reads it
             scale = float(factor)
+        elif factor is not None and self._kernel_unscales(group):  # its grad_scale: the kernel divides as it reads
+            unscale = torch.reciprocal(factor.to(grad.device, non_blocking=grad.device.type != "cpu"))
         elif factor is not None:  # to a host gradient: blocking, for the reason the flag's copy above is
             grad.mul_(factor.to(grad.device, non_blocking=grad.device.type != "cpu"))
         # Read `group` in place (chunk_optimizer): rebinding the view is not a copy, and follows a group dict that
@@ -193,12 +195,21 @@ class ChunkState:
         if host_step:
             self.optimizer.step(found_inf=flag, grad_scale=scale,
                                 copy_to=None if out is None else {self.master: out})
-        elif flag is None:
+        elif flag is None and unscale is None:
             self.optimizer.step()
         else:
-            _fused_step_skipping_on(self.optimizer, flag)
+            _fused_step(self.optimizer, found_inf=flag, grad_scale=unscale)
         self.master.grad = None
         return out is not None
+
+    def _kernel_unscales(self, group: dict) -> bool:
+        """Whether torch's fused kernel takes the clip/unscale factor as its `grad_scale`, dividing each gradient as
+        it reads it (before its own weight decay), so the gradient needs no pass of its own (issue 46.2: 12.5 GB
+        of a GPT-2 XL step's traffic). Not where L2 decay of some ranges was added to the gradient before the
+        kernel (`decay_slices`): the kernel would divide that too."""
+        return (takes_found_inf(self.optimizer) and not is_cpu_adam(self.optimizer)
+                and (self.decay_ranges is None or not group.get("weight_decay")
+                     or _decay_is_decoupled(self.optimizer, group)))
 
     # -- a step taken before the global norm is known (zerogpt/zero/host_step.py) ----------------------------------
 
@@ -252,19 +263,24 @@ class ChunkState:
             self.chunk.shard.copy_(self.master, non_blocking=True)
 
 
-def _fused_step_skipping_on(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
-    """One step of a torch fused optimizer that changes nothing where `flag` is 1.0, on the device.
+def _fused_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None,
+                grad_scale: torch.Tensor | None) -> None:
+    """One step of a torch fused optimizer, on the device: it changes nothing where `found_inf` is 1.0, and
+    divides each gradient by `grad_scale` as it reads it.
 
-    torch's fused kernels take the flag only as GradScaler hands it to them: an attribute `found_inf` on the
-    optimizer, read by its step() (torch/optim/adam.py, sgd.py, adagrad.py) and deleted after it, as
-    torch.amp.GradScaler.step does. No other public path reaches the kernel's flag; the attribute lives for
-    this one call and nowhere else in zerogpt.
+    torch's fused kernels take both only as GradScaler hands them over: attributes `found_inf` and `grad_scale`
+    on the optimizer, read by its step() (torch/optim/adam.py, sgd.py, adagrad.py) and deleted after it, as
+    torch.amp.GradScaler.step does. No other public path reaches the kernel's; the attributes live for this one
+    call and nowhere else in zerogpt.
     """
-    optimizer.found_inf = flag
+    given = {k: v for k, v in dict(found_inf=found_inf, grad_scale=grad_scale).items() if v is not None}
+    for name, value in given.items():
+        setattr(optimizer, name, value)
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf
+        for name in given:
+            delattr(optimizer, name)
 
 
 def _grad_dtype_settable() -> bool:

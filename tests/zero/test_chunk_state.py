@@ -1,0 +1,85 @@
+"""zero/chunk_state.py: a chunk's step on the device. torch's fused kernel takes the clip factor as its grad_scale,
+so the gradient gets no pass of its own (issue 46.2), except where L2 decay of some ranges was added to the gradient
+first; both give plain PyTorch's clipped step."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.zero.recipes import CLIP, lm_loss, tiny_gpt, token_batches, zero_config
+from tests.zero.reference import LR, Recipe, assert_run_matches, engine_run, reference_run, single_thread
+
+
+def two_groups(kind: type, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """What the engine's optimizer dict does to decay (no_decay_1d): the matrices decay, biases and norms not."""
+    params = list(model.parameters())
+    return kind([dict(params=[p for p in params if p.dim() >= 2], weight_decay=0.1),
+                 dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)], lr=LR, fused=True)
+
+
+def adamw_dict(model: torch.nn.Module) -> dict:
+    return dict(type="AdamW", lr=LR, weight_decay=0.1, fused=True)
+
+
+def adam_l2_dict(model: torch.nn.Module) -> dict:
+    return dict(type="Adam", lr=LR, weight_decay=0.1, fused=True)
+
+
+def adamw_groups(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return two_groups(torch.optim.AdamW, model)
+
+
+def adam_l2_groups(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return two_groups(torch.optim.Adam, model)
+
+
+def recipe(optimizer) -> Recipe:
+    return Recipe(build=tiny_gpt, data=token_batches, loss=lm_loss, optimizer=optimizer, steps=4)
+
+
+class GradientPasses(TorchDispatchMode):
+    """Counts in-place multiplies of whole tensors: the clip's own pass over a chunk's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.muls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mul_.Tensor and args[0].numel() > 1:
+            self.muls[args[0].numel()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def watch_steps(engine) -> None:
+    """engine.step() under GradientPasses; the counts gathered on engine._passes."""
+    engine._passes = GradientPasses()
+    step = engine.step
+
+    def counted(*args, **kwargs):
+        with engine._passes:
+            return step(*args, **kwargs)
+
+    engine.step = counted
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_torchs_fused_kernel_takes_the_clip_factor_and_the_step_is_torchs(stage):
+    with single_thread():
+        run = engine_run(0, 1, recipe(adamw_dict), zero_config(stage), clip=CLIP, setup=watch_steps,
+                         inspect=lambda engine, step: dict(engine._passes.muls))
+    assert all(seen == {} for seen in run["inspect"]), f"the gradient had a pass of its own: {run['inspect']}"
+    assert_run_matches(run, reference_run(recipe(adamw_groups), 1, 1, CLIP), precision="fp32", what=f"stage {stage}")
+
+
+@pytest.mark.timeout(120)
+def test_l2_decay_of_some_ranges_keeps_the_clip_pass():
+    with single_thread():
+        run = engine_run(0, 1, recipe(adam_l2_dict), zero_config(2), clip=CLIP, setup=watch_steps,
+                         inspect=lambda engine, step: dict(engine._passes.muls))
+    assert all(seen for seen in run["inspect"]), "the clip factor went to a kernel that divides the L2 term too"
+    assert_run_matches(run, reference_run(recipe(adam_l2_groups), 1, 1, CLIP), precision="fp32",
+                       what="Adam, L2 on matrices")
