@@ -99,10 +99,11 @@ class GradPath:
                 reduced.record_stream(stream)  # not reused by backward until this stream has read it
             # (a step's only reduction, as a pipeline schedule makes, goes to the host as it is)
             if self.accumulate_on_device and (index in self._device_sums or not self._last_reduce):
-                if index not in self._device_sums:  # allocated on this stream, which alone uses and frees it
-                    self._device_sums[index] = self.placement.empty(reduced.numel(), torch.float32, "device",
-                                                                    f"grad_acc{index}")
-                self._device_sums[index].add_(reduced)
+                if index not in self._device_sums:  # made on this stream, which alone uses and frees it; the
+                    # first micro-step's shard is copied in, not added to zeros (one pass, not two)
+                    self._device_sums[index] = reduced.to(torch.float32, copy=True)
+                else:
+                    self._device_sums[index].add_(reduced)
                 if not self._last_reduce:
                     return
                 reduced = self._device_sums.pop(index)  # the step's sum crosses once
@@ -139,14 +140,17 @@ class GradPath:
 
         The first shard of a step becomes the grad shard itself when it already is one (fp32, this chunk's size,
         at the grad home, nothing to pin): no second buffer beside it and no copy (at one rank, the chunk's whole
-        local gradient buffer). The step reads a gradient summed here for its norm.
+        local gradient buffer). In another dtype there, it is upcast into the new grad shard: one pass, where
+        zeros and an add would be two (8 bytes/param of a bf16 step's traffic). The step reads a gradient summed
+        here for its norm.
         """
         placement = self.placement
-        if state.grad is None and reduced.dtype == torch.float32 and reduced.numel() == state.master.numel() \
+        if state.grad is None and reduced.numel() == state.master.numel() \
                 and reduced.device == placement.torch_device(state.grad_home) \
                 and not (state.grad_home == "host" and placement.device.type == "cuda"):
-            state.take_grad(reduced)
-            return reduced
+            grad = reduced.to(torch.float32)  # itself when fp32
+            state.take_grad(grad)
+            return grad
         if state.grad is None:
             state.take_grad(placement.empty(state.master.numel(), torch.float32, state.grad_home,
                                             f"grad{state.index}"))
