@@ -8,6 +8,9 @@ goes on training, and the engine counts the skipped step on the device.
 """
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 
@@ -42,39 +45,57 @@ def _local_state(engine) -> list[torch.Tensor]:
 
 
 def _train_with_one_nan(rank: int, world: int, cases: list[dict], disk: str) -> list[dict]:
-    import zerogpt
-
     torch.set_num_threads(1)
     data = token_batches(STEPS, world, 1)
     results = []
     for case in cases:
-        model = tiny_gpt()
-        zero = dict(zero_config(case["stage"]), **case.get("offload", {}))
-        if zero.get("offload_optimizer", {}).get("device") == "disk":
-            zero["offload_optimizer"] = dict(device="disk", path=disk)
-        cfg = zerogpt.Config(dict(zero=zero, precision=case["precision"], clip_grad_norm=case.get("clip")))
-        engine = zerogpt.initialize(model, _optimizer(case["optimizer"], model), config=cfg, ctx=cpu_ctx(rank, world))
-        states, weights, counted = [], [], torch.zeros(())
-        for step in range(STEPS):
-            loss = lm_loss(engine, data[step, 0, rank], step)
-            if step == case["bad"] and rank == 0:
-                loss = loss * float("nan")
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            counted += engine.last_step_found_inf
-            states.append(_local_state(engine))
-            weights.append(engine.state_dict_full())   # consolidated on rank 0 ({} on rank 1)
-        engine.close()
-        bad = case["bad"]
-        same = [torch.equal(a, b) for a, b in zip(states[bad - 1], states[bad])]
-        results.append(dict(
-            case=case, same_state=same,
-            same_weights=all(torch.equal(weights[bad - 1][k], weights[bad][k]) for k in weights[bad]),
-            finite_after=all(torch.isfinite(w).all().item() for w in weights[-1].values() if w.is_floating_point()),
-            moved_after=rank != 0 or any(not torch.equal(weights[bad][k], weights[-1][k]) for k in weights[-1]),
-            skipped=counted.item()))
+        with _device_master(case.get("device_master", False)):
+            results.append(_one_case(case, rank, world, data, disk))
     return results
+
+
+@contextlib.contextmanager
+def _device_master(taken: bool):
+    """Within the block, a chunk's master steps as one on the device would (not CPUAdam's host step): the route a
+    GPU run's HybridAdam takes without optimizer offload, on this CPU."""
+    if not taken:
+        yield
+        return
+    from zerogpt.zero.chunk_state import ChunkState
+
+    with mock.patch.object(ChunkState, "steps_on_host", new_callable=mock.PropertyMock, return_value=False):
+        yield
+
+
+def _one_case(case: dict, rank: int, world: int, data: torch.Tensor, disk: str) -> dict:
+    import zerogpt
+
+    model = tiny_gpt()
+    zero = dict(zero_config(case["stage"]), **case.get("offload", {}))
+    if zero.get("offload_optimizer", {}).get("device") == "disk":
+        zero["offload_optimizer"] = dict(device="disk", path=disk)
+    cfg = zerogpt.Config(dict(zero=zero, precision=case["precision"], clip_grad_norm=case.get("clip")))
+    engine = zerogpt.initialize(model, _optimizer(case["optimizer"], model), config=cfg, ctx=cpu_ctx(rank, world))
+    states, weights, counted = [], [], torch.zeros(())
+    for step in range(STEPS):
+        loss = lm_loss(engine, data[step, 0, rank], step)
+        if step == case["bad"] and rank == 0:
+            loss = loss * float("nan")
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        counted += engine.last_step_found_inf
+        states.append(_local_state(engine))
+        weights.append(engine.state_dict_full())   # consolidated on rank 0 ({} on rank 1)
+    engine.close()
+    bad = case["bad"]
+    same = [torch.equal(a, b) for a, b in zip(states[bad - 1], states[bad])]
+    return dict(
+        case=case, same_state=same,
+        same_weights=all(torch.equal(weights[bad - 1][k], weights[bad][k]) for k in weights[bad]),
+        finite_after=all(torch.isfinite(w).all().item() for w in weights[-1].values() if w.is_floating_point()),
+        moved_after=rank != 0 or any(not torch.equal(weights[bad][k], weights[-1][k]) for k in weights[-1]),
+        skipped=counted.item())
 
 
 CASES = [dict(stage=s, precision=p, optimizer=o, bad=BAD, offload=off)
@@ -89,6 +110,9 @@ CASES = [dict(stage=s, precision=p, optimizer=o, bad=BAD, offload=off)
              (1, "fp32", "sgd", {}),
              (2, "fp32", "hybrid_deepspeed", dict(offload_optimizer=dict(device="disk"))),
          ]]
+# HybridAdam over a master on the device (no optimizer offload), as a GPU run steps it: its flag is the step's
+# argument (it was once handed over as torch's fused-kernel attribute, which HybridAdam never reads: not skipped)
+CASES.append(dict(stage=1, precision="bf16", optimizer="hybrid_torch", bad=BAD, offload={}, device_master=True))
 CASES[0]["clip"] = 1.0   # clipping by a non-finite norm: still skipped
 
 

@@ -195,6 +195,8 @@ class ChunkState:
         if host_step:
             self.optimizer.step(found_inf=flag, grad_scale=scale,
                                 copy_to=None if out is None else {self.master: out})
+        elif is_cpu_adam(self.optimizer):  # HybridAdam over a device master: the flag is its step's argument
+            self.optimizer.step(found_inf=flag)
         elif flag is None and unscale is None:
             self.optimizer.step()
         else:
