@@ -1,9 +1,10 @@
-"""zero/chunk_state.py: a chunk's step on the device. torch's fused kernel takes the clip factor as its grad_scale,
-so the gradient gets no pass of its own (issue 46.2), except where L2 decay of some ranges was added to the gradient
-first; both give plain PyTorch's clipped step."""
+"""zero/chunk_state.py: a chunk's step on the device. torch's fused kernel (a torch fused optimizer's, or HybridAdam's
+over a device master) takes the clip factor as its grad_scale, so the gradient gets no pass of its own (issue 46.2),
+except where L2 decay of some ranges was added to the gradient first; both give plain PyTorch's clipped step."""
 from __future__ import annotations
 
 import collections
+from unittest import mock
 
 import pytest
 import torch
@@ -26,6 +27,12 @@ def adamw_dict(model: torch.nn.Module) -> dict:
 
 def adam_l2_dict(model: torch.nn.Module) -> dict:
     return dict(type="Adam", lr=LR, weight_decay=0.1, fused=True)
+
+
+def hybrid_adam_dict(model: torch.nn.Module) -> dict:
+    from zerogpt.optim import HybridAdam
+
+    return dict(type=HybridAdam, lr=LR, weight_decay=0.1)
 
 
 def adamw_groups(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -83,3 +90,17 @@ def test_l2_decay_of_some_ranges_keeps_the_clip_pass():
     assert all(seen for seen in run["inspect"]), "the clip factor went to a kernel that divides the L2 term too"
     assert_run_matches(run, reference_run(recipe(adam_l2_groups), 1, 1, CLIP), precision="fp32",
                        what="Adam, L2 on matrices")
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_adam_over_a_device_master_takes_the_clip_factor_too():
+    """The route a GPU run's HybridAdam takes without optimizer offload (not its host step), on this CPU: the factor
+    is its step's `unscale` (tests/optim/test_cpu_adam.py: torch's kernel divides by it), no pass of its own."""
+    from zerogpt.zero.chunk_state import ChunkState
+
+    with single_thread(), mock.patch.object(ChunkState, "steps_on_host", new_callable=mock.PropertyMock,
+                                            return_value=False):
+        run = engine_run(0, 1, recipe(hybrid_adam_dict), zero_config(1), clip=CLIP, setup=watch_steps,
+                         inspect=lambda engine, step: dict(engine._passes.muls))
+    assert all(seen == {} for seen in run["inspect"]), f"the gradient had a pass of its own: {run['inspect']}"
+    assert_run_matches(run, reference_run(recipe(adamw_groups), 1, 1, CLIP), precision="fp32", what="HybridAdam")

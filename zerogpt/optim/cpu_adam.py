@@ -263,7 +263,8 @@ class CPUAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None,
              params: Iterable[torch.Tensor] | None = None, found_inf: torch.Tensor | None = None,
-             grad_scale: float = 1.0, copy_to: dict[torch.Tensor, torch.Tensor] | None = None) -> Any:
+             grad_scale: float = 1.0, copy_to: dict[torch.Tensor, torch.Tensor] | None = None,
+             unscale: torch.Tensor | None = None) -> Any:
         """One Adam(W) update of every param with a grad (or only of `params`, a subset).
 
         `params` lets the engine step chunk by chunk as each chunk's grads arrive on the host,
@@ -273,7 +274,9 @@ class CPUAdam(torch.optim.Optimizer):
         the gradients it steps on already are). `grad_scale` multiplies each gradient as it is read (the engine's
         unscale and clip), and `copy_to[p]` receives p's new value in its own dtype (the engine's compute copy):
         on the host, zerogpt's fused op does both in the update's one pass (zerogpt/optim/host_adam.py), and it
-        steps bf16 moments, which only it takes.
+        steps bf16 moments, which only it takes. `unscale` (a 0-dim tensor) divides each gradient too: on the
+        device inside torch's fused kernel (its `grad_scale`), so the engine's clip there needs no pass of its own
+        and no host read; a host param reads it once, as a float.
         """
         loss = None
         if closure is not None:
@@ -286,6 +289,7 @@ class CPUAdam(torch.optim.Optimizer):
             if not only <= known:
                 raise ValueError(f"{type(self).__name__}.step(params=...): {len(only - known)} tensor(s) are not "
                                  f"in this optimizer's param groups; pass the same tensors given at construction")
+        host_scale = grad_scale if unscale is None else grad_scale / float(unscale)
         for group in self.param_groups:
             host, dev = [], []
             for p in group["params"]:
@@ -294,13 +298,15 @@ class CPUAdam(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise TypeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self._init_state(p)
-                if p.device.type == "cpu" and _takes_fused_step(p, state, copy_to if self.fuses_copies else None):
-                    self._step_fused(group, p, state, found_inf, grad_scale, (copy_to or {}).get(p))
+                on_host = p.device.type == "cpu"
+                if on_host and _takes_fused_step(p, state, copy_to if self.fuses_copies else None):
+                    self._step_fused(group, p, state, found_inf, host_scale, (copy_to or {}).get(p))
                     continue
                 grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-                if grad_scale != 1.0:
-                    grad = grad * grad_scale
-                (host if p.device.type == "cpu" else dev).append((p, grad, state))
+                scale = host_scale if on_host else grad_scale
+                if scale != 1.0:
+                    grad = grad * scale
+                (host if on_host else dev).append((p, grad, state))
             if group.get("decay_ranges") is not None and (host or dev):  # the kernels decay all or nothing
                 for p, grad, _ in host + dev:
                     decay_slices(p, grad, group["decay_ranges"], lr=group["lr"], weight_decay=group["weight_decay"],
@@ -313,7 +319,7 @@ class CPUAdam(torch.optim.Optimizer):
                 else:
                     self._step_torch(group, host, found_inf)
             if dev:
-                self._step_torch(group, dev, found_inf)
+                self._step_torch(group, dev, found_inf, unscale)
             for p, _, _ in host + dev:
                 if copy_to and p in copy_to:
                     copy_to[p].copy_(p, non_blocking=True)
@@ -408,7 +414,10 @@ class CPUAdam(torch.optim.Optimizer):
                 if w is not t and t is not grad:
                     t.copy_(w)
 
-    def _step_torch(self, group: dict, items: list, found_inf: torch.Tensor | None = None) -> None:
+    def _step_torch(self, group: dict, items: list, found_inf: torch.Tensor | None = None,
+                    unscale: torch.Tensor | None = None) -> None:
+        """torch's fused Adam(W) kernel over `items` ((param, grad, state)), each gradient divided by `unscale` as the
+        kernel reads it (GradScaler's `grad_scale`), the step skipped where `found_inf` is set."""
         ps, gs, ms, vs, steps = ([it[0] for it in items], [it[1] for it in items],
                                  [it[2]["exp_avg"] for it in items], [it[2]["exp_avg_sq"] for it in items],
                                  [it[2]["step"] for it in items])
@@ -418,10 +427,13 @@ class CPUAdam(torch.optim.Optimizer):
 
             torch_adam(ps, gs, ms, vs, [], steps, fused=True, amsgrad=False, beta1=beta1,
                        beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                       maximize=False, decoupled_weight_decay=bool(group["adamw_mode"]), found_inf=found_inf)
+                       maximize=False, decoupled_weight_decay=bool(group["adamw_mode"]), found_inf=found_inf,
+                       grad_scale=unscale)
             return
         if found_inf is not None and found_inf.item():  # this rare mode has no kernel to hand the flag to
             return
+        if unscale is not None:
+            gs = torch._foreach_div(gs, unscale)
         # torch's kernels always bias-correct; this rare mode runs as plain foreach ops instead
         torch._foreach_add_(steps, 1)
         lr, wd = group["lr"], group["weight_decay"]

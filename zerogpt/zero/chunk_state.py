@@ -195,8 +195,8 @@ class ChunkState:
         if host_step:
             self.optimizer.step(found_inf=flag, grad_scale=scale,
                                 copy_to=None if out is None else {self.master: out})
-        elif is_cpu_adam(self.optimizer):  # HybridAdam over a device master: the flag is its step's argument
-            self.optimizer.step(found_inf=flag)
+        elif is_cpu_adam(self.optimizer):  # HybridAdam over a device master: flag and divisor are its arguments
+            self.optimizer.step(found_inf=flag, unscale=unscale)
         elif flag is None and unscale is None:
             self.optimizer.step()
         else:
@@ -205,11 +205,12 @@ class ChunkState:
         return out is not None
 
     def _kernel_unscales(self, group: dict) -> bool:
-        """Whether torch's fused kernel takes the clip/unscale factor as its `grad_scale`, dividing each gradient as
-        it reads it (before its own weight decay), so the gradient needs no pass of its own (issue 46.2: 12.5 GB
-        of a GPT-2 XL step's traffic). Not where L2 decay of some ranges was added to the gradient before the
-        kernel (`decay_slices`): the kernel would divide that too."""
-        return (takes_found_inf(self.optimizer) and not is_cpu_adam(self.optimizer)
+        """Whether torch's fused kernel (a torch fused optimizer's, or HybridAdam's over a device master) takes the
+        clip/unscale factor as its `grad_scale`, dividing each gradient as it reads it (before its own weight
+        decay), so the gradient needs no pass of its own (issue 46.2: 12.5 GB of a GPT-2 XL step's traffic). Not
+        where L2 decay of some ranges was added to the gradient before the kernel (`decay_slices`, ours or
+        CPUAdam's): the kernel would divide that too. (A host master never comes here: CPUAdam's host step.)"""
+        return (takes_found_inf(self.optimizer)
                 and (self.decay_ranges is None or not group.get("weight_decay")
                      or _decay_is_decoupled(self.optimizer, group)))
 
