@@ -71,6 +71,8 @@ class Spec:
     count_syncs: int = 0  # steps after the timed ones run under torch.cuda.set_sync_debug_mode("warn"), counted
     fit_batch: bool = False  # after a GPU out-of-memory, measure again at half the batch, down to 1
     compile_mode: str | None = None  # torch.compile's mode (with compile); zerogpt: that mode's inductor options
+    clip: float | None = None  # clip the gradient norm to this, as training does (zerogpt clip_grad_norm, DeepSpeed
+    # gradient_clipping, plain torch clip_grad_norm_ with foreach); None: no clipping
 
 
 def _reset_host_peak() -> None:
@@ -177,6 +179,8 @@ def zerogpt_config(spec: Spec, precision: str) -> dict:
     if spec.prefetch is not None:
         zero["prefetch"] = spec.prefetch
     cfg = dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=spec.accum)
+    if spec.clip is not None:
+        cfg["clip_grad_norm"] = spec.clip
     if spec.compile:
         cfg["compile"] = True
     return cfg
@@ -219,6 +223,8 @@ def _make_deepspeed(spec: Spec, device: torch.device, precision: str):
     config = {"train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": spec.accum,
               "zero_optimization": zero, "steps_per_print": 1 << 30, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": precision == "bf16"}}
+    if spec.clip is not None:
+        config["gradient_clipping"] = spec.clip
     if spec.offload != "none":  # AdamW from the config: DeepSpeedCPUAdam, the op prepare_cpu_adam built
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}
     if spec.meta_init:
@@ -264,6 +270,8 @@ def _make_torch(spec: Spec, device: torch.device, precision: str):
     def step():  # called after every micro-batch, as the engines' step is; acts on the last of the step
         micro[0] += 1
         if micro[0] % spec.accum == 0:
+            if spec.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip, foreach=True)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return forward, backward, step, optimizer, lambda: None

@@ -1,19 +1,19 @@
-"""The compute slice: MFU without offload on GPT-2 XL (1.56B, micro-batch 8 x 1024, bf16) at stages 0 and 3,
-eager, under compile, in FP8 (torchao, carried by gpu_prepare.sh), with the chunked loss, and combined; then the
-levers toward the 52% goal (issue 46.2): micro-batch 12 (pytorch/ao#1297's 49.9% anchor, plain PyTorch beside it),
-CUDA graphs (torch.compile's reduce-overhead mode: each compiled block replayed as one graph) and the
+"""The compute slice: MFU without offload on GPT-2 XL (1.56B, micro-batch 8 x 1024, bf16) at stages 0 and 3, eager,
+under compile, in FP8 (torchao, carried by gpu_prepare.sh), with the chunked loss, and combined; then the levers
+toward the 52% goal (issue 46.2): micro-batch 12 (pytorch/ao#1297's 49.9% anchor, plain PyTorch beside it), CUDA
+graphs (torch.compile's reduce-overhead mode: each compiled block replayed as one graph) and the
 max-autotune-no-cudagraphs mode. (The fused-norm lever is GPT-2's own LayerNorm kernel, and compiled, inductor's
 fusion of it with the residual add: the eager and compile rows; a Llama's RMSNorm is torch's fused rms_norm.)
 
-Five processes, each with its share of the budget, cheapest first, so a slow compile cuts only the rows after
-it: (A) eager and chunked loss, then plain PyTorch eager beside them; (B) compile=True and compile + chunked
-loss; (C) FP8 and FP8 + compile; (D) micro-batch 12, compiled, zerogpt and plain PyTorch, and CUDA graphs;
-(E) max-autotune,
-last (its autotuning is the slowest compile). MFU counts model FLOPs (PaLM) over the GPU's dense bf16 peak (989
-TFLOPS on an H100 or H200), FP8 rows too; the compile time is a row's first step less its eager twin's.
-torch.compile's disk caches outlive a process: a compile time is a cold one only on a fresh machine. Tiny (CPU)
-form: group A and the FP8 rows (an error row there: float8 needs CUDA) in one process; no compile (minutes on the
-CPU), listed under `tiny_omitted`.
+Five processes, each with its share of the budget, cheapest first, so a slow compile cuts only the rows after it:
+(A) eager and chunked loss, then plain PyTorch eager beside them; (B) compile=True and compile + chunked loss; (C)
+FP8 and FP8 + compile; (D) micro-batch 12, compiled, zerogpt and plain PyTorch, and CUDA graphs; (E) max-autotune,
+last (its autotuning is the slowest compile). Every row clips the gradient norm to 1.0 (CLIP), as training does:
+plain PyTorch with clip_grad_norm_, zerogpt in its step (since 2026-11-29; the H200's rows of 2026-11-28 did not
+clip). MFU counts model FLOPs (PaLM) over the GPU's dense bf16 peak (989 TFLOPS on an H100 or H200), FP8 rows too;
+the compile time is a row's first step less its eager twin's. torch.compile's disk caches outlive a process: a
+compile time is a cold one only on a fresh machine. Tiny (CPU) form: group A and the FP8 rows (an error row there:
+float8 needs CUDA) in one process; no compile (minutes on the CPU), listed under `tiny_omitted`.
 
 The Llama family's slices (compute_llama.py) run through the same `measure_groups` and `summarize`.
 """
@@ -26,6 +26,7 @@ from gpu_slices.mfu import table_figures
 from gpu_slices.runner import Spec, log, measure_group, note_failures
 
 XL, TINY_XL = (48, 25, 1600), (4, 2, 64)
+CLIP = 1.0  # every row clips its gradient norm, as the shipped configs train (and nanoGPT, torchtitan by default)
 LEVER_BATCH = 12
 LEVER_MODE = "max-autotune-no-cudagraphs"
 GRAPHS_MODE = "reduce-overhead"  # inductor's triton.cudagraphs
@@ -66,7 +67,7 @@ def plan(args) -> dict[str, list[tuple[str, Spec]]]:
         batch = batch or base_batch  # the levers' own (compiled: never in the tiny form)
         return Spec(system, TINY_XL if args.tiny else XL, stage=stage, batch=batch, seq=args.seq,
                     steps=args.steps + 2, warmup=args.warmup, vocab=args.vocab, precision=precision, compile=compile,
-                    chunked_loss=chunked, loss_chunk_size=chunk, compile_mode=mode, profile_to=profile,
+                    chunked_loss=chunked, loss_chunk_size=chunk, compile_mode=mode, profile_to=profile, clip=CLIP,
                     label=f"{system} gpt2_xl" + (f" stage {stage}" if system == "zerogpt" else "")
                     + f" {variant} b{batch}x{args.seq}")
     for group, variant, precision, compile, chunked, stages, batch, mode in VARIANTS:

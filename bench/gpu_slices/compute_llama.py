@@ -1,19 +1,20 @@
-"""The Llama slices (llama1b, llama3b): MFU without offload on the Llama family (issue 46.1) at stages 0 and 3,
-in four modes (eager, compile, chunked loss, FP8 + compile), with transformers' LlamaForCausalLM (SDPA, fused
-AdamW, bf16 autocast) beside them at the same batch. Llama-3.2-1B at sequence 2048; Llama-3.2-3B at sequence 4096.
+"""The Llama slices (llama1b, llama3b): MFU without offload on the Llama family (issue 46.1) at stages 0 and 3, in four
+modes (eager, compile, chunked loss, FP8 + compile), with transformers' LlamaForCausalLM (SDPA, fused AdamW, bf16
+autocast) beside them at the same batch. Llama-3.2-1B at sequence 2048; Llama-3.2-3B at sequence 4096.
 
 The micro-batch is found first: zerogpt's eager stage-0 row starts at START_BATCH and halves on every GPU
 out-of-memory (gpu_measure's fit_batch) until one fits; every other row runs at that batch. Then, as the compute
-slice (compute.py), one process per group with its share of the budget, cheapest first: (A) eager at stage 3,
-the chunked loss at both, plain PyTorch; (B) compile; (C) FP8 + compile. MFU is PaLM's count with GQA and the
-128k head (gpu_slices/mfu.py) over the GPU's dense bf16 peak. Tiny (CPU) form: the same model names at a
-2-layer, 64-wide shape (tied, GQA), the fit row and group A; no compile (`tiny_omitted`).
+slice (compute.py), one process per group with its share of the budget, cheapest first: (A) eager at stage 3, the
+chunked loss at both, plain PyTorch; (B) compile; (C) FP8 + compile. Every row clips the gradient norm to 1.0, as
+compute.py's. MFU is PaLM's count with GQA and the 128k head (gpu_slices/mfu.py) over the GPU's dense bf16 peak.
+Tiny (CPU) form: the same model names at a 2-layer, 64-wide shape (tied, GQA), the fit row and group A; no compile
+(`tiny_omitted`).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from gpu_slices.compute import LOSS_KERNEL_ROWS, library_installed, measure_groups, omitted_in_tiny, summarize
+from gpu_slices.compute import CLIP, LOSS_KERNEL_ROWS, library_installed, measure_groups, omitted_in_tiny, summarize
 from gpu_slices.mfu import table_figures
 from gpu_slices.runner import Spec, log, note_failures
 
@@ -50,7 +51,8 @@ def plan(slice_name: str, args, batch: int | None = None) -> dict[str, list[tupl
             spec = Spec(system, shape, model=model, stage=stage, batch=batch, seq=seq, steps=args.steps + 2,
                         warmup=args.warmup, vocab=args.llama_vocab, precision=precision, compile=compile,
                         chunked_loss=chunked, loss_chunk_size=TINY_LOSS_CHUNK if args.tiny and chunked else None,
-                        loss_backend="torch" if chunked else None, fit_batch=group == "fit", label=label)
+                        loss_backend="torch" if chunked else None, fit_batch=group == "fit", label=label,
+                        clip=CLIP)
             groups.setdefault(group, []).append((variant, spec))
             if chunked and stage == 0:  # the library loss kernels beside zerogpt's own, where installed
                 groups[group].extend((lib_variant, replace(spec, loss_backend=backend,

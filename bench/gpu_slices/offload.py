@@ -1,6 +1,8 @@
 """The offload slice: GPT-2 XL (1.56B) at stage 3 with the optimizer on the host, zerogpt against DeepSpeed
 ZeRO-Offload, at two batch shapes in the same run: the shipped config's (configs/gpt2_xl_zero3_offload.py: its
-micro-batch x accumulation x seq, bucket and prefetch) and 16k tokens per step (16 x 1024, one micro-batch).
+micro-batch x accumulation x seq, bucket and prefetch) and 16k tokens per step (16 x 1024, one micro-batch), both
+clipping the gradient norm as the config does (its clip_grad_norm; DeepSpeed's gradient_clipping: a clipped step is
+one whose speculative host step is taken again; the H200's rows of 2026-11-28 did not clip).
 zerogpt's group ends with a lever row, last so that a short budget cuts it first: the 16k step with bf16 Adam
 moments (`state_dtype="bf16"`: the host step moves 20 bytes per param, not 28; DeepSpeed has no such moments).
 
@@ -27,6 +29,7 @@ def shipped_shape(args) -> dict:
     zero = dict(cfg.zero)
     strategy = zero.get("shard_strategy")
     out = dict(batch=cfg.BATCH_SIZE, accum=cfg.GRADIENT_ACCUMULATION, seq=cfg.SEQ_LEN, stage=zero["stage"],
+               clip=cfg.clip_grad_norm,
                bucket_mb=getattr(strategy, "bucket_mb", None), prefetch=zero.get("prefetch"),
                offload="cpu+param" if dict(zero.get("offload_param") or {}).get("device") == "cpu" else "cpu")
     if args.tiny:
@@ -38,7 +41,8 @@ def specs_for(system: str, args) -> list[Spec]:
     shipped, shape = shipped_shape(args), TINY_XL if args.tiny else XL
     k16_batch = 1 if args.tiny else 16
     extra = dict(bucket_mb=shipped["bucket_mb"], prefetch=shipped["prefetch"]) if system == "zerogpt" else {}
-    common = dict(stage=3, checkpoint=True, vocab=args.vocab, time_step=True, steps=args.steps, warmup=args.warmup)
+    common = dict(stage=3, checkpoint=True, vocab=args.vocab, time_step=True, steps=args.steps, warmup=args.warmup,
+                  clip=shipped["clip"])
     profile = os.path.join(args.out, "profile_offload.txt") if system == "zerogpt" else None
     specs = [Spec(system, shape, offload=shipped["offload"], batch=shipped["batch"], accum=shipped["accum"],
                   seq=shipped["seq"], label=f"{system} shipped {shipped['batch']}x{shipped['seq']}x{shipped['accum']}",

@@ -31,7 +31,8 @@ DISK = os.path.join(tempfile.gettempdir(), "gpu_check_verify_disk")
 
 
 def sync_specs(args) -> list[Spec]:
-    """The sync-count matrix: (stage, offload, extra) on a small GPT and Llamas of its size, 2 micro-batches per step.
+    """The sync-count matrix: (stage, offload, extra) on a small GPT and Llamas of its size, 2 micro-batches per step,
+each clipping the gradient norm to 1.0 as the shipped configs train (the clip factor's path is counted too).
     The tiny form runs five of its rows, without compile (minutes on the CPU) and bf16 moments (their op would build
     in the worker)."""
     shape, batch, seq = ((2, 2, 64), 1, 32) if args.tiny else ((4, 8, 512), 2, 256)
@@ -51,7 +52,7 @@ def sync_specs(args) -> list[Spec]:
         what = " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("offload_path", "vocab"))
         extra = {"vocab": args.vocab, **extra}
         specs.append(Spec("zerogpt", shape, stage=stage, offload=offload, batch=batch, seq=seq, accum=2,
-                          steps=min(2, args.steps), warmup=args.warmup, count_syncs=3, **extra,
+                          steps=min(2, args.steps), warmup=args.warmup, count_syncs=3, clip=1.0, **extra,
                           label=f"syncs stage {stage} offload={offload} {what}".strip()))
     return specs
 
