@@ -71,6 +71,7 @@ class Spec:
     count_syncs: int = 0  # steps after the timed ones run under torch.cuda.set_sync_debug_mode("warn"), counted
     fit_batch: bool = False  # after a GPU out-of-memory, measure again at half the batch, down to 1
     compile_mode: str | None = None  # torch.compile's mode (with compile); zerogpt: that mode's inductor options
+    host_step_threads: int | None = None  # zerogpt host.step_threads (None: the default, not passed)
     clip: float | None = None  # clip the gradient norm to this, as training does (zerogpt clip_grad_norm, DeepSpeed
     # gradient_clipping, plain torch clip_grad_norm_ with foreach); None: no clipping
 
@@ -181,6 +182,8 @@ def zerogpt_config(spec: Spec, precision: str) -> dict:
     cfg = dict(zero=zero, precision=precision, GRADIENT_ACCUMULATION=spec.accum)
     if spec.clip is not None:
         cfg["clip_grad_norm"] = spec.clip
+    if spec.host_step_threads is not None:
+        cfg["host"] = dict(step_threads=spec.host_step_threads)
     if spec.compile:
         cfg["compile"] = True
     return cfg

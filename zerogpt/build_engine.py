@@ -324,7 +324,7 @@ def _build_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk], plan
                             state_dtype=plan.state_dtype,
                             overlap_next_forward=plan.host_step_overlaps,
                             stage_compute_copies=plan.stages_compute_copies, step_waits=step_waits,
-                            speculate=plan.host_step_speculates)
+                            speculate=plan.host_step_speculates, host_step_threads=plan.host.step_threads)
 
 
 def _step_fused(optimizer: torch.optim.Optimizer) -> None:

@@ -307,7 +307,9 @@ class Engine:
                 f"({self.host_bytes() / max(self.num_params(), 1):.1f} bytes/param)"
                 + f"; host: keep_freed_memory {on[self.host_settings['keep_freed_memory']]}, "
                 f"shm_collectives {on[self.host_settings['shm_collectives']]}"
-                + (f", cpu_adam {kernel}" if kernel else ""))
+                + (f", cpu_adam {kernel}" if kernel else "")
+                + (f", host step on {host_step.threads} threads beside forward and backward"
+                   if (host_step := self.sharded_optim.host_step).overlaps else ""))
 
     # -- consolidated state -------------------------------------------------------------------
 

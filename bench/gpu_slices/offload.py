@@ -3,8 +3,10 @@ ZeRO-Offload, at two batch shapes in the same run: the shipped config's (configs
 micro-batch x accumulation x seq, bucket and prefetch) and 16k tokens per step (16 x 1024, one micro-batch), both
 clipping the gradient norm as the config does (its clip_grad_norm; DeepSpeed's gradient_clipping: a clipped step is
 one whose speculative host step is taken again; the H200's rows of 2026-11-28 did not clip).
-zerogpt's group ends with a lever row, last so that a short budget cuts it first: the 16k step with bf16 Adam
-moments (`state_dtype="bf16"`: the host step moves 20 bytes per param, not 28; DeepSpeed has no such moments).
+zerogpt's group ends with two lever rows, last so that a short budget cuts them first: the 16k step with bf16 Adam
+moments (`state_dtype="bf16"`: the host step moves 20 bytes per param, not 28; DeepSpeed has no such moments), and
+the 16k step with the host step on 80% of the cores (`host.step_threads`, SuperOffload's share: the rest stay with
+the thread that launches forward and backward, which the host step runs beside).
 
 Each system runs its two shapes in its own process with half the budget left: tokens/s, h2d/d2h bytes per step,
 the optimizer-step call's wall seconds with the device synchronized around it (host work the backward did not
@@ -52,6 +54,11 @@ def specs_for(system: str, args) -> list[Spec]:
     if system == "zerogpt" and not args.tiny:  # tiny: the bf16 moments need the host-Adam op built
         specs.append(Spec(system, shape, offload="cpu", batch=k16_batch, seq=args.seq, state_dtype="bf16",
                           label=f"{system} 16k {k16_batch}x{args.seq}, bf16 moments", **common))
+        cores = len(os.sched_getaffinity(0))
+        threads = max(1, cores * 4 // 5)
+        specs.append(Spec(system, shape, offload="cpu", batch=k16_batch, seq=args.seq, host_step_threads=threads,
+                          label=f"{system} 16k {k16_batch}x{args.seq}, host step on {threads} of {cores} cores",
+                          **common))
     return specs
 
 
@@ -70,18 +77,20 @@ def run(args, budget, result: dict, save) -> None:
     for k, system in enumerate(systems):
         log(f"  {system}: the shipped config's shape, then 16k tokens per step")
         got = measure_group(budget, specs_for(system, args), 1, len(systems) - k - 1, reserve, result["skipped"])
-        rows[system] = got + [None] * (3 - len(got))
+        rows[system] = got + [None] * (4 - len(got))
         result["rows"] = [r for rs in rows.values() for r in rs if r]
         save()
     figures = result["figures"]
-    z_shipped, z_16k, z_16k_bf16 = rows.get("zerogpt", [None] * 3)
-    d_shipped, d_16k, _ = rows.get("deepspeed", [None] * 3)
+    z_shipped, z_16k, z_16k_bf16, z_16k_threads = rows.get("zerogpt", [None] * 4)
+    d_shipped, d_16k, *_ = rows.get("deepspeed", [None] * 4)
     figures.update(shipped_zerogpt_tokens_per_s=_pick(z_shipped, "tokens_per_s"),
                    shipped_deepspeed_tokens_per_s=_pick(d_shipped, "tokens_per_s"),
                    k16_zerogpt_tokens_per_s=_pick(z_16k, "tokens_per_s"),
                    k16_deepspeed_tokens_per_s=_pick(d_16k, "tokens_per_s"),
                    k16_bf16_moments_zerogpt_tokens_per_s=_pick(z_16k_bf16, "tokens_per_s"),
                    k16_bf16_moments_host_step_s=_pick(z_16k_bf16, "engine_host_step_s"),
+                   k16_host_step_threads_tokens_per_s=_pick(z_16k_threads, "tokens_per_s"),
+                   k16_host_step_threads_host_step_s=_pick(z_16k_threads, "engine_host_step_s"),
                    host_step_s=_pick(z_shipped, "engine_host_step_s") or _pick(z_16k, "engine_host_step_s"))
     if _pick(z_shipped, "engine_host_step_s") is None and figures["host_step_s"] is not None:
         figures.setdefault("notes", {})["host_step_s"] = "from the 16k row"

@@ -275,7 +275,8 @@ class HostConfig:
     """Process-wide host settings: `initialize()` applies them and `engine.describe()` prints them.
 
     Each has an environment variable that overrides the key when set (ZEROGPT_KEEP_HOST_MEMORY,
-    ZEROGPT_SHM_COMM: 0 or 1; ZEROGPT_CPU_ADAM: a kernel name), for runs launched by scripts one cannot edit.
+    ZEROGPT_SHM_COMM: 0 or 1; ZEROGPT_CPU_ADAM: a kernel name; ZEROGPT_HOST_STEP_THREADS: a count), for runs
+    launched by scripts one cannot edit.
     """
 
     keep_freed_memory: bool = True
@@ -284,9 +285,16 @@ class HostConfig:
     """Ranks on one host exchange CPU tensors through /dev/shm instead of gloo's sockets (zerogpt/zero/shm.py)."""
     cpu_adam: Literal["auto", "deepspeed", "torch"] = "auto"
     """CPUAdam/HybridAdam host kernel: "auto" (DeepSpeed's op if it builds) | "deepspeed" | "torch"."""
+    step_threads: int | None = None
+    """Threads of the host step where it runs beside forward and backward (a GPU run's offloaded optimizer,
+    zerogpt/zero/host_step.py); None: this rank's torch threads, every core it has. Fewer leave cores to the
+    training thread, which launches the GPU's work (DeepSpeed's SuperOffload steps on 80% of them)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "host")
+        if self.step_threads is not None and self.step_threads < 1:
+            raise ValueError(f"host.step_threads={self.step_threads}: expected a count of threads >= 1, or None "
+                             f"(every core of the rank)")
 
     def with_env_overrides(self, environ: Any = None) -> "HostConfig":
         """These settings with the environment's overrides applied."""
@@ -306,8 +314,13 @@ class HostConfig:
         kernel = {"fused": "torch", "torch-fused": "torch"}.get(kernel.lower(), kernel.lower())
         if kernel not in ("auto", "deepspeed", "torch"):
             raise ValueError(f"$ZEROGPT_CPU_ADAM={kernel!r} is not a CPU Adam kernel; valid: auto, deepspeed, torch")
+        threads = env.get("ZEROGPT_HOST_STEP_THREADS") or None
+        if threads is not None and not (threads.isdigit() and int(threads) >= 1):
+            raise ValueError(f"$ZEROGPT_HOST_STEP_THREADS={threads!r}: expected a count of threads >= 1 (it overrides "
+                             f"host.step_threads)")
         return HostConfig(keep_freed_memory=flag("ZEROGPT_KEEP_HOST_MEMORY", self.keep_freed_memory),
-                          shm_collectives=flag("ZEROGPT_SHM_COMM", self.shm_collectives), cpu_adam=kernel)
+                          shm_collectives=flag("ZEROGPT_SHM_COMM", self.shm_collectives), cpu_adam=kernel,
+                          step_threads=self.step_threads if threads is None else int(threads))
 
 
 @dataclass

@@ -61,12 +61,14 @@ class HostStep:
         stage_copies: compute copies of host masters bound for param shards on the device go through pinned
             staging (a GPU run).
         step_waits: stages 0-2: the modules' pre-forward hooks that wait for their chunks' step (None: none).
+        threads: the worker's torch threads (host.step_threads; None: as many as the training thread has).
     """
 
     def __init__(self, states: dict[int, ChunkState], placement: Placement, *, stage: int, behind_forward: bool,
                  stage_copies: bool, step_waits: StepWaitHooks | None = None, speculate: bool = False,
-                 param_groups: Callable[[], list[dict]] = list) -> None:
+                 param_groups: Callable[[], list[dict]] = list, threads: int | None = None) -> None:
         self.states = states
+        self.threads = threads or torch.get_num_threads()
         self.param_groups = param_groups  # the user's optimizer's groups, read when a speculative step is queued
         self.placement = placement  # a disk master's pages: read ahead of its step, evicted after it
         self.stage_copies = stage_copies
@@ -139,10 +141,17 @@ class HostStep:
         a spare set step at `launch` as before."""
         if state.index not in self.spares:
             return
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogpt-host-step")
         group = self.param_groups()[state.group_index]
-        self.speculated[state.index] = self._worker.submit(self._speculative_step, state, group, grad, landed)
+        self.speculated[state.index] = self._start_worker().submit(self._speculative_step, state, group, grad,
+                                                                   landed)
+
+    def _start_worker(self) -> ThreadPoolExecutor:
+        """The worker thread, started on first use with `threads` torch threads of its own (the kernels' OpenMP team
+        is the calling thread's: the training thread keeps its count)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogpt-host-step",
+                                              initializer=torch.set_num_threads, initargs=(self.threads,))
+        return self._worker
 
     def _speculative_step(self, state: ChunkState, group: dict, grad: torch.Tensor, landed: Any) -> tuple[bool, Any]:
         """On the worker: wait for the gradient's copy (which follows the chunk's last use in backward, so its param
@@ -193,8 +202,7 @@ class HostStep:
         first blocks start while later chunks still step; `finish()` waits for all. `param_groups`: the user's
         optimizer's, which the chunks follow.
         """
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogpt-host-step")
+        self._start_worker()
         # the device work queued so far (the norm, the flag, the gradients' copies to the host, backward's last
         # reads of the param shards) comes before the step reads them and overwrites the shards
         ready = None

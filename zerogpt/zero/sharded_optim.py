@@ -48,7 +48,7 @@ class ShardedOptimizer:
                  model_parallel_group: dist.ProcessGroup | None = None, traffic: Traffic | None = None,
                  state_dtype: torch.dtype = torch.float32, overlap_next_forward: bool = False,
                  stage_compute_copies: bool = False, step_waits: StepWaitHooks | None = None,
-                 speculate: bool = False) -> None:
+                 speculate: bool = False, host_step_threads: int | None = None) -> None:
         self.optimizer = optimizer  # holds the hyperparameters; LR schedulers bind to it
         self.chunks = chunks
         self.placement = placement
@@ -96,7 +96,7 @@ class ShardedOptimizer:
         self.host_step = HostStep(self.states, placement, stage=stage, behind_forward=overlap_next_forward,
                                   stage_copies=stage_compute_copies, step_waits=step_waits,
                                   speculate=speculate and not loss_scaler.enabled,
-                                  param_groups=lambda: self.optimizer.param_groups)
+                                  param_groups=lambda: self.optimizer.param_groups, threads=host_step_threads)
 
     def _chunk_state(self, chunk: Chunk, no_decay: set[str]) -> ChunkState:
         plan = chunk.plan
