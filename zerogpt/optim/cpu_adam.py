@@ -289,7 +289,7 @@ class CPUAdam(torch.optim.Optimizer):
             if not only <= known:
                 raise ValueError(f"{type(self).__name__}.step(params=...): {len(only - known)} tensor(s) are not "
                                  f"in this optimizer's param groups; pass the same tensors given at construction")
-        host_scale = grad_scale if unscale is None else grad_scale / float(unscale)
+        host_scale = grad_scale if unscale is None else None  # with unscale: read at the first host param only
         for group in self.param_groups:
             host, dev = [], []
             for p in group["params"]:
@@ -299,6 +299,8 @@ class CPUAdam(torch.optim.Optimizer):
                     raise TypeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self._init_state(p)
                 on_host = p.device.type == "cpu"
+                if on_host and host_scale is None:  # a device `unscale` read here would make the host wait for it
+                    host_scale = grad_scale / float(unscale)
                 if on_host and _takes_fused_step(p, state, copy_to if self.fuses_copies else None):
                     self._step_fused(group, p, state, found_inf, host_scale, (copy_to or {}).get(p))
                     continue
