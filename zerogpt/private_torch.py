@@ -50,6 +50,7 @@ PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
     ("torch", "_foreach_mul_", "optim/cpu_adam.py: decoupled weight decay (decay_slices); Adam's v"),
     ("torch", "_foreach_add_", "optim/cpu_adam.py: L2 weight decay (decay_slices); Adam's step counts"),
     ("torch", "_foreach_add", "optim/cpu_adam.py: L2-decayed gradients, Adam's denominator"),
+    ("torch", "_foreach_div", "optim/cpu_adam.py: the engine's clip factor (unscale) in that Adam, on device params"),
     ("torch", "_foreach_lerp_", "optim/cpu_adam.py: Adam's m"),
     ("torch", "_foreach_addcmul_", "optim/cpu_adam.py: Adam's v"),
     ("torch", "_foreach_sqrt", "optim/cpu_adam.py: Adam's denominator"),
