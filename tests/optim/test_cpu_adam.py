@@ -294,9 +294,9 @@ def test_decay_ranges_decay_only_those_slots_after_the_grad_scale(default_backen
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_unscale_divides_each_gradient_inside_torchs_kernel(bias_correction, device):
     """`unscale`: the device path (`_step_torch`) hands it to torch's fused kernel as its grad_scale, here that
-    kernel's CPU build, the same call, and on CUDA; without bias correction the foreach ops divide first. Bit for bit the step on
-    gradients divided beforehand (by 4: exact), so the engine's clip on a device master needs no pass. (eps 0.1:
-    Adam is otherwise nearly blind to a gradient's scale.)"""
+    kernel's CPU build, the same call, and on CUDA; without bias correction the foreach ops divide first. Bit for bit
+    the step on gradients divided beforehand (by 4: exact), so the engine's clip on a device master needs no pass.
+    (eps 0.1: Adam is otherwise nearly blind to a gradient's scale.)"""
     init = [p.to(device) for p in make_params()]
     ours, twin = [p.clone() for p in init], [p.clone() for p in init]
     opt, ref = (HybridAdam(ps, lr=1e-2, eps=0.1, weight_decay=0.1, bias_correction=bias_correction)

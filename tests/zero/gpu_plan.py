@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 from typing import Any, Iterator
+from unittest import mock
 
 import zerogpt.build_engine as build_engine
+from zerogpt.zero.chunk_state import ChunkState
 
 
 @contextmanager
@@ -25,3 +27,11 @@ def planned(**decisions: Any) -> Iterator[None]:
         yield
     finally:
         build_engine.plan_engine = plan_engine
+
+
+@contextmanager
+def device_master() -> Iterator[None]:
+    """Within the block, a chunk's master steps as one on the device would (not CPUAdam's host step): the route a
+    GPU run's HybridAdam takes without optimizer offload, on this CPU."""
+    with mock.patch.object(ChunkState, "steps_on_host", new_callable=mock.PropertyMock, return_value=False):
+        yield

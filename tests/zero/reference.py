@@ -160,6 +160,18 @@ def engine_run(rank: int, world: int, recipe: Recipe, zero: dict, precision: str
     return {"losses": losses, "params": params, "stats": stats, "inspect": seen}
 
 
+def run_under(engine: Any, method: str, mode: Any) -> None:
+    """engine.<method> made to run inside `mode` (a TorchDispatchMode that counts what it sees): an engine_run setup
+    hook, whose inspect hook reads the mode's counts."""
+    original = getattr(engine, method)
+
+    def wrapped(*args, **kwargs):
+        with mode:
+            return original(*args, **kwargs)
+
+    setattr(engine, method, wrapped)
+
+
 def assert_params_close(params: dict, ref_params: dict, rtol: float, bound: float, what: str) -> None:
     """Whole-model relative L2 error <= rtol, and every element within `bound` (absolute).
 

@@ -4,14 +4,14 @@ except where L2 decay of some ranges was added to the gradient first; both give 
 from __future__ import annotations
 
 import collections
-from unittest import mock
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.zero.gpu_plan import device_master
 from tests.zero.recipes import CLIP, lm_loss, tiny_gpt, token_batches, zero_config
-from tests.zero.reference import LR, Recipe, assert_run_matches, engine_run, reference_run, single_thread
+from tests.zero.reference import LR, Recipe, assert_run_matches, engine_run, reference_run, run_under, single_thread
 
 
 def two_groups(kind: type, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -60,24 +60,19 @@ class GradientPasses(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def watch_steps(engine) -> None:
-    """engine.step() under GradientPasses; the counts gathered on engine._passes."""
-    engine._passes = GradientPasses()
-    step = engine.step
-
-    def counted(*args, **kwargs):
-        with engine._passes:
-            return step(*args, **kwargs)
-
-    engine.step = counted
+def clipped_run(optimizer, stage: int) -> dict:
+    """`engine_run` of a clipped recipe with this optimizer, each step's whole-tensor multiplies counted."""
+    passes = GradientPasses()
+    return engine_run(0, 1, recipe(optimizer), zero_config(stage), clip=CLIP,
+                      setup=lambda engine: run_under(engine, "step", passes),
+                      inspect=lambda engine, step: dict(passes.muls))
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage", [0, 3])
 def test_torchs_fused_kernel_takes_the_clip_factor_and_the_step_is_torchs(stage):
     with single_thread():
-        run = engine_run(0, 1, recipe(adamw_dict), zero_config(stage), clip=CLIP, setup=watch_steps,
-                         inspect=lambda engine, step: dict(engine._passes.muls))
+        run = clipped_run(adamw_dict, stage)
     assert all(seen == {} for seen in run["inspect"]), f"the gradient had a pass of its own: {run['inspect']}"
     assert_run_matches(run, reference_run(recipe(adamw_groups), 1, 1, CLIP), precision="fp32", what=f"stage {stage}")
 
@@ -85,8 +80,7 @@ def test_torchs_fused_kernel_takes_the_clip_factor_and_the_step_is_torchs(stage)
 @pytest.mark.timeout(120)
 def test_l2_decay_of_some_ranges_keeps_the_clip_pass():
     with single_thread():
-        run = engine_run(0, 1, recipe(adam_l2_dict), zero_config(2), clip=CLIP, setup=watch_steps,
-                         inspect=lambda engine, step: dict(engine._passes.muls))
+        run = clipped_run(adam_l2_dict, 2)
     assert all(seen for seen in run["inspect"]), "the clip factor went to a kernel that divides the L2 term too"
     assert_run_matches(run, reference_run(recipe(adam_l2_groups), 1, 1, CLIP), precision="fp32",
                        what="Adam, L2 on matrices")
@@ -96,11 +90,7 @@ def test_l2_decay_of_some_ranges_keeps_the_clip_pass():
 def test_hybrid_adam_over_a_device_master_takes_the_clip_factor_too():
     """The route a GPU run's HybridAdam takes without optimizer offload (not its host step), on this CPU: the factor
     is its step's `unscale` (tests/optim/test_cpu_adam.py: torch's kernel divides by it), no pass of its own."""
-    from zerogpt.zero.chunk_state import ChunkState
-
-    with single_thread(), mock.patch.object(ChunkState, "steps_on_host", new_callable=mock.PropertyMock,
-                                            return_value=False):
-        run = engine_run(0, 1, recipe(hybrid_adam_dict), zero_config(1), clip=CLIP, setup=watch_steps,
-                         inspect=lambda engine, step: dict(engine._passes.muls))
+    with single_thread(), device_master():
+        run = clipped_run(hybrid_adam_dict, 1)
     assert all(seen == {} for seen in run["inspect"]), f"the gradient had a pass of its own: {run['inspect']}"
     assert_run_matches(run, reference_run(recipe(adamw_groups), 1, 1, CLIP), precision="fp32", what="HybridAdam")

@@ -9,12 +9,12 @@ goes on training, and the engine counts the skipped step on the device.
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 
 import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.zero.gpu_plan import device_master
 from tests.zero.recipes import lm_loss, tiny_gpt, token_batches, zero_config
 from tests.zero.reference import cpu_ctx
 
@@ -49,22 +49,9 @@ def _train_with_one_nan(rank: int, world: int, cases: list[dict], disk: str) -> 
     data = token_batches(STEPS, world, 1)
     results = []
     for case in cases:
-        with _device_master(case.get("device_master", False)):
+        with device_master() if case.get("device_master") else contextlib.nullcontext():
             results.append(_one_case(case, rank, world, data, disk))
     return results
-
-
-@contextlib.contextmanager
-def _device_master(taken: bool):
-    """Within the block, a chunk's master steps as one on the device would (not CPUAdam's host step): the route a
-    GPU run's HybridAdam takes without optimizer offload, on this CPU."""
-    if not taken:
-        yield
-        return
-    from zerogpt.zero.chunk_state import ChunkState
-
-    with mock.patch.object(ChunkState, "steps_on_host", new_callable=mock.PropertyMock, return_value=False):
-        yield
 
 
 def _one_case(case: dict, rank: int, world: int, data: torch.Tensor, disk: str) -> dict:

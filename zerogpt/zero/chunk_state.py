@@ -178,10 +178,12 @@ class ChunkState:
         scale, unscale = 1.0, None
         if factor is not None and host_step:  # read once; the update multiplies each gradient as it reads it
             scale = float(factor)
-        elif factor is not None and self._kernel_unscales(group):  # its grad_scale: the kernel divides as it reads
-            unscale = torch.reciprocal(factor.to(grad.device, non_blocking=grad.device.type != "cpu"))
         elif factor is not None:  # to a host gradient: blocking, for the reason the flag's copy above is
-            grad.mul_(factor.to(grad.device, non_blocking=grad.device.type != "cpu"))
+            factor = factor.to(grad.device, non_blocking=grad.device.type != "cpu")
+            if self._kernel_unscales(group):  # its grad_scale: the kernel divides each gradient as it reads it
+                unscale = torch.reciprocal(factor)
+            else:
+                grad.mul_(factor)
         # Read `group` in place (chunk_optimizer): rebinding the view is not a copy, and follows a group dict that
         # torch's own optimizer.load_state_dict replaced.
         self.optimizer.param_groups[0].maps[-1] = group
