@@ -44,6 +44,9 @@ PRIVATE_TORCH_APIS: tuple[tuple[str, str, str], ...] = (
      "compile.py: recognise a pending collective's result among a compiled block's inputs"),
     ("torch.distributed._functional_collectives", "wait_tensor",
      "compile.py: wait on it (on the wrapper itself, so autograd keeps the embedding's gradient)"),
+    # The shared-memory transport's exit: a tensor's C++ references (gloo's work among them); Python's are not counted.
+    ("torch.Tensor", "_use_count", "zero/shm.py close: wait until gloo's worker no longer holds the transport's "
+                                   "barrier tensor (its Python object must not be freed there at exit)"),
     # Multi-tensor kernels, as torch.optim uses them (there is no public torch.foreach): cpu_adam.py's per-slot
     # weight decay (decay_slices, which zero/chunk_state.py calls for any optimizer) and its Adam without bias
     # correction (torch's Adam kernels always correct).

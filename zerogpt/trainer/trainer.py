@@ -162,6 +162,9 @@ class Trainer:
         # (made here, where every rank is).
         multi = stop_on_signal and self.world_size > 1 and torch.distributed.is_initialized()
         self._signal_group = torch.distributed.new_group(backend="gloo") if multi and ctx.backend != "gloo" else None
+        # one tensor for every step's vote, held here: a temporary's last reference could fall to gloo's worker,
+        # which at interpreter exit cannot take the GIL to free it (zero/shm.py's barrier tensor says more)
+        self._signum = torch.zeros(1, dtype=torch.int64)
         self.state = TrainerState()
         self.train_dataloader: Any = None
         self.eval_dataloader: Any = None
@@ -481,9 +484,9 @@ class Trainer:
         """The signal any rank got (the largest number), the same on every rank; 0 when none did."""
         if self.world_size == 1 or not torch.distributed.is_initialized():
             return stop.signum
-        signum = torch.tensor([stop.signum], dtype=torch.int64)
-        torch.distributed.all_reduce(signum, op=torch.distributed.ReduceOp.MAX, group=self._signal_group)
-        return int(signum.item())   # a CPU tensor: no device sync
+        self._signum.fill_(stop.signum)
+        torch.distributed.all_reduce(self._signum, op=torch.distributed.ReduceOp.MAX, group=self._signal_group)
+        return int(self._signum.item())   # a CPU tensor: no device sync
 
     def barrier(self) -> None:
         """Every rank of the run (the checkpoint hook's: files span the run, not one data-parallel group)."""

@@ -26,6 +26,7 @@ import concurrent.futures
 import os
 import queue
 import threading
+import time
 import uuid
 
 import torch
@@ -61,6 +62,10 @@ class SharedMemoryTransport:
         self.buffers = staging.view(2, self.world, self.slot_bytes)
         self.pieces_done = 0
         self.closed = False
+        # Every piece's barrier all-reduces this one tensor, which lives as long as the transport. A temporary
+        # there, dropped by Python while gloo's worker still held the finished collective, was freed later on that
+        # worker, which then needed the GIL to free its Python object: at interpreter exit, an abort.
+        self._signal = torch.zeros(4, dtype=torch.int64)
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="zerogpt-shm-comm", daemon=True)
         self._worker.start()
@@ -106,6 +111,7 @@ class SharedMemoryTransport:
         atexit.unregister(self.close)
         self._queue.put(None)
         self._worker.join()
+        _wait_released(self._signal)
         self.buffers = None  # the mapping goes with its last reference
 
     def _run(self) -> None:
@@ -137,7 +143,8 @@ class SharedMemoryTransport:
     def _meet(self, kind: str, numel: int) -> None:
         """Barrier of one piece that also checks every rank is in the same collective of the same size."""
         code = _KINDS[kind]
-        sig = torch.tensor([code, numel, -code, -numel], dtype=torch.int64)
+        sig = self._signal
+        sig.copy_(torch.tensor([code, numel, -code, -numel]))
         dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=self.sync)
         if sig[0] != code or sig[1] != numel or sig[2] != -code or sig[3] != -numel:
             raise CollectiveMismatch(
@@ -251,6 +258,14 @@ def open_transport(group: dist.ProcessGroup | None) -> SharedMemoryTransport | N
     if not ok.item():
         return None
     return SharedMemoryTransport(group, staging, sync)
+
+
+def _wait_released(tensor: torch.Tensor, timeout_s: float = 5.0) -> None:
+    """Wait, the GIL released, until no collective's work holds `tensor`: gloo's worker drops a finished
+    collective just after its waiter wakes, so after the last barrier it may still hold one for a moment."""
+    deadline = time.monotonic() + timeout_s
+    while tensor._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def _reserve(path: str, nbytes: int, token: bytes) -> None:
