@@ -255,6 +255,7 @@ def open_transport(group: dist.ProcessGroup | None) -> SharedMemoryTransport | N
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=sync)
     if rank == 0 and os.path.exists(path):
         os.unlink(path)
+    _wait_released(ok)  # a run that fails right after this and exits must not leave it to gloo's worker
     if not ok.item():
         return None
     return SharedMemoryTransport(group, staging, sync)
