@@ -173,6 +173,50 @@ def test_speculative_step_is_the_plain_step_bit_for_bit_on_two_ranks():
     _assert_speculated_same(run_distributed(_compare_speculated, 2, timeout=280)[0])
 
 
+def _train_changing_lr(engine, when: str) -> tuple[list[float], dict]:
+    """Losses and final params of a run whose learning rate changes every step, `when` "after step": right after
+    engine.step() (an LR schedule, where the Trainer steps one), or "before step": between the last backward and
+    engine.step() (build-nanogpt's loop sets it there)."""
+    losses = []
+    for i, step in enumerate(batches(1)):
+        for j, micro in enumerate(step):
+            tokens = micro[0]
+            loss = GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:])
+            engine.backward(loss)
+            losses.append(loss.item())
+            boundary = j == len(step) - 1
+            if boundary and when == "before step":
+                engine.optimizer.param_groups[0]["lr"] = 1e-3 * (i + 2)
+            engine.step()
+            if boundary and when == "after step":
+                engine.optimizer.param_groups[0]["lr"] = 1e-3 * (i + 2)
+            engine.zero_grad()
+    return losses, engine.state_dict_full()
+
+
+@pytest.mark.parametrize("when", ["after step", "before step"])
+def test_a_learning_rate_changed_around_step_is_the_plain_steps(when):
+    """The worker steps with the hyperparameters engine.step() was called with: not a schedule's next rate set
+    while the overlapped step still runs, nor the rate a speculative step took during backward when the loop sets
+    another before engine.step() (that step is taken again)."""
+    setting = dict(precision="bf16", clip=None, offload_param=False)
+    runs = {}
+    for overlap, speculate in ((False, False), (True, False), (True, True)):
+        engine = make_engine(**setting, overlap=overlap, speculate=speculate)
+        runs[overlap, speculate] = _train_changing_lr(engine, when)
+        host_step = engine.sharded_optim.host_step
+        if speculate:
+            stepped_ahead = STEPS * len(host_step.spares)
+            assert (host_step.stood, host_step.redone) == ((stepped_ahead, 0) if when == "after step"
+                                                           else (0, stepped_ahead)), when
+        engine.close()
+    plain = runs[False, False]
+    for key, (losses, params) in runs.items():
+        assert losses == plain[0], key
+        for name, value in plain[1].items():
+            assert torch.equal(value, params[name]), (key, name)
+
+
 def test_a_speculative_run_resumes_bit_for_bit(tmp_path):
     """Checkpoints hold the state the speculative steps committed (never a spare set): a run saved after 2 steps and
     resumed in a fresh engine ends where the uninterrupted run does."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from zerogpt.optim.host_adam import HOST_ADAM_DTYPES
-from zerogpt.zero.chunk_state import ChunkState
+from zerogpt.zero.chunk_state import ChunkState, hyperparameters
 from zerogpt.zero.offload import Placement
 
 if TYPE_CHECKING:  # the wait hooks are given, and only removed at close: no import of the hooks
@@ -95,9 +95,10 @@ class HostStep:
         if speculate and self.overlaps and _host_ram_holds_spares(states):
             self.spares = {i: _spare_set(s, placement) for i, s in states.items() if s.can_speculate}
         self.stood = self.redone = 0
-        """Speculative chunk steps that stood, and that were taken again (a clip or a non-finite gradient)."""
-        self.speculated: dict[int, Future] = {}
-        """chunk index -> its speculative step this backward, still to be settled by `launch` (or `abandon`)."""
+        """Speculative chunk steps that stood, and that were taken again (a clip, a non-finite gradient, new rates)."""
+        self.speculated: dict[int, tuple[Future, dict]] = {}
+        """chunk index -> its speculative step this backward, still to be settled by `launch` (or `abandon`), and the
+        hyperparameters it took."""
 
     # -- staging ----------------------------------------------------------------------------------------
 
@@ -141,9 +142,9 @@ class HostStep:
         a spare set step at `launch` as before."""
         if state.index not in self.spares:
             return
-        group = self.param_groups()[state.group_index]
-        self.speculated[state.index] = self._start_worker().submit(self._speculative_step, state, group, grad,
-                                                                   landed)
+        taken = frozen(self.param_groups()[state.group_index])
+        self.speculated[state.index] = (self._start_worker().submit(self._speculative_step, state, taken, grad,
+                                                                    landed), taken)
 
     def _start_worker(self) -> ThreadPoolExecutor:
         """The worker thread, started on first use with `threads` torch threads of its own (the kernels' OpenMP team
@@ -166,13 +167,16 @@ class HostStep:
         return wrote, copied
 
     def _settle(self, state: ChunkState, group: dict, scalars: Future, grad: torch.Tensor | None, ready: Any,
-                speculated: Future) -> tuple[bool, Any]:
+                speculated: tuple[Future, dict]) -> tuple[bool, Any]:
         """On the worker, once the norm is known: the speculative step stands where it equals the step the norm asks
-        for (no clip factor other than 1, a finite gradient) and becomes the state; else the chunk steps again
-        from its state, untouched, with the factor and flag, and its compute copy is written again."""
-        done = speculated.result()
+        for (no clip factor other than 1, a finite gradient, the hyperparameters `engine.step()` was called with)
+        and becomes the state; else the chunk steps again from its state, untouched, with the factor, flag and
+        those hyperparameters, and its compute copy is written again."""
+        future, taken = speculated
+        done = future.result()
         factor, found_inf = scalars.result()
-        stands = (factor is None or float(factor) == 1.0) and (found_inf is None or not found_inf.item())
+        stands = (factor is None or float(factor) == 1.0) and (found_inf is None or not found_inf.item()) \
+            and same_values(taken, group)
         if stands:
             state.commit(self.spares[state.index])
             self.stood += 1
@@ -183,8 +187,8 @@ class HostStep:
     def abandon(self) -> None:
         """Drop speculative steps no `launch` settled (a backward whose step was not taken; a checkpoint between
         the two): each chunk's compute copy is written again from its state, which they never changed."""
-        for speculated in self.speculated.values():  # done before the shards are written again
-            speculated.result()
+        for future, _ in self.speculated.values():  # done before the shards are written again
+            future.result()
         for index in self.speculated:
             self.states[index].write_back()
         self.speculated.clear()
@@ -211,9 +215,12 @@ class HostStep:
             ready.record(torch.cuda.current_stream(device))
         # the worker, not the training thread, waits for that work and reads the scalars (first in its queue)
         scalars = self._worker.submit(_scalars_on_host, factor, found_inf, ready)
+        # the worker steps with the hyperparameters as they are now: the training thread may change the live groups
+        # before it reads them (an LR schedule stepped right after engine.step())
+        taken = [frozen(group) for group in param_groups]
         order = list(self.states.values())
         for state, following in zip(order, order[1:] + [None]):
-            group = param_groups[state.group_index]
+            group = taken[state.group_index]
             speculated = self.speculated.pop(state.index, None)
             if speculated is not None:
                 self.pending[state.index] = self._worker.submit(self._settle, state, group, scalars, state.grad,
@@ -275,6 +282,31 @@ class HostStep:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+
+
+def frozen(group: dict) -> dict:
+    """A param group's hyperparameters as they are now, for a step a worker takes later: a copy no change to the
+    group reaches (tensors cloned), where the live group could change before the worker reads it."""
+    return {key: _copied(value) for key, value in hyperparameters(group).items()}
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Whether two hyperparameter values (or dicts of them) are equal: tensors by their elements."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def _host_ram_holds_spares(states: dict[int, ChunkState]) -> bool:
