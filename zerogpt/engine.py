@@ -7,6 +7,7 @@ is set in __init__ from what initialize resolved (the model's parallel layout in
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -43,6 +44,10 @@ class Engine:
         with `plan.describe()`; train_gpt.py writes it to the run directory as engine_plan.txt."""
         self.module = module
         self.sharded_optim = sharded_optim
+        # `torch.save(engine.module.state_dict())` right after step() saves the new parameters, not the previous
+        # step's or half-written ones: the host step behind the next forward finishes first
+        self._state_dict_waits = module.register_state_dict_pre_hook(_finishing_step(sharded_optim)) \
+            if sharded_optim.host_step.overlaps else None
         self.optimizer = sharded_optim.optimizer
         self.grad_hooks = grad_hooks
         self.gather_hooks = gather_hooks  # stage 3 only
@@ -85,6 +90,9 @@ class Engine:
     # -- forward / backward / step ------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # a forward between the step's last backward and step() (an evaluation of the batch, say) reads the params
+        # as they were: the chunk steps taken ahead during that backward, which wrote them, are dropped first
+        self.sharded_optim.host_step.abandon()
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -328,6 +336,13 @@ class Engine:
             all_gather_flat(full, shard.contiguous(), group=self.ctx.dp_group, transport=self.transport)
         return full[: chunk.plan.numel].to(dtype)
 
+    def finish_step(self) -> None:
+        """Wait for the host step behind the next forward (a GPU run, optimizer offloaded): until then, or until
+        the next forward's first use of each chunk, the module's parameters are the previous step's or being
+        written. Call it before reading them yourself between step() and the next forward (an EMA of the weights);
+        `engine.module.state_dict()`, checkpoints and `state_dict_full` wait on their own."""
+        self.sharded_optim.finish_step()
+
     def state_dict_full(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Consolidated parameters (from the fp32 masters) and buffers, on rank 0 (CPU); {} elsewhere.
 
@@ -412,6 +427,8 @@ class Engine:
         host step's worker thread."""
         self.sharded_optim.close()
         self.grad_hooks.remove()
+        if self._state_dict_waits is not None:
+            self._state_dict_waits.remove()
         if self.gather_hooks is not None:
             self.gather_hooks.remove()
         self.placement.close()
@@ -419,6 +436,17 @@ class Engine:
             self.transport.close()
             self.transport = None
             self.host_settings["shm_collectives"] = False
+
+
+def _finishing_step(sharded_optim: ShardedOptimizer) -> Callable[..., None]:
+    """A module state_dict pre-hook that finishes the optimizer's overlapped step (weakly: the module, which may
+    outlive this engine, does not keep its optimizer state alive)."""
+    optim = weakref.ref(sharded_optim)
+
+    def hook(*_: Any) -> None:
+        if (live := optim()) is not None:
+            live.finish_step()
+    return hook
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:

@@ -217,6 +217,73 @@ def test_a_learning_rate_changed_around_step_is_the_plain_steps(when):
             assert torch.equal(value, params[name]), (key, name)
 
 
+def _train_reading_between(engine, device: str = "cpu") -> tuple[list, dict]:
+    """A loop that reads the model where the step's work is in flight: an evaluation forward between the step's
+    last backward and engine.step() (the chunks stepped ahead during that backward), then the module's parameters
+    right after engine.step() (the host step behind the next forward), through `module.state_dict()` and through
+    `parameters()` after `engine.finish_step()`."""
+    seen, probe = [], batches(1)[0, 0, 0].to(device)
+    for step in batches(1):
+        for j, micro in enumerate(step):
+            tokens = micro[0].to(device)
+            loss = GPTLMLoss(shift=False)(engine(tokens[:, :-1]), tokens[:, 1:])
+            engine.backward(loss)
+            seen.append(loss.item())
+            if j == len(step) - 1:
+                with torch.no_grad():
+                    seen.append(GPTLMLoss(shift=False)(engine(probe[:, :-1]), probe[:, 1:]).item())
+            if engine.step() is not None:
+                seen.append({k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()})
+                engine.finish_step()
+                seen.append([p.detach().cpu().clone() for p in engine.module.parameters()])
+            engine.zero_grad()
+    return seen, engine.state_dict_full()
+
+
+def _compare_reading_between(rank: int, world: int, device: str = "cpu") -> list[tuple]:
+    out = []
+    for setting in (dict(precision="bf16", clip=None, stage=2), dict(precision="bf16", clip=1.0, stage=0),
+                    dict(precision="bf16", clip=None, offload_param=False, staged=True)):
+        runs = {}
+        for overlap, speculate in ((False, False), (True, False), (True, True)):
+            engine = make_engine(**setting, overlap=overlap, speculate=speculate, device=device)
+            runs[overlap, speculate] = _train_reading_between(engine, device)
+            engine.close()
+        out.append((setting, runs))
+    return out
+
+
+def _assert_read_the_plain_steps(results: list[tuple]) -> None:
+    def same(a, b) -> bool:
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, list):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    for setting, runs in results:
+        plain = runs[False, False]
+        for key, run in runs.items():
+            assert same(run[0], plain[0]), (setting, key)
+            assert same(run[1], plain[1]), (setting, key)
+
+
+def test_what_a_loop_reads_between_backward_step_and_forward_is_the_plain_steps():
+    """A forward after the step's last backward sees the parameters as they were (the steps taken ahead are dropped
+    and taken at step()); right after step() the module's state_dict and, after finish_step(), its parameters are
+    the new ones."""
+    _assert_read_the_plain_steps(_compare_reading_between(0, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_what_a_loop_reads_between_backward_step_and_forward_is_the_plain_steps_on_a_gpu():
+    """The same on a GPU: a dropped speculative step's copy, queued on the worker's stream, lands before the
+    shard is written again from the state."""
+    _assert_read_the_plain_steps(run_distributed(_compare_reading_between, 1, "cuda", timeout=580,
+                                                 backend="nccl")[0])
+
+
 def test_a_speculative_run_resumes_bit_for_bit(tmp_path):
     """Checkpoints hold the state the speculative steps committed (never a spare set): a run saved after 2 steps and
     resumed in a fresh engine ends where the uninterrupted run does."""

@@ -187,9 +187,11 @@ class HostStep:
     def abandon(self) -> None:
         """Drop speculative steps no `launch` settled (a backward whose step was not taken; a checkpoint between
         the two): each chunk's compute copy is written again from its state, which they never changed."""
-        for future, _ in self.speculated.values():  # done before the shards are written again
-            future.result()
-        for index in self.speculated:
+        for index, (future, _) in self.speculated.items():  # done before the shards are written again
+            _, copied = future.result()
+            shard = self.states[index].chunk.shard
+            if copied is not None:  # its copy to the device, queued on the worker's stream, lands first
+                torch.cuda.current_stream(shard.device).wait_event(copied)
             self.states[index].write_back()
         self.speculated.clear()
 

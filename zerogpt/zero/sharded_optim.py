@@ -282,8 +282,9 @@ class ShardedOptimizer:
     # -- state (torch's Stateful protocol) -------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Hyperparameters, loss scaler and, per trainable chunk, this rank's shard tensors (live, not copies).
-        Finishes an overlapped step first.
+        """Hyperparameters, loss scaler and, per trainable chunk, this rank's shard tensors (not copies: read or
+        save them before the next step, whose commit of a speculative step swaps the moments' storage with their
+        spares'). Finishes an overlapped step first.
 
         {"class": the torch optimizer's dotted name, "param_groups": [hyperparameters], "loss_scaler": {...},
          "chunks": {index: {"master": shard, "exp_avg": shard, ..., "step": 0-dim}}}
