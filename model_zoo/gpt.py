@@ -4,7 +4,8 @@ Beside it: the loss (loss.py), the weight init (weight_init.py), sampling (gener
 conversion (hf.py). Module names follow GPT-2/HF (transformer.wte, h[i].attn.c_attn, ln_f, lm_head) so
 conversion is a lookup table. This file knows nothing about ZeRO; its only promise to the engine is that every
 parameter is used inside the forward of the module that owns it (stage 3 gathers parameters in module
-pre-forward hooks, and at every stage an offloaded step behind the next forward is waited for there), e.g. position embeddings go through `self.wpe(pos)` and the tied head through `self.lm_head(x)`.
+pre-forward hooks, and at every stage an offloaded step behind the next forward is waited for there), e.g.
+position embeddings go through `self.wpe(pos)` and the tied head through `self.lm_head(x)`.
 
 Vocabulary padding: the embedding/head have `padded_vocab_size` rows (a multiple of 64, for matmul speed),
 but logits are sliced to the real `vocab_size` before they are returned or fed to the loss, so padded rows
