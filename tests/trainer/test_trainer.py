@@ -193,6 +193,65 @@ def test_state_dict_round_trip_is_json_safe():
     assert sd["data"] == {"epoch": 0, "epoch_samples": 24, "consumed_samples": 24, "world_size": 1}
 
 
+class KeepRows(Hook):
+    """Every step's (step, loss, lr) and every epoch's (epoch, mean loss, steps)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def logs_at(self, step, max_steps):
+        return True
+
+    def after_step(self, trainer):
+        m = trainer.state.metrics
+        self.rows.append(("step", trainer.state.step, m.loss, m.lr))
+
+    def after_epoch(self, trainer):
+        e = trainer.state.epoch_metrics
+        self.rows.append(("epoch", e.epoch, e.loss, e.steps))
+
+
+def _run_with_epochs(root, make_loader, resume_from=None):
+    """Two epochs of 3 steps (6 micro-batches, accumulation 2), the rate halved each epoch, a checkpoint every step."""
+    from zerogpt.trainer import LRSchedulerHook, SaveCheckpointHook
+
+    torch.manual_seed(0)
+    engine, keep = EngineDouble(lr=0.5, accumulation=2), KeepRows()
+    schedule = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda epoch: 0.5 ** epoch)
+    trainer = Trainer(engine, hooks=[keep, LRSchedulerHook(schedule, by_epoch=True),
+                                     SaveCheckpointHook(str(root), save_interval=1, keep_last=0)])
+    if resume_from is not None:
+        trainer.load_state_dict(engine.load_checkpoint(os.path.join(root, "checkpoints", f"step_{resume_from}")))
+    state = trainer.fit(make_loader(), epochs=2)
+    return keep.rows, (state.epoch, schedule.last_epoch), [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("loader", ["sampler", "list"])
+def test_a_run_resumed_at_a_step_ends_as_the_uninterrupted_one(tmp_path, loader):
+    """From the step that drew an epoch's last batch (its checkpoint is saved before that epoch ends) or from one
+    inside an epoch: the same epochs, rates, losses, epoch means and weights as the run never stopped. With
+    data_pipeline's sampler (it resumes mid-epoch; an epoch counted in samples) and a plain list of batches
+    (counted in batches; it cannot resume mid-epoch, so only an epoch's end is resumed from)."""
+    import shutil
+
+    from data_pipeline import DistributedBatchSampler
+
+    data = torch.cat(token_batches(6, seed=3))  # 24 windows: 6 micro-batches of 4 an epoch
+    make_loader = {"sampler": lambda: torch.utils.data.DataLoader(
+                       data, batch_sampler=DistributedBatchSampler(data, 4, 0, 1, shuffle=True, seed=1)),
+                   "list": lambda: list(data.split(4))}[loader]
+    whole = _run_with_epochs(tmp_path / "whole", make_loader)
+    assert whole[1] == (2, 2) and [r[:2] for r in whole[0] if r[0] == "epoch"] == [("epoch", 0), ("epoch", 1)]
+    for step in (3, 1, 4) if loader == "sampler" else (3,):
+        root = tmp_path / f"from{step}"
+        shutil.copytree(tmp_path / "whole" / "checkpoints" / f"step_{step}", root / "checkpoints" / f"step_{step}")
+        rows, ends, params = _run_with_epochs(root, make_loader, resume_from=step)
+        after = whole[0][whole[0].index(next(r for r in whole[0] if r[:2] == ("step", step))) + 1:]
+        assert rows == after, step
+        assert ends == whole[1], step
+        assert all(torch.equal(a, b) for a, b in zip(params, whole[2])), step
+
+
 def test_trainer_state_fields_are_typed():
     s = TrainerState()
     assert s.step == 0 and s.metrics is None and s.epoch_metrics is None and s.eval_results == {}
@@ -252,6 +311,7 @@ def test_real_engine_two_ranks_agree_on_state_and_loss(stage):
     # 24 samples / (2 per rank x 2 ranks) = 6 micro-batches per epoch; 2 epochs / accumulation 2 = 6 steps
     assert r0["state"] == r1["state"]
     assert r0["state"] == {"step": 6, "epoch": 2, "micro_step": 12, "consumed_samples": 48, "epoch_samples": 0,
+                           "epoch_batches": 0,
                            "tokens_seen": 48 * 16, "skipped_steps": 0}
     assert r0["global_step"] == 6
     assert r0["losses"] == r1["losses"] and r0["losses"][-1] < r0["losses"][0]

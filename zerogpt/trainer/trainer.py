@@ -12,6 +12,7 @@ import logging
 import math
 import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -43,6 +44,8 @@ class TrainerState:
     """samples consumed by all ranks together since the start of the run"""
     epoch_samples: int = 0
     """samples consumed by all ranks in the current epoch (where the sampler resumes)"""
+    epoch_batches: int = 0
+    """micro-batches this rank consumed in the current epoch (a run resumed at an epoch's end ends it first)"""
     tokens_seen: int = 0
     """input tokens consumed by all ranks together"""
     skipped_steps: int = 0
@@ -61,7 +64,9 @@ class TrainerState:
     interrupted: str | None = None
     """the signal that ended fit() early ("SIGINT", "SIGTERM"; with stop_on_signal), else None"""
 
-    _COUNTERS = ("step", "epoch", "micro_step", "consumed_samples", "epoch_samples", "tokens_seen", "skipped_steps")
+    _COUNTERS = ("step", "epoch", "micro_step", "consumed_samples", "epoch_samples", "epoch_batches", "tokens_seen",
+                 "skipped_steps")
+    _ADDED = ("skipped_steps", "epoch_batches")  # older checkpoints lack them: 0
 
     def state_dict(self) -> dict[str, int]:
         """The counters that resume a run (plain ints, JSON-safe)."""
@@ -69,7 +74,7 @@ class TrainerState:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         for k in self._COUNTERS:
-            setattr(self, k, int(state.get(k, 0) if k == "skipped_steps" else state[k]))  # older checkpoints lack it
+            setattr(self, k, int(state.get(k, 0) if k in self._ADDED else state[k]))
 
 
 def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,9 +174,9 @@ class Trainer:
         self.train_dataloader: Any = None
         self.eval_dataloader: Any = None
         self._pending_data_state: dict | None = None
-        self._epoch_batches: int | None = None   # batches of the current epoch handed out so far
         self._epoch_loss: torch.Tensor | None = None   # sum of this rank's step losses in the epoch (device)
         self._epoch_steps = 0
+        self._epoch_before_resume = (0.0, 0)   # (sum of the steps' mean losses, steps) of the epoch before a resume
         self._skipped: torch.Tensor | None = None  # state.skipped_steps, counted on the device between reads
         self._window: dict[str, float] = {}      # where the current logging window started
         self._hook_s = 0.0                       # seconds spent in hooks since the window started
@@ -226,6 +231,7 @@ class Trainer:
                 s.micro_step += 1
                 s.consumed_samples += inputs.shape[0] * self.dp_size
                 s.epoch_samples += inputs.shape[0] * self.dp_size
+                s.epoch_batches += 1
                 s.tokens_seen += inputs.numel() * self.dp_size
             if len(micro_losses) + len(pipeline_batches) < accum:
                 break
@@ -293,44 +299,60 @@ class Trainer:
         self._epoch_steps += 1
 
     def _batches(self, loader: Iterable, epochs: int | None) -> Iterator[Any]:
-        """Micro-batches across epochs as one stream (an accumulation window may span two epochs)."""
+        """Micro-batches across epochs as one stream (an accumulation window may span two epochs). An epoch ends
+        when the batch after its last is asked for, after the step that drew its last (and that step's
+        checkpoint); a run resumed from that checkpoint ends it first, as the uninterrupted run did then."""
         while epochs is None or self.state.epoch < epochs:
-            sampler = _batch_sampler(loader)
-            if sampler is not None and hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.state.epoch)
-            self.fire("before_epoch")
-            self._epoch_batches = 0
-            for batch in _iterate(loader):
-                self._epoch_batches += 1
-                yield batch
-            if self._epoch_batches == 0:
-                raise ValueError(f"the training dataloader yielded no batches in epoch {self.state.epoch}; "
-                                 "the dataset is smaller than one global batch (lower BATCH_SIZE or add data)")
+            if not self._epoch_drawn(loader):
+                sampler = _batch_sampler(loader)
+                if sampler is not None and hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(self.state.epoch)
+                self.fire("before_epoch")
+                yield from _iterate(loader)
+                if self.state.epoch_batches == 0:
+                    raise ValueError(f"the training dataloader yielded no batches in epoch {self.state.epoch}; "
+                                     "the dataset is smaller than one global batch (lower BATCH_SIZE or add data)")
             self._end_epoch()
 
-    def _end_epoch(self) -> None:
-        self._epoch_batches = None
-        s = self.state
+    def _epoch_drawn(self, loader: Any) -> bool:
+        """Whether this epoch's every batch was consumed: by the global samples where the sampler says how many an
+        epoch has (data_pipeline's: a resume at another world size too), else by this rank's batches (a sized
+        loader; an iterable one ends when it is exhausted)."""
+        per_epoch = getattr(_batch_sampler(loader), "samples_per_epoch", None)
+        if isinstance(per_epoch, int) and per_epoch > 0:
+            return self.state.epoch_samples >= per_epoch
+        try:
+            return 0 < len(loader) <= self.state.epoch_batches
+        except TypeError:
+            return False
+
+    def _epoch_totals(self) -> tuple[float, int]:
+        """(sum of the steps' losses, each the mean over the data-parallel ranks; steps) of the current epoch, the
+        part before a resume included. Collective: every rank calls it."""
         total = torch.tensor([0.0, float(self._epoch_steps)], dtype=torch.float64, device=self.device)
         if self._epoch_loss is not None:
             total[0] += self._epoch_loss                    # (sum of step losses, steps) of this rank
         self._share_loss(total)
-        loss_sum, steps = total.tolist()                    # one sync per epoch
-        s.epoch_metrics = EpochMetrics(s.epoch, loss_sum / steps if steps else None, self._epoch_steps)
-        self._epoch_loss, self._epoch_steps = None, 0
+        loss_sum, steps = total.tolist()                    # one sync
+        before_sum, before_steps = self._epoch_before_resume
+        return loss_sum / self.dp_size + before_sum, self._epoch_steps + before_steps
+
+    def _end_epoch(self) -> None:
+        s = self.state
+        loss_sum, steps = self._epoch_totals()
+        s.epoch_metrics = EpochMetrics(s.epoch, loss_sum / steps if steps else None, steps)
+        self._epoch_loss, self._epoch_steps, self._epoch_before_resume = None, 0, (0.0, 0)
         if self.lr_scheduler is not None and self.schedule_by_epoch:
-            self.lr_scheduler.step()
+            with warnings.catch_warnings():  # a run resumed at an epoch's end steps it before its first step, rightly
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                self.lr_scheduler.step()
         self.fire("after_epoch")
-        self.state.epoch += 1
-        self.state.epoch_samples = 0
+        s.epoch += 1
+        s.epoch_samples = s.epoch_batches = 0
 
     def _finish_epoch_if_complete(self, loader: Any) -> None:
         """max_steps landed exactly on the last batch of an epoch: close that epoch too."""
-        try:
-            complete = self._epoch_batches == len(loader)
-        except TypeError:
-            complete = False
-        if complete:
+        if self._epoch_drawn(loader):
             self._end_epoch()
 
     def _resolve_max_steps(self, loader: Any, epochs: int | None, max_steps: int | None, accum: int) -> int:
@@ -400,7 +422,9 @@ class Trainer:
                 self._hook_s += time.perf_counter() - t0
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything besides the engine that a resumed run needs (JSON-safe): counters, LR schedule, hooks."""
+        """Everything besides the engine that a resumed run needs (JSON-safe): counters, the epoch's loss so far, LR
+        schedule, hooks. Collective (the epoch's loss is summed over the ranks): every rank calls it, as
+        `engine.save_checkpoint` is called."""
         hooks = {}
         for key, h in self._hook_keys():
             sd = h.state_dict()
@@ -409,7 +433,9 @@ class Trainer:
         schedule = json_safe(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None
         if self._skipped is not None:   # a checkpoint is a sync anyway
             self.state.skipped_steps = int(host_float(self._skipped))
+        loss_sum, steps = self._epoch_totals()
         return {"trainer": self.state.state_dict(), "hooks": hooks, "lr_scheduler": schedule,
+                "epoch_loss": {"sum": loss_sum, "steps": steps},
                 "data": {"epoch": self.state.epoch, "epoch_samples": self.state.epoch_samples,
                          "consumed_samples": self.state.consumed_samples, "world_size": self.dp_size}}
 
@@ -436,6 +462,8 @@ class Trainer:
             for group, lr in zip(sched.optimizer.param_groups, rates):
                 group["lr"] = lr
         self._pending_data_state = state.get("data")
+        epoch_loss = state.get("epoch_loss") or {"sum": 0.0, "steps": 0}  # older checkpoints: the epoch from here
+        self._epoch_before_resume = (float(epoch_loss["sum"]), int(epoch_loss["steps"]))
 
     def _hook_keys(self) -> list[tuple[str, Hook]]:
         """Stable names for hook state: the class name, with #i for repeated classes."""
@@ -460,7 +488,7 @@ class Trainer:
             return
         sampler = _batch_sampler(loader)
         if sampler is None or not hasattr(sampler, "load_state_dict"):
-            if data.get("epoch_samples"):
+            if data.get("epoch_samples") and not self._epoch_drawn(loader):
                 self.logger.warning("resuming mid-epoch but the dataloader's sampler has no load_state_dict; "
                                     "the data order restarts at the beginning of epoch %d", data["epoch"])
             return
