@@ -66,9 +66,14 @@ def gpt_config_from_hf(hc: Any, **overrides: Any) -> dict[str, Any]:
                    if getattr(hc, k, False)}
     if not getattr(hc, "scale_attn_weights", True):
         unsupported["scale_attn_weights"] = False
-    if unsupported or hc.activation_function not in GELU_APPROXIMATE:
-        raise ValueError(f"from_hf supports standard GPT-2 configs only; unsupported settings: "
-                         f"{unsupported or {'activation_function': hc.activation_function}}")
+    if not getattr(hc, "tie_word_embeddings", True):  # our GPT's head is its embedding: lm_head.weight unread
+        unsupported["tie_word_embeddings"] = False
+    if hc.activation_function not in GELU_APPROXIMATE:
+        unsupported["activation_function"] = hc.activation_function
+    if unsupported:
+        raise ValueError(f"from_hf supports standard GPT-2 configs only; unsupported settings: {unsupported}; "
+                         f"the generic transformers path takes any: model = dict(type='hf', path=DIR, "
+                         f"generic=True)")
     return {**dict(vocab_size=hc.vocab_size, max_position_embeddings=hc.n_positions, n_layer=hc.n_layer,
                    n_head=hc.n_head, n_embd=hc.n_embd, n_inner=hc.n_inner, dropout=hc.resid_pdrop,
                    layer_norm_epsilon=hc.layer_norm_epsilon, activation=hc.activation_function), **overrides}

@@ -129,6 +129,12 @@ def hf_config(config: Any) -> Any:
     import transformers
 
     c = as_llama_config(config)
+    expressed = _HF_ATTENTION[c.architecture]
+    if (c.qkv_bias, c.qk_norm) != expressed:
+        raise ValueError(f"{c.architecture} in Hugging Face has {_attention_words(*expressed)}; this model has "
+                         f"{_attention_words(c.qkv_bias, c.qk_norm)} (a Megatron checkpoint with both "
+                         f"--add-qkv-bias and --qk-layernorm, say), which no Hugging Face architecture of the "
+                         f"family holds: its zerogpt checkpoints and a Megatron-LM export keep them")
     cls = getattr(transformers, c.architecture.replace("ForCausalLM", "Config"))
     kwargs = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                   num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
@@ -154,6 +160,16 @@ def hf_config(config: Any) -> Any:
     hc = cls(**kwargs)
     hc.architectures = [c.architecture]
     return hc
+
+
+_HF_ATTENTION = {"LlamaForCausalLM": (False, False), "MistralForCausalLM": (False, False),
+                 "Qwen2ForCausalLM": (True, False), "Qwen3ForCausalLM": (False, True)}
+"""(q/k/v biases, q/k norms) each architecture's transformers class builds (attention_bias elsewhere biases o_proj)."""
+
+
+def _attention_words(qkv_bias: bool, qk_norm: bool) -> str:
+    return " and ".join(part for part, on in (("q/k/v biases", qkv_bias), ("q/k norms", qk_norm)) if on) \
+        or "neither q/k/v biases nor q/k norms"
 
 
 def hf_name(name: str, config: Any) -> str:

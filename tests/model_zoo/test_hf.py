@@ -97,3 +97,8 @@ def test_from_hf_rejects_unsupported_variants():
                                      scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         from_hf(transformers.GPT2LMHeadModel(config))
+    # our GPT's head is its embedding: an untied GPT-2's own lm_head would go unread (logits silently wrong)
+    untied = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     tie_word_embeddings=False)
+    with pytest.raises(ValueError, match=r"'tie_word_embeddings': False.*generic=True"):
+        from_hf(transformers.GPT2LMHeadModel(untied))

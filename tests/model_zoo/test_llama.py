@@ -85,6 +85,19 @@ def test_bad_shapes_are_one_line():
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
+def test_an_attention_no_hf_class_of_the_family_holds_is_refused_at_export():
+    """A Megatron checkpoint with --add-qkv-bias and --qk-layernorm imports (our Llama has both), but Qwen3's HF
+    class has no q/k/v biases: its export would drop them silently, so hf_config refuses, naming both."""
+    from model_zoo import llama_adapter
+
+    both = LlamaConfig(architecture="Qwen3ForCausalLM", qkv_bias=True, qk_norm=True)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM in Hugging Face has q/k norms; this model has q/k/v "
+                                         "biases and q/k norms"):
+        llama_adapter.hf_config(both)
+    assert llama_adapter.hf_config(LlamaConfig(architecture="Qwen3ForCausalLM", qk_norm=True)).architectures == \
+        ["Qwen3ForCausalLM"]
+
+
 def test_sizes_table_builds_every_factory():
     assert set(SIZES) == set(PUBLISHED) | {"llama_tiny"}
     assert isinstance(llama_tiny(), Llama)
