@@ -3,7 +3,8 @@
 The global order is one sequence of sample ids (the dataset order, or a seeded per-epoch permutation of
 it). It is cut into global micro-batches of `batch_size * world_size` consecutive ids and rank r takes
 the r-th slice of each, as Megatron-LM's pretraining sampler does; so which samples form a global batch
-does not depend on the world size, and `consumed_samples` (a global count) resumes at any world size.
+does not depend on the world size, and its state (a global count, the epoch and the position in it) resumes at
+any world size or global batch.
 It does not shuffle within the dataset's own order (GPTDataset is already shuffled) unless asked.
 """
 from __future__ import annotations
@@ -27,8 +28,11 @@ class DistributedBatchSampler(torch.utils.data.Sampler):
         shuffle: permute the order each epoch with `seed + epoch` (False: the dataset order, which for
             GPTDataset is already a seeded shuffle).
 
-    Iterating yields the rest of the current epoch from `consumed_samples` on; each yielded batch adds
-    `batch_size * world_size` to `consumed_samples`, and the next `iter()` starts the next epoch. With a
+    Iterating yields the rest of the current epoch from where the last batch ended (at construction: where
+    `consumed_samples` falls at this global batch); each yielded batch adds `batch_size * world_size` to
+    `consumed_samples`, and an `iter()` after the epoch's last batch starts the next epoch. `state_dict` holds the
+    epoch and the position in it besides the global count, so a run resumed with another global batch (more
+    ranks, another micro-batch) goes on with the same epoch's next sample. With a
     DataLoader using worker processes the loader draws batches ahead of training, so checkpoint the
     trainer's own count (optimizer steps x global batch) and restore it with `load_state_dict`.
 
@@ -61,6 +65,9 @@ class DistributedBatchSampler(torch.utils.data.Sampler):
         if self.num_samples == 0:
             raise ValueError("dataset is empty")
         self.consumed_samples = consumed_samples
+        # where the next batch starts: an epoch and a position in its order (samples, all ranks), kept apart from
+        # the global count, so a run resumed with another global batch continues the epoch where it stopped
+        self._epoch, self._position = divmod(consumed_samples, self.samples_per_epoch)
 
     @property
     def samples_per_epoch(self) -> int:
@@ -70,7 +77,13 @@ class DistributedBatchSampler(torch.utils.data.Sampler):
 
     @property
     def epoch(self) -> int:
-        return self.consumed_samples // self.samples_per_epoch
+        """The epoch the next batch comes from."""
+        return self._epoch + (not self._fits(self._position))
+
+    def _fits(self, position: int) -> bool:
+        """Whether a global batch starts at `position` of the epoch's order (padded from its start: any position
+        inside it; else: a whole batch)."""
+        return position + (1 if not self.drop_last else self.global_batch) <= self.num_samples
 
     def __len__(self) -> int:
         """Micro-batches per rank in one full epoch."""
@@ -82,25 +95,30 @@ class DistributedBatchSampler(torch.utils.data.Sampler):
         return np.arange(self.num_samples)
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch = self.epoch
-        order = self._order(epoch)
-        position = self.consumed_samples - epoch * self.samples_per_epoch
-        while position < self.samples_per_epoch:
-            ids = np.arange(position, position + self.global_batch) % self.num_samples  # wraps only when padding
+        if not self._fits(self._position):  # the last epoch was drawn to its end: this one starts the next
+            self._epoch, self._position = self._epoch + 1, 0
+        order = self._order(self._epoch)
+        while self._fits(self._position):
+            start = self._position
+            ids = np.arange(start, start + self.global_batch) % self.num_samples  # wraps only when padding
             mine = ids[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
             self.consumed_samples += self.global_batch
-            position += self.global_batch
+            self._position += self.global_batch
             yield order[mine].tolist()
 
     def state_dict(self) -> dict:
-        """`consumed_samples` is global, so the state loads at any world size or batch split."""
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "shuffle": self.shuffle,
-                "num_samples": self.num_samples}
+        """The global count and the epoch and position in it: the state loads at any world size or batch split."""
+        return {"consumed_samples": self.consumed_samples, "epoch": self._epoch, "epoch_samples": self._position,
+                "seed": self.seed, "shuffle": self.shuffle, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("num_samples", self.num_samples) != self.num_samples:
             raise ValueError(f"sampler state is for a dataset of {state['num_samples']} samples, this one has "
                              f"{self.num_samples}; resume with the same data, seq_len and num_samples")
         self.consumed_samples = int(state["consumed_samples"])
+        if "epoch" in state and "epoch_samples" in state:  # exact at any global batch (the trainer's counts too)
+            self._epoch, self._position = int(state["epoch"]), int(state["epoch_samples"])
+        else:  # the global count alone: exact where the global batch is the one it was counted in
+            self._epoch, self._position = divmod(self.consumed_samples, self.samples_per_epoch)
         self.seed = state.get("seed", self.seed)
         self.shuffle = state.get("shuffle", self.shuffle)

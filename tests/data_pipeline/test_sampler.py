@@ -51,6 +51,29 @@ def test_resume_continues_exactly_at_any_world_size(new_world, new_batch):
     assert [sum(parts, []) for parts in zip(*resumed)] == reference[5:]
 
 
+def test_resume_with_another_global_batch_continues_the_epoch_exactly():
+    """5 steps of 3 ranks x 2, then 4 ranks x 2: the epoch goes on from sample 30 of its order (no sample twice,
+    none skipped; it ends where a whole batch of 8 no longer fits) and the next starts at its order's first."""
+    def order(epoch):  # the epoch's whole order, one sample a batch
+        s = DistributedBatchSampler(100, 1, rank=0, world_size=1, shuffle=True, seed=7)
+        s.load_state_dict({"consumed_samples": 0, "epoch": epoch, "epoch_samples": 0})
+        return sum(s, [])
+
+    before = global_batches(100, 2, 3, steps=5, shuffle=True, seed=7)
+    state = DistributedBatchSampler(100, 2, rank=0, world_size=3, shuffle=True, seed=7)
+    it = iter(state)
+    for _ in range(5):
+        next(it)
+    saved = state.state_dict()
+    assert (saved["consumed_samples"], saved["epoch"], saved["epoch_samples"]) == (30, 0, 30)
+    resumed = [DistributedBatchSampler(100, 2, rank=r, world_size=4, shuffle=True, seed=7) for r in range(4)]
+    for s in resumed:
+        s.load_state_dict(saved)
+    rest = [sum(parts, []) for parts in zip(*resumed)]
+    assert sum(before, []) + sum(rest, []) == order(0)[:94]
+    assert [sum(parts, []) for parts in zip(*resumed)][0] == order(1)[:8]
+
+
 def test_epochs_and_consumed_samples_counter():
     s = DistributedBatchSampler(10, 2, rank=0, world_size=2, shuffle=True, seed=0)
     first, second = list(s), list(s)
