@@ -78,7 +78,11 @@ class DistributedBatchSampler(torch.utils.data.Sampler):
     @property
     def epoch(self) -> int:
         """The epoch the next batch comes from."""
-        return self._epoch + (not self._fits(self._position))
+        return self._epoch + self.ends_epoch(self._position)
+
+    def ends_epoch(self, position: int) -> bool:
+        """Whether an epoch is drawn once `position` of its samples (all ranks) are: no batch starts there."""
+        return not self._fits(position)
 
     def _fits(self, position: int) -> bool:
         """Whether a global batch starts at `position` of the epoch's order (padded from its start: any position

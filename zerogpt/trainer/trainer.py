@@ -315,12 +315,12 @@ class Trainer:
             self._end_epoch()
 
     def _epoch_drawn(self, loader: Any) -> bool:
-        """Whether this epoch's every batch was consumed: by the global samples where the sampler says how many an
-        epoch has (data_pipeline's: a resume at another world size too), else by this rank's batches (a sized
-        loader; an iterable one ends when it is exhausted)."""
-        per_epoch = getattr(_batch_sampler(loader), "samples_per_epoch", None)
-        if isinstance(per_epoch, int) and per_epoch > 0:
-            return self.state.epoch_samples >= per_epoch
+        """Whether this epoch's every batch was consumed: by the samples of all ranks where the sampler says where
+        an epoch ends (data_pipeline's: at any global batch, a resume with another one too), else by this rank's
+        batches (a sized loader; an iterable one ends when it is exhausted)."""
+        ends_epoch = getattr(_batch_sampler(loader), "ends_epoch", None)
+        if callable(ends_epoch):
+            return bool(ends_epoch(self.state.epoch_samples))
         try:
             return 0 < len(loader) <= self.state.epoch_batches
         except TypeError:
