@@ -171,6 +171,9 @@ def process_items(task: tuple[list[tuple], str, int, bool]) -> list[tuple]:
             _, doc_id, reason, detail, url = item
             results.append((doc_id, "reject", reason, (detail, url, "")))
             continue
+        if item[0] == "malformed":  # a JSONL line that is no document: where ("FILE:LINE"), why, the line
+            results.append(item[1:2] + ("malformed",) + item[2:])
+            continue
         _, rec, is_page = item
         try:
             if is_page:
@@ -212,10 +215,12 @@ def record_result(result: tuple, out, rej, counts: Counter, languages: Counter, 
     where = {"line": lineno} if isinstance(lineno, int) else {"id": lineno}  # a line, or a reader's document
     if kind == "blank":
         counts["blank_lines"] += 1
-    elif kind == "malformed":
+    elif kind == "malformed":  # a line number of the input, or a reader's "FILE:LINE"
         counts["malformed"] += 1
-        report(lineno, reason)
-        rej.write(dumps({"line": lineno, "url": None, "reason": "malformed", "detail": reason, "raw": payload}))
+        if report is not None:
+            report(lineno, reason)
+        rej.write(dumps({"line" if isinstance(lineno, int) else "where": lineno, "url": None, "reason": "malformed",
+                         "detail": reason, "raw": payload}))
     elif kind == "keep":
         record, length, detected = payload
         out.write(dumps(record))

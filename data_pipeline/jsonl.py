@@ -28,12 +28,14 @@ class BadLineReporter:
         self.path, self.strict, self.count, self.action = path, strict, 0, action
         self.stream = stream if stream is not None else sys.stderr
 
-    def __call__(self, lineno: int, reason: str) -> None:
+    def __call__(self, lineno: int | str, reason: str) -> None:
+        """`lineno`: a line of `path`, or a place of its own ("FILE:LINE", a file in a folder)."""
+        where = lineno if isinstance(lineno, str) else f"{self.path}:{lineno}"
         if self.strict:
-            raise ValueError(f"{self.path}:{lineno}: {reason} (drop --strict to skip and count bad lines)")
+            raise ValueError(f"{where}: {reason} (drop --strict to skip and count bad lines)")
         self.count += 1
         if self.count <= MAX_REPORTS_PER_FILE:
-            print(f"{self.path}:{lineno}: {reason}; {self.action}", file=self.stream)
+            print(f"{where}: {reason}; {self.action}", file=self.stream)
         elif self.count == MAX_REPORTS_PER_FILE + 1:
             print(f"{self.path}: more bad lines; further reports suppressed (see the stats file)",
                   file=self.stream)

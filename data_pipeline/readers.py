@@ -6,9 +6,10 @@ A `Source` names the input and its keys. `units()` cuts it into work units of wh
 contiguous ranges of rows) in input order, and `read(unit)` yields the unit's documents in order, so a task per
 unit writes what one process writes: cleanup's output is the same on every executor. A record is
 {"text", "id", "url" (when the input has one), ...the row's other fields}; `id` is the input's own (`--id-key`,
-a WARC-Record-ID) or FILE/ROW, so dedup and provenance work as for downloaded pages. Files are read through
-datatrove's readers (JsonlReader, ParquetReader, warc.WarcPageReader), datasets through `datasets` (memory-mapped
-or streamed, never loaded whole). A plain JSONL file, the download output's format, is not read here: cleanup
+a WARC-Record-ID) or FILE/ROW, so dedup and provenance work as for downloaded pages. Files are opened through
+datatrove's folders and read by its readers (ParquetReader, warc.WarcPageReader) or, JSONL, line by line here, so
+a bad line is counted and reported as FILE:LINE and the lines after it read on; datasets through `datasets`
+(memory-mapped or streamed, never loaded whole). A plain JSONL file, the download output's format, is not read here: cleanup
 reads it by lines (byte-range shards, bad lines reported by number).
 
     python -m data_pipeline cleanup shards/ --input-format parquet --text-key content --output clean.jsonl
@@ -20,6 +21,8 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator
+
+from data_pipeline.jsonl import parse_jsonl_line
 
 INPUT_FORMATS = ("auto", "jsonl", "parquet", "hf", "warc")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -190,11 +193,36 @@ class Source:
                 if doc["text"]:
                     yield "doc", {"text": doc["text"], "id": doc["id"], **plain(doc["metadata"])}, False
             return
+        if self.format == "jsonl":
+            yield from self._jsonl(unit)
+            return
         reader = self._reader(skipped)
         for doc in reader.read_file(unit):
             yield from _drain(skipped)
             yield "doc", {"text": doc.text, "id": doc.id, **plain(doc.metadata)}, self.format == "warc"
         yield from _drain(skipped)
+
+    def _jsonl(self, unit: str) -> Iterator[Item]:
+        """A JSONL file's documents line by line, opened through datatrove's folder (compression by the name, any
+        fsspec filesystem). A line that is no UTF-8 JSON object is a ("malformed", "FILE:LINE", reason, the line)
+        item, and the lines after it are read on: datatrove's JsonlReader logged such a line and passed over it,
+        uncounted, and past a byte that is not UTF-8 dropped the rest of the file."""
+        from datatrove.io import get_datafolder
+
+        folder = self.path if is_dir(self.path) else os.path.dirname(self.path) or "."
+        skipped: list[Item] = []
+        with get_datafolder(folder).open(unit, "rb", compression="infer") as f:
+            for index, raw in enumerate(f):
+                rec, err = parse_jsonl_line(raw, None)
+                if rec is None:
+                    if err:
+                        yield ("malformed", f"{os.path.join(folder, unit)}:{index + 1}", err,
+                               raw.decode("utf-8", errors="replace").rstrip("\n"))
+                    continue
+                doc = parse_row(rec, unit, index, self.text_key, self.id_key, self.url_key, skipped)
+                yield from _drain(skipped)
+                if doc["text"]:
+                    yield "doc", {"text": doc["text"], "id": doc["id"], **plain(doc["metadata"])}, False
 
     def _reader(self, skipped: list[Item]):
         """The datatrove reader of this source's files; `skipped` collects the documents it passes over."""
@@ -205,11 +233,6 @@ class Source:
             return WarcPageReader(folder, on_skip=lambda *skip: skipped.append(("skip", *skip)),
                                   adapter=_adapter("text", "id", "url", skipped))
         adapter = _adapter(self.text_key, self.id_key, self.url_key, skipped)
-        if self.format == "jsonl":
-            from datatrove.pipeline.readers import JsonlReader
-
-            return JsonlReader(folder, compression="infer", adapter=adapter, text_key=self.text_key,
-                               id_key=self.id_key)
         if self.format == "parquet":
             from datatrove.pipeline.readers import ParquetReader
 

@@ -96,6 +96,31 @@ def test_every_format_gives_the_documents_of_its_rows(formats, tmp_path):
         assert stats["inputs"][0]["path"] == os.path.abspath(paths[name]) and len(stats["inputs"]) > 1, name
 
 
+def test_bad_lines_in_a_folder_of_gz_files_are_counted_and_the_rest_kept(tmp_path, capsys):
+    """A line that is no JSON and one that is no UTF-8, between good ones, in a .jsonl.gz of a folder: each is
+    malformed, named FILE:LINE and recorded whole, and every good line (after them too) is a document; --strict
+    stops at the first. (Read by datatrove's JsonlReader, the first was passed over uncounted and the second
+    dropped the rest of its file.)"""
+    rows = [json.dumps({"content": text, "doc_id": f"d{i}"}).encode() for i, text in
+            enumerate(r["content"] for r in sample_rows(8) if r["content"])]
+    lines = rows[:2] + [b'{"content": oops}'] + rows[2:4] + [b'{"content": "caf\xe9 \xff"}'] + rows[4:]
+    (tmp_path / "in").mkdir()
+    with gzip.open(tmp_path / "in" / "part.jsonl.gz", "wb") as f:
+        f.write(b"\n".join(lines) + b"\n")
+    folder = str(tmp_path / "in")
+    assert main(["cleanup", folder, "--output", str(tmp_path / "out.jsonl"), "--min-tokens", "1", "--workers", "1",
+                 "--lang", "any", *KEYS]) == 0
+    kept, rejects = read_jsonl(tmp_path / "out.jsonl"), read_jsonl(tmp_path / "out.jsonl.rejected.jsonl")
+    assert [r["id"] for r in kept] == [f"d{i}" for i in range(len(rows))]
+    where = os.path.join(folder, "part.jsonl.gz")
+    assert [(r["where"], r["reason"]) for r in rejects] == [(f"{where}:3", "malformed"),
+                                                            (f"{where}:6", "malformed")]
+    assert f"{where}:6: not valid UTF-8" in capsys.readouterr().err
+    assert main(["cleanup", folder, "--output", str(tmp_path / "strict.jsonl"), "--strict", "--workers", "1",
+                 *KEYS]) != 0
+    assert f"error: {where}:3: malformed JSON" in capsys.readouterr().err
+
+
 def test_without_an_id_the_id_is_file_and_row(formats, tmp_path):
     paths, _ = formats
     got, _ = cleanup(paths["parquet"], tmp_path / "p.jsonl", "--id-key", "no_such_key")
