@@ -232,12 +232,20 @@ class GPTDataset(torch.utils.data.Dataset):
         with open(self.index_files["meta"]) as f:
             meta = json.load(f)
         self.max_token_id = int(meta["max_token_id"])
-        self.doc_idx = np.load(self.index_files["doc_idx"], mmap_mode="r")
-        self.sample_idx = np.load(self.index_files["sample_idx"], mmap_mode="r")
-        self.shuffle_idx = np.load(self.index_files["shuffle_idx"], mmap_mode="r")
+        self.doc_idx, self.sample_idx, self.shuffle_idx = (self._load_array(name)
+                                                           for name in ("doc_idx", "sample_idx", "shuffle_idx"))
         if self.shuffle_idx.shape[0] != self.num_samples:
             raise ValueError(f"index cache {self.index_files['shuffle_idx']} has {self.shuffle_idx.shape[0]} samples, "
                              f"expected {self.num_samples}; it is corrupt: delete {os.path.dirname(self.index_files['meta'])}")
+
+    def _load_array(self, name: str) -> np.ndarray:
+        """One cached index, memory-mapped; a damaged file (written atomically, so changed since) named in one line."""
+        path = self.index_files[name]
+        try:
+            return np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"index cache {path} cannot be read ({e}); it is corrupt: delete "
+                             f"{os.path.dirname(self.index_files['meta'])} and it is built again") from None
 
     def __getstate__(self) -> dict:
         # DataLoader workers re-open the memory maps instead of pickling their contents.

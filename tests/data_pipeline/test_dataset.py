@@ -109,6 +109,15 @@ def test_seeded_order_and_cache_reuse(corpus, monkeypatch, tmp_path):
         GPTDataset(prefix, seq_len=17, seed=1)  # a different key builds a new index
 
 
+def test_a_damaged_index_cache_is_named_in_one_line(corpus, tmp_path):
+    prefix, _, _ = corpus
+    GPTDataset(prefix, seq_len=16, seed=3)
+    cached = next(p for p in sorted((tmp_path / "index-cache").iterdir()) if p.name.endswith("sample_idx.npy"))
+    cached.write_bytes(cached.read_bytes()[:-8])  # truncated after the build
+    with pytest.raises(ValueError, match=f"index cache {cached} cannot be read .*it is corrupt: delete"):
+        GPTDataset(prefix, seq_len=16, seed=3)
+
+
 def test_num_samples_adds_epochs_full_epochs_first(corpus):
     prefix, where, docs = corpus
     one = GPTDataset(prefix, seq_len=16, splits="1,0,0")
