@@ -172,7 +172,8 @@ def process_items(task: tuple[list[tuple], str, int, bool]) -> list[tuple]:
             results.append((doc_id, "reject", reason, (detail, url, "")))
             continue
         if item[0] == "malformed":  # a JSONL line that is no document: where ("FILE:LINE"), why, the line
-            results.append(item[1:2] + ("malformed",) + item[2:])
+            _, where, reason, line = item
+            results.append((where, "malformed", reason, line))
             continue
         _, rec, is_page = item
         try:

@@ -9,8 +9,8 @@ unit writes what one process writes: cleanup's output is the same on every execu
 a WARC-Record-ID) or FILE/ROW, so dedup and provenance work as for downloaded pages. Files are opened through
 datatrove's folders and read by its readers (ParquetReader, warc.WarcPageReader) or, JSONL, line by line here, so
 a bad line is counted and reported as FILE:LINE and the lines after it read on; datasets through `datasets`
-(memory-mapped or streamed, never loaded whole). A plain JSONL file, the download output's format, is not read here: cleanup
-reads it by lines (byte-range shards, bad lines reported by number).
+(memory-mapped or streamed, never loaded whole). A plain JSONL file, the download output's format, is not read
+here: cleanup reads it by lines (byte-range shards, bad lines reported by number).
 
     python -m data_pipeline cleanup shards/ --input-format parquet --text-key content --output clean.jsonl
 """
@@ -188,10 +188,7 @@ class Source:
         skipped: list[Item] = []
         if self.format == "hf":
             for data, where, index in self._rows(unit):
-                doc = parse_row(data, where, index, self.text_key, self.id_key, self.url_key, skipped)
-                yield from _drain(skipped)
-                if doc["text"]:
-                    yield "doc", {"text": doc["text"], "id": doc["id"], **plain(doc["metadata"])}, False
+                yield from self._row_items(data, where, index, skipped)
             return
         if self.format == "jsonl":
             yield from self._jsonl(unit)
@@ -209,24 +206,30 @@ class Source:
         uncounted, and past a byte that is not UTF-8 dropped the rest of the file."""
         from datatrove.io import get_datafolder
 
-        folder = self.path if is_dir(self.path) else os.path.dirname(self.path) or "."
         skipped: list[Item] = []
-        with get_datafolder(folder).open(unit, "rb", compression="infer") as f:
+        with get_datafolder(self._folder()).open(unit, "rb", compression="infer") as f:
             for index, raw in enumerate(f):
                 rec, err = parse_jsonl_line(raw, None)
-                if rec is None:
-                    if err:
-                        yield ("malformed", f"{os.path.join(folder, unit)}:{index + 1}", err,
-                               raw.decode("utf-8", errors="replace").rstrip("\n"))
-                    continue
-                doc = parse_row(rec, unit, index, self.text_key, self.id_key, self.url_key, skipped)
-                yield from _drain(skipped)
-                if doc["text"]:
-                    yield "doc", {"text": doc["text"], "id": doc["id"], **plain(doc["metadata"])}, False
+                if rec is not None:
+                    yield from self._row_items(rec, unit, index, skipped)
+                elif err:
+                    yield ("malformed", f"{os.path.join(self._folder(), unit)}:{index + 1}", err,
+                           raw.decode("utf-8", errors="replace").rstrip("\n"))
+
+    def _row_items(self, data: dict, where: str, index: Any, skipped: list[Item]) -> Iterator[Item]:
+        """A row's items: what parse_row passed over, then its document when it has text."""
+        doc = parse_row(data, where, index, self.text_key, self.id_key, self.url_key, skipped)
+        yield from _drain(skipped)
+        if doc["text"]:
+            yield "doc", {"text": doc["text"], "id": doc["id"], **plain(doc["metadata"])}, False
+
+    def _folder(self) -> str:
+        """The folder the units' paths are relative to (a single file's own)."""
+        return self.path if is_dir(self.path) else os.path.dirname(self.path) or "."
 
     def _reader(self, skipped: list[Item]):
         """The datatrove reader of this source's files; `skipped` collects the documents it passes over."""
-        folder = self.path if is_dir(self.path) else os.path.dirname(self.path) or "."
+        folder = self._folder()
         if self.format == "warc":
             from data_pipeline.warc import WarcPageReader
 

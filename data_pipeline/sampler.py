@@ -81,13 +81,9 @@ class DistributedBatchSampler(torch.utils.data.Sampler):
         return self._epoch + self.ends_epoch(self._position)
 
     def ends_epoch(self, position: int) -> bool:
-        """Whether an epoch is drawn once `position` of its samples (all ranks) are: no batch starts there."""
-        return not self._fits(position)
-
-    def _fits(self, position: int) -> bool:
-        """Whether a global batch starts at `position` of the epoch's order (padded from its start: any position
-        inside it; else: a whole batch)."""
-        return position + (1 if not self.drop_last else self.global_batch) <= self.num_samples
+        """Whether an epoch is drawn once `position` of its samples (all ranks) are: no global batch starts there
+        (padded from the epoch's start, one starts at any position inside it; else only a whole one)."""
+        return position + (1 if not self.drop_last else self.global_batch) > self.num_samples
 
     def __len__(self) -> int:
         """Micro-batches per rank in one full epoch."""
@@ -99,10 +95,10 @@ class DistributedBatchSampler(torch.utils.data.Sampler):
         return np.arange(self.num_samples)
 
     def __iter__(self) -> Iterator[list[int]]:
-        if not self._fits(self._position):  # the last epoch was drawn to its end: this one starts the next
+        if self.ends_epoch(self._position):  # the last epoch was drawn to its end: this one starts the next
             self._epoch, self._position = self._epoch + 1, 0
         order = self._order(self._epoch)
-        while self._fits(self._position):
+        while not self.ends_epoch(self._position):
             start = self._position
             ids = np.arange(start, start + self.global_batch) % self.num_samples  # wraps only when padding
             mine = ids[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
