@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from data_pipeline.files import temp_sibling
 from data_pipeline.indexed import IndexedDataset
 
 INDEX_CACHE_VERSION = 1
@@ -223,7 +224,7 @@ class GPTDataset(torch.utils.data.Dataset):
         os.makedirs(os.path.dirname(self.index_files["meta"]), exist_ok=True)
         for name, array in (("doc_idx", doc_idx), ("sample_idx", sample_idx), ("shuffle_idx", shuffle_idx)):
             _save_npy_atomic(self.index_files[name], array)
-        tmp = f"{self.index_files['meta']}.tmp-{os.getpid()}"
+        tmp = temp_sibling(self.index_files["meta"])
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=2)
         os.replace(tmp, self.index_files["meta"])  # written last: its presence means the cache is complete
@@ -362,6 +363,6 @@ def _read_tokenize_stats(prefix: str) -> dict:
 
 
 def _save_npy_atomic(path: str, array: np.ndarray) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}.npy"
+    tmp = temp_sibling(path) + ".npy"
     np.save(tmp, array, allow_pickle=False)
     os.replace(tmp, path)

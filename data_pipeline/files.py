@@ -8,8 +8,11 @@ and the stats that describe it, are other modules' (jsonl.py, stats.py).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import shutil
+import socket
 import uuid
 from typing import IO, Iterator
 
@@ -30,12 +33,45 @@ def abspath(path: str) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
+def temp_sibling(path: str, kind: str = "tmp") -> str:
+    """A temporary name beside local `path` for this process: `PATH.tmp-HOST-PID`.
+
+    A stage killed mid-write (SIGKILL, an OOM, a lost node) cannot remove its temporary, which may be a whole
+    tokenized corpus. The name says which process made it, so this call first removes the leftovers of processes
+    on this host that no longer run; a live writer's and another host's are never touched.
+    """
+    prefix = f"{path}.{kind}-{socket.gethostname()}-"
+    for leftover in glob.glob(glob.escape(prefix) + "*"):
+        pid = re.match(r"(\d+)(?:\.[^/]*)?$", leftover[len(prefix):])
+        if pid and not _process_runs(int(pid.group(1))):
+            _remove(leftover)
+    return f"{prefix}{os.getpid()}"
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 @contextlib.contextmanager
 def atomic_dir(out_dir: str) -> Iterator[str]:
     """Yield a temporary sibling directory that replaces local directory `out_dir` only if the block completes
     (the old one is moved aside first and removed after, so a killed write leaves it whole)."""
     out_dir = os.path.abspath(os.fspath(out_dir).rstrip("/"))
-    tmp_dir, old_dir = f"{out_dir}.tmp-{os.getpid()}", f"{out_dir}.old-{os.getpid()}"
+    tmp_dir, old_dir = temp_sibling(out_dir), temp_sibling(out_dir, "old")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     try:

@@ -17,6 +17,8 @@ import struct
 
 import numpy as np
 
+from data_pipeline.files import temp_sibling
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document index length
@@ -70,9 +72,8 @@ class IndexedDatasetWriter:
                              f"valid: {sorted(str(np.dtype(d)) for d in DTYPE_CODES.values())}")
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
-        suffix = f".tmp-{os.getpid()}"
-        self._bin_tmp = data_file_path(prefix) + suffix
-        self._idx_tmp = index_file_path(prefix) + suffix
+        self._bin_tmp = temp_sibling(data_file_path(prefix))
+        self._idx_tmp = temp_sibling(index_file_path(prefix))
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin = open(self._bin_tmp, "wb")
         self._lengths: list[np.ndarray] = []

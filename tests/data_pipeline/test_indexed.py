@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
+import socket
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -114,6 +118,24 @@ def test_writer_is_atomic(tmp_path):
             raise RuntimeError("killed mid-write")
     assert ((tmp_path / "atomic.bin").read_bytes(), (tmp_path / "atomic.idx").read_bytes()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atomic.bin", "atomic.idx"]
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
+    """SIGKILL cannot be caught: the killed tokenize's `.bin` temporary (a corpus' size) is removed by the next run."""
+    prefix = str(tmp_path / "killed")
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, numpy as np\n"
+        "from data_pipeline.indexed import IndexedDatasetWriter\n"
+        f"w = IndexedDatasetWriter({prefix!r}, np.uint16)\n"
+        "w.add_document(np.arange(1000))\n"
+        "w._bin.flush(); print('writing', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "writing\n"
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    assert [p.name for p in tmp_path.iterdir()] == [f"killed.bin.tmp-{socket.gethostname()}-{child.pid}"]
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        w.add_document([1, 2, 3])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["killed.bin", "killed.idx"]
 
 
 def test_writer_rejects_ids_that_do_not_fit(tmp_path):
