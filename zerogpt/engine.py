@@ -13,6 +13,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zerogpt.config import EngineConfig
 from zerogpt.context import DistContext
@@ -44,10 +45,7 @@ class Engine:
         with `plan.describe()`; train_gpt.py writes it to the run directory as engine_plan.txt."""
         self.module = module
         self.sharded_optim = sharded_optim
-        # `torch.save(engine.module.state_dict())` right after step() saves the new parameters, not the previous
-        # step's or half-written ones: the host step behind the next forward finishes first
-        self._state_dict_waits = module.register_state_dict_pre_hook(_finishing_step(sharded_optim)) \
-            if sharded_optim.host_step.overlaps else None
+        self._step_reads = _reads_around_the_step(module, sharded_optim) if sharded_optim.host_step.overlaps else []
         self.optimizer = sharded_optim.optimizer
         self.grad_hooks = grad_hooks
         self.gather_hooks = gather_hooks  # stage 3 only
@@ -90,9 +88,6 @@ class Engine:
     # -- forward / backward / step ------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # a forward between the step's last backward and step() (an evaluation of the batch, say) reads the params
-        # as they were: the chunk steps taken ahead during that backward, which wrote them, are dropped first
-        self.sharded_optim.host_step.abandon()
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -427,8 +422,8 @@ class Engine:
         host step's worker thread."""
         self.sharded_optim.close()
         self.grad_hooks.remove()
-        if self._state_dict_waits is not None:
-            self._state_dict_waits.remove()
+        for handle in self._step_reads:
+            handle.remove()
         if self.gather_hooks is not None:
             self.gather_hooks.remove()
         self.placement.close()
@@ -438,15 +433,30 @@ class Engine:
             self.host_settings["shm_collectives"] = False
 
 
-def _finishing_step(sharded_optim: ShardedOptimizer) -> Callable[..., None]:
-    """A module state_dict pre-hook that finishes the optimizer's overlapped step (weakly: the module, which may
-    outlive this engine, does not keep its optimizer state alive)."""
+def _reads_around_the_step(module: nn.Module, sharded_optim: ShardedOptimizer) -> list[RemovableHandle]:
+    """Module hooks that make a read of the parameters, by whatever path a loop takes (`engine(x)`,
+    `engine.module(x)`, `engine.module.state_dict()`), see the plain step's values where the host step runs ahead
+    or behind.
+
+    - A forward between the step's last backward and step() (an evaluation of the batch, say) sees the params as they
+      were: the chunk steps taken ahead during that backward, which wrote them, are dropped first (before the
+      engine's own forward pre-hooks, which wait for the chunks).
+    - `torch.save(engine.module.state_dict())` right after step() saves the new parameters, not the previous step's
+      or half-written ones: the host step behind the next forward finishes first.
+
+    Weakly held: the module, which may outlive this engine, does not keep its optimizer state alive.
+    """
     optim = weakref.ref(sharded_optim)
 
-    def hook(*_: Any) -> None:
+    def drop_steps_ahead(*_: Any) -> None:
+        if (live := optim()) is not None:
+            live.host_step.abandon()
+
+    def finish_step(*_: Any) -> None:
         if (live := optim()) is not None:
             live.finish_step()
-    return hook
+    return [module.register_forward_pre_hook(drop_steps_ahead, prepend=True),
+            module.register_state_dict_pre_hook(finish_step)]
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:

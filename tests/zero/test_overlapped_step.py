@@ -219,9 +219,9 @@ def test_a_learning_rate_changed_around_step_is_the_plain_steps(when):
 
 def _train_reading_between(engine, device: str = "cpu") -> tuple[list, dict]:
     """A loop that reads the model where the step's work is in flight: an evaluation forward between the step's
-    last backward and engine.step() (the chunks stepped ahead during that backward), then the module's parameters
-    right after engine.step() (the host step behind the next forward), through `module.state_dict()` and through
-    `parameters()` after `engine.finish_step()`."""
+    last backward and engine.step() (the chunks stepped ahead during that backward), through the module and through
+    the engine, then the module's parameters right after engine.step() (the host step behind the next forward),
+    through `module.state_dict()` and through `parameters()` after `engine.finish_step()`."""
     seen, probe = [], batches(1)[0, 0, 0].to(device)
     for step in batches(1):
         for j, micro in enumerate(step):
@@ -231,7 +231,8 @@ def _train_reading_between(engine, device: str = "cpu") -> tuple[list, dict]:
             seen.append(loss.item())
             if j == len(step) - 1:
                 with torch.no_grad():
-                    seen.append(GPTLMLoss(shift=False)(engine(probe[:, :-1]), probe[:, 1:]).item())
+                    for forward in (engine.module, engine):
+                        seen.append(GPTLMLoss(shift=False)(forward(probe[:, :-1]), probe[:, 1:]).item())
             if engine.step() is not None:
                 seen.append({k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()})
                 engine.finish_step()
