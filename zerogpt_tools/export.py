@@ -135,7 +135,8 @@ def set_special_ids(hf_config: Any, tok: Any) -> list[str]:
     eos is the tokenizer's (where the source config.json listed several stop ids that include it, as
     Llama-3.1-Instruct's [128001, 128008, 128009], the list stays); bos is the tokenizer's, else its eos (one
     token for both, as GPT-2 and Qwen do). Without a tokenizer (tok None) the recorded ids stay. Either way an id
-    outside the vocabulary is dropped with a note: transformers warns about it and generation never stops there.
+    outside the vocabulary is dropped with a note: transformers warns about it and generation never stops there;
+    and an eos left unset is said too (a Megatron import without its tokenizer records none), for the same reason.
     """
     if tok is not None and tok.eos_token_id is not None:
         eos, recorded = tok.eos_token_id, hf_config.eos_token_id
@@ -152,6 +153,10 @@ def set_special_ids(hf_config: Any, tok: Any) -> list[str]:
             notes.append(f"{key} {', '.join(map(str, outside))} is outside the {vocab:,}-token vocabulary: "
                          + (f"kept {kept}" if kept else "left unset") + " (a --tokenizer with that token sets it)")
             setattr(hf_config, key, (kept if isinstance(value, list) else kept[0]) if kept else None)
+    if hf_config.eos_token_id is None and not any(note.startswith("eos_token_id") for note in notes):
+        which = "the" if tok is not None else "a"
+        notes.append(f"eos_token_id is unset: neither the checkpoint nor {which} tokenizer names one, so "
+                     f"generate() never stops at an end of text (a --tokenizer with an eos_token sets it)")
     return notes
 
 
@@ -242,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES],
                    help="dtype of the saved weights; auto: the Hugging Face checkpoint's the model was loaded from "
                         "(config.json's torch_dtype), fp32 (the masters, exactly) for a model trained from scratch")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir/file to ship (default: the run's data.tokenizer)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer dir/file to ship, or with --format megatron to record as args.tokenizer_model "
+                        "(default: the run's own, else its data.tokenizer)")
     p.add_argument("--no-tokenizer", action="store_true", help="export weights and configs only")
     p.add_argument("--max-shard-size", default="1GB", help="largest safetensors file, e.g. 500MB, 2GB (default 1GB)")
     mg = p.add_argument_group("Megatron-LM output (--format megatron; zerogpt_tools/export_megatron.py)")

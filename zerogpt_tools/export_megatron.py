@@ -9,6 +9,8 @@ names), with --core --dist its torch_dist format (through torch.distributed.chec
 through their adapters' Megatron hooks (model_zoo/hf.py, model_zoo/llama_adapter.py). The files hold args,
 checkpoint_version, iteration and the model: no optimizer or RNG state, so Megatron loads them with
 --no-load-optim --no-load-rng (or --finetune). The vocabulary is padded as Megatron pads it for the requested TP.
+The run's tokenizer (--tokenizer, else as the HF export finds it) is recorded as args.tokenizer_model, Megatron's
+own key for it, so that import_megatron loads it back and an HF export of the import has its bos/eos ids.
 """
 from __future__ import annotations
 
@@ -78,14 +80,31 @@ def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(rows - tensor.size(0), *tensor.shape[1:])])
 
 
+def _run_tokenizer(explicit: str | None, reader: Any) -> tuple[str | None, str | None]:
+    """(the run's tokenizer as an absolute path, or None with a note saying why args name none)."""
+    from zerogpt_tools.run_tokenizer import TOKENIZER_HINT, find_tokenizer
+
+    try:
+        path = find_tokenizer(explicit, reader)
+    except ValueError as e:
+        if explicit:  # the user's own mistake stops the export; a recorded config that no longer loads does not
+            raise
+        return None, f"args.tokenizer_model is not written: {e}"
+    if path is None:
+        return None, (f"args.tokenizer_model is not written (the run has no tokenizer/ and its config no "
+                      f"data.tokenizer), so an import back has no bos/eos ids; {TOKENIZER_HINT}")
+    return os.path.abspath(path), None
+
+
 def export_megatron(path: str, out_dir: str, tp: int = 1, pp: int = 1, core: bool = False, dist: bool = False,
-                    dtype: str = "auto") -> dict:
+                    dtype: str = "auto", tokenizer: str | None = None) -> dict:
     """Write checkpoint (or run dir) `path` as a Megatron checkpoint under `out_dir` (see the module docstring).
 
     Args:
         tp, pp: tensor- and pipeline-parallel sizes of the files (torch format; torch_dist holds global tensors).
         core: Megatron-Core's names instead of the legacy layout; dist: its torch_dist format (needs core).
         dtype: "fp32", "bf16", "fp16", or "auto" (the dtype the model's source checkpoint had, fp32 if none).
+        tokenizer: the run's tokenizer to record as args.tokenizer_model; default the one the HF export would ship.
     Returns:
         dict(checkpoint, out, iteration, layout, files, dtype, notes).
     """
@@ -116,12 +135,13 @@ def export_megatron(path: str, out_dir: str, tp: int = 1, pp: int = 1, core: boo
                                     args["max_position_embeddings"])
     tokens = int(trainer.get("tokens_seen", 0))
     samples = tokens // seq_length if tokens else int(trainer.get("consumed_samples", 0))
+    tokenizer_model, tokenizer_note = _run_tokenizer(tokenizer, reader)
     args.update(padded_vocab_size=rows, make_vocab_size_divisible_by=divisible_by, vocab_size=config["vocab_size"],
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                 seq_length=seq_length, consumed_valid_samples=0,
                 consumed_train_samples=samples,
                 tokenizer_type="GPT2BPETokenizer" if family == "gpt" and config["vocab_size"] == 50257
-                else "HuggingFaceTokenizer",
+                else "HuggingFaceTokenizer", tokenizer_model=tokenizer_model,
                 ckpt_format="torch_dist" if dist else "torch", use_legacy_models=not core, use_mcore_models=core,
                 transformer_impl="transformer_engine" if core else "local", **_DTYPE_ARGS[dtype])
 
@@ -132,7 +152,7 @@ def export_megatron(path: str, out_dir: str, tp: int = 1, pp: int = 1, core: boo
             yield name, tensor.to(DTYPES[dtype])
 
     files = write_checkpoint(out_dir, tensors(), args, iteration, CORE if core else LEGACY, tp, pp, dist)
-    notes = [f"dtype {dtype}: {why}"] if why else []
+    notes = [note for note in (f"dtype {dtype}: {why}" if why else None, tokenizer_note) if note]
     return dict(checkpoint=reader.directory, out=os.path.abspath(out_dir), iteration=iteration,
                 layout=("core torch_dist" if dist else "core torch") if core else "legacy", files=files, dtype=dtype,
                 notes=notes, padded_vocab_size=rows)
@@ -144,7 +164,8 @@ def _embedding_name(family: str) -> str:
 
 def main_megatron(args: Any) -> int:
     """export.py's main hands `--format megatron` here with its parsed arguments."""
-    stats = export_megatron(args.checkpoint, args.out, args.tp, args.pp, args.core, args.dist, args.dtype)
+    stats = export_megatron(args.checkpoint, args.out, args.tp, args.pp, args.core, args.dist, args.dtype,
+                            args.tokenizer)
     print(f"[export] {stats['checkpoint']} -> {stats['out']}: Megatron {stats['layout']} layout, iteration "
           f"{stats['iteration']}, TP={args.tp} PP={args.pp}, {len(stats['files'])} files, {stats['dtype']}, "
           f"padded vocab {stats['padded_vocab_size']}; load in Megatron with --no-load-optim --no-load-rng")

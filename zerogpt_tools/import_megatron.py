@@ -11,7 +11,9 @@ masters are the weights and which holds no optimizer state (Megatron's is not im
 optimizer fresh and says so), with the trainer at Megatron's iteration so the LR schedule continues there. It loads
 at any ZeRO stage and world size, as every zerogpt checkpoint does. --tokenizer saves that tokenizer, and only
 it, to RUN_DIR/tokenizer (transformers' save_pretrained: the tokenizer files, never the weights or config.json a
-model directory also holds) and gives the real vocabulary size; export and generate find it there.
+model directory also holds) and gives the real vocabulary size; export and generate find it there, and with it
+the Hugging Face bos/eos ids. Without --tokenizer, the tokenizer the checkpoint's args name (tokenizer_model, or
+GPT2BPETokenizer's vocab_file + merge_file) is used when it is on this machine; when it is not, a note says so.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from zerogpt.cli import HelpFormatter
 from zerogpt_tools.megatron_files import MegatronCheckpoint, open_checkpoint, read_tensors
 from zerogpt_tools.megatron_layout import FAMILIES, MegatronLayoutError, family_of_args
 
-__all__ = ["import_megatron", "vocab_padding", "write_weights_checkpoint", "save_run_tokenizer", "model_line", "main"]
+__all__ = ["import_megatron", "vocab_padding", "tokenizer_of_args", "write_weights_checkpoint", "save_run_tokenizer",
+           "model_line", "main"]
 
 NO_OPTIMIZER_REASON = ("imported from a Megatron-LM checkpoint by zerogpt_tools.import_megatron, which does not import "
                        "Megatron's optimizer state")
@@ -63,6 +66,41 @@ def vocab_padding(args: dict[str, Any], vocab_size: int | None) -> tuple[int, in
     if math.ceil(vocab_size / multiple) * multiple != padded:
         multiple = padded  # one multiple that always gives padded rows for vocab_size <= padded
     return vocab_size, multiple, note
+
+
+def tokenizer_of_args(args: dict[str, Any], vocab_size: int | None) -> tuple[Any | None, str]:
+    """(the tokenizer the checkpoint's args name, loaded from this machine, or None; a note saying which, or why
+    none and how to give it).
+
+    Megatron-LM records the tokenizer it trained with: HuggingFaceTokenizer (and the sentencepiece types) by
+    tokenizer_model, GPT2BPETokenizer by vocab_file and merge_file; export --format megatron writes the run's as
+    tokenizer_model. Without a tokenizer the run has no bos/eos ids for an HF export or generate, so a missing one
+    is said. A tokenizer larger than padded_vocab_size, or of another size than --vocab-size, is not the run's.
+    """
+    from data_pipeline.tokenizer import byte_level_bpe_from_files, load_tokenizer, wrap_fast
+
+    keys = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+    named = ", ".join(f"{k}={args[k]}" for k in keys if args.get(k))
+    fix = "pass --tokenizer DIR (the Megatron run's tokenizer) so that export and generate have its bos/eos ids"
+    model, vocab, merges = args.get("tokenizer_model"), args.get("vocab_file"), args.get("merge_file")
+    try:
+        if isinstance(model, str) and os.path.exists(model):
+            # a sentencepiece tokenizer.model is read from its directory, as a Hugging Face model ships it
+            tok = load_tokenizer(model if os.path.isdir(model) or model.endswith(".json") else os.path.dirname(model))
+        elif isinstance(vocab, str) and isinstance(merges, str) and os.path.isfile(vocab) and os.path.isfile(merges):
+            tok = wrap_fast(byte_level_bpe_from_files(vocab, merges))  # <|endoftext|> as bos/eos, as GPT-2's
+        elif model or vocab:
+            return None, f"the tokenizer the checkpoint's args name ({named}) is not on this machine; {fix}"
+        else:
+            return None, f"the checkpoint's args name no tokenizer files ({named or 'no tokenizer_type'}); {fix}"
+    except ValueError as e:
+        return None, f"the tokenizer the checkpoint's args name ({named}) does not load ({e}); {fix}"
+    padded = args.get("padded_vocab_size") or 0
+    if len(tok) > padded or vocab_size not in (None, len(tok)):
+        wanted = f"--vocab-size {vocab_size}" if vocab_size is not None else f"padded_vocab_size={padded}"
+        return None, f"the tokenizer the checkpoint's args name ({named}) has {len(tok)} tokens, which does not fit " \
+                     f"{wanted}, so it is not used; {fix}"
+    return tok, f"the run's tokenizer is the one the checkpoint's args name ({named}); --tokenizer DIR gives another"
 
 
 def _adapter(family: str) -> Any:
@@ -201,7 +239,8 @@ def _trainer_state(ckpt: MegatronCheckpoint) -> dict:
 def import_megatron(path: str, run_dir: str, tokenizer: str | None = None, vocab_size: int | None = None) -> dict:
     """Write Megatron checkpoint `path` as RUN_DIR/checkpoints/step_<iteration> (+ latest); see the module docstring.
 
-    Returns dict(checkpoint, family, config, iteration, tensors, notes, model_line).
+    Returns dict(checkpoint, family, config, iteration, tensors, notes, model_line, source, tokenizer): tokenizer
+    is RUN_DIR/tokenizer, or None when neither --tokenizer nor the checkpoint's args gave one.
     Raises ValueError (MegatronLayoutError) in one line for an unknown layout or version, a missing TP shard, a
     shape that contradicts the args, or args no model_zoo family reproduces.
     """
@@ -210,13 +249,16 @@ def import_megatron(path: str, run_dir: str, tokenizer: str | None = None, vocab
         raise ValueError(f"{run_dir} already holds a run's checkpoints ({latest}); import into a new --out directory")
     ckpt = open_checkpoint(path)
     family = family_of_args(ckpt.args)
-    tok = None
+    tok, tok_note = None, None
     if tokenizer is not None:
         from data_pipeline.tokenizer import load_tokenizer
 
         if not os.path.exists(tokenizer):
             raise ValueError(f"--tokenizer {tokenizer}: no such file or directory")
         tok = load_tokenizer(tokenizer)
+    else:
+        tok, tok_note = tokenizer_of_args(ckpt.args, vocab_size)
+    if tok is not None:
         vocab_size = len(tok)
     vocab_size, multiple, vocab_note = vocab_padding(ckpt.args, vocab_size)
     adapter = _adapter(family)
@@ -235,11 +277,14 @@ def import_megatron(path: str, run_dir: str, tokenizer: str | None = None, vocab
                              NO_OPTIMIZER_REASON)
     with open(os.path.join(run_dir, "checkpoints", "latest"), "w") as f:
         f.write(f"step_{ckpt.iteration}\n")
+    run_tokenizer = None
     if tok is not None:
-        save_run_tokenizer(tok, os.path.join(run_dir, "tokenizer"), getattr(config, "max_position_embeddings", None))
+        run_tokenizer = os.path.join(run_dir, "tokenizer")
+        save_run_tokenizer(tok, run_tokenizer, getattr(config, "max_position_embeddings", None))
+    notes = [note for note in (tok_note, vocab_note) if note] + ckpt.notes
     return dict(checkpoint=os.path.abspath(out), family=family, config=config, iteration=ckpt.iteration,
-                tensors=len(params), notes=([vocab_note] if vocab_note else []) + ckpt.notes,
-                model_line=model_line(family, config), source=ckpt)
+                tensors=len(params), notes=notes, model_line=model_line(family, config), source=ckpt,
+                tokenizer=run_tokenizer)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "OUT/checkpoints/step_<iteration>")
     p.add_argument("--tokenizer", default=None, help="the Megatron run's tokenizer (HF dir or file): its tokenizer "
                                                      "files are saved to OUT/tokenizer, and its size is the real "
-                                                     "vocabulary")
+                                                     "vocabulary (default: the one the checkpoint's args name, "
+                                                     "when it is on this machine)")
     p.add_argument("--vocab-size", type=int, default=None, help="the real vocabulary size, without --tokenizer")
     return p
 
@@ -268,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
           f"iteration {stats['iteration']}")
     for note in stats["notes"]:
         print(f"[import_megatron] note: {note}")
-    tok = os.path.join(args.out, "tokenizer") if args.tokenizer else "<the Megatron run's tokenizer>"
+    tok = stats["tokenizer"] or "<the Megatron run's tokenizer>"
     print(f"[import_megatron] continue it with a config holding\n    {stats['model_line']}\n    data = dict(..., "
           f"tokenizer={tok!r})\n  and: python train_gpt.py --config CFG --set train.output_dir={args.out} "
           f"--resume auto")
