@@ -211,6 +211,64 @@ def test_missing_and_truncated_shards_are_named(tmp_path):
         engine.load_checkpoint(tmp_path / "ck")
 
 
+def _load_without_rank_1_rng(rank: int, world: int, root: str) -> str:
+    """Save at 2 ranks, truncate rank 0's RNG file and delete rank 1's, load: every rank's one-line error."""
+    from zerogpt.checkpoint import CheckpointError
+
+    engine = make_engine(2)
+    train(engine, global_batches(1), rank, world)
+    engine.save_checkpoint(f"{root}/ck")
+    dist.barrier()
+    if rank == 0:
+        rng = f"{root}/ck/rng_r00000.safetensors"
+        data = open(rng, "rb").read()
+        open(rng, "wb").write(data[: len(data) // 2])
+        os.unlink(f"{root}/ck/rng_r00001.safetensors")
+    dist.barrier()
+    try:
+        engine.load_checkpoint(f"{root}/ck")
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        engine.close()
+    return "loaded"
+
+
+@pytest.mark.timeout(120)
+def test_missing_or_truncated_rng_file_is_named_on_every_rank(tmp_path):
+    """Each rank's RNG file is read before any state is loaded, and a bad one on any rank stops every rank with
+    one line naming it (before: a raw FileNotFoundError on that rank while the others waited in a collective)."""
+    messages = run_distributed(_load_without_rank_1_rng, 2, str(tmp_path), timeout=100)
+    assert messages[0] == messages[1], messages
+    assert "rng_r00000.safetensors is unreadable (truncated or corrupt)" in messages[0], messages
+    assert len(messages[0].splitlines()) == 1, messages
+
+
+def test_truncated_or_missing_buffer_file_is_named(tmp_path):
+    """A model with a persistent buffer: its buffers.safetensors truncated, then removed, is named in one line
+    (before: safetensors' own error without the file, and a bare FileNotFoundError)."""
+    import zerogpt
+    from zerogpt.checkpoint import CheckpointError
+
+    def engine_with_buffer():
+        torch.manual_seed(0)
+        model = gpt2_tiny(vocab_size=VOCAB, max_position_embeddings=SEQ, n_embd=32)
+        model.register_buffer("counter", torch.arange(4.0))
+        return zerogpt.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR),
+                                  config=zerogpt.Config(dict(zero=dict(stage=2))), ctx=DistContext.current())
+
+    engine = engine_with_buffer()
+    engine.save_checkpoint(tmp_path / "ck")
+    buffers = tmp_path / "ck" / "buffers.safetensors"
+    buffers.write_bytes(buffers.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match="buffers.safetensors is unreadable .truncated or corrupt."):
+        engine.load_checkpoint(tmp_path / "ck")
+    buffers.unlink()
+    with pytest.raises(CheckpointError, match="buffers.safetensors is missing"):
+        engine.load_checkpoint(tmp_path / "ck")
+    engine.close()
+
+
 def test_checkpoint_of_another_model_lists_the_mismatched_tensors(tmp_path):
     from zerogpt.checkpoint import CheckpointError
 

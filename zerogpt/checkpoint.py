@@ -419,6 +419,17 @@ def load_engine(engine: CheckpointedEngine, directory: str) -> dict:
     state = engine.state_dict()
     layouts, tied = state["layouts"], {**reader.tied, **state["tied"]}
     _check_compatible(reader, ctx, layouts, tied)
+    # RNG states are read before anything is loaded, and a bad file on any rank stops every rank here (one rank
+    # raising while the others went on into load_state_dict's collectives would hang them)
+    rng, error = None, None
+    if reader.parallel == ctx.parallel_sizes and reader.meta["rng"]:  # an import holds no RNG state
+        try:
+            rng = reader.rng_tensors(ctx.global_rank)
+        except CheckpointError as e:
+            error = str(e)
+    errors = [part for part in _all_gather_objects(error, ctx) if part]
+    if errors:
+        raise CheckpointError(errors[0])
     optim_state = state["optimizer"]
     if "state" in reader.meta["optimizer"] and reader.meta["optimizer"]["state"] is None:
         # Weights alone (zerogpt_tools.import_megatron writes these): the masters are read below, while the
@@ -454,7 +465,7 @@ def load_engine(engine: CheckpointedEngine, directory: str) -> dict:
                 state["buffers"][name] = reader.tensor(name)
     state["global_step"] = reader.meta["global_step"]
     engine.load_state_dict(state)
-    if reader.parallel == ctx.parallel_sizes and reader.meta["rng"]:  # an import holds no RNG state
-        _set_rng_state(reader.rng_tensors(ctx.global_rank), reader.meta["rng"][ctx.global_rank])
+    if rng is not None:
+        _set_rng_state(rng, reader.meta["rng"][ctx.global_rank])
     _barrier(ctx)
     return reader.meta["extra_state"]

@@ -99,6 +99,14 @@ class CheckpointReader:
             if size != entry["bytes"]:
                 raise CheckpointError(f"checkpoint shard {path} is truncated or corrupt: {size} bytes, "
                                       f"expected {entry['bytes']}")
+        for fname in sorted(set(self._buffer_files().values())):
+            path = os.path.join(self.directory, fname)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
+
+    def _buffer_files(self) -> dict[str, str]:
+        """{buffer name: the file holding it} (version 1 and single-stage saves: all in BUFFERS)."""
+        return {name: self.meta.get("buffer_files", {}).get(name, BUFFERS) for name in self.meta["buffers"]}
 
     @property
     def config_path(self) -> str | None:
@@ -191,14 +199,24 @@ class CheckpointReader:
         if name in self.meta["buffers"]:
             from safetensors import safe_open
 
-            fname = self.meta.get("buffer_files", {}).get(name, BUFFERS)
-            with safe_open(os.path.join(self.directory, fname), framework="pt") as f:
-                return f.get_tensor(name)
+            path = os.path.join(self.directory, self._buffer_files()[name])
+            try:
+                with safe_open(path, framework="pt") as f:
+                    return f.get_tensor(name)
+            except Exception as e:
+                raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt): {e}") from None
         shape = self.shape(name)
         kind = kind or ("master" if self.meta["params"][self.canonical(name)]["trainable"] else "param")
         return self.read_range(kind, name, 0, math.prod(shape)).view(shape)
 
     def rng_tensors(self, rank: int) -> dict[str, torch.Tensor]:
+        """Rank `rank`'s saved RNG states; CheckpointError naming the file when it is missing or unreadable."""
         from safetensors.torch import load_file
 
-        return load_file(os.path.join(self.directory, f"rng_r{rank:05d}.safetensors"))
+        path = os.path.join(self.directory, f"rng_r{rank:05d}.safetensors")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
+        try:
+            return load_file(path)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt): {e}") from None
