@@ -154,6 +154,20 @@ def test_syntax_error_reports_file_and_line(tmp_path):
         Config.from_file(path)
 
 
+@pytest.mark.parametrize("body, fragments", [
+    ("zero = dict(stage=2)\nmodel = dict(type=gpt2_tiny)",
+     [":2: NameError: name 'gpt2_tiny' is not defined", "imported at its top"]),
+    ("from model_zoo.gpt import gpt2_tinyy", [":1: ImportError: cannot import name 'gpt2_tinyy'"]),
+    ("BATCH_SIZE = 2\nSEQ_LEN = 1 // 0", [":2: ZeroDivisionError"]),
+])
+def test_exception_while_running_config_names_file_and_line(tmp_path, body, fragments):
+    path = write(tmp_path, body)
+    with pytest.raises(ValueError) as err:  # train_gpt.py prints a ValueError as one line, not a traceback
+        Config.from_file(path)
+    for fragment in fragments + [f"config {path}:"]:
+        assert fragment in str(err.value)
+
+
 def test_missing_file():
     with pytest.raises(FileNotFoundError, match="nope.py"):
         Config.from_file("nope.py")

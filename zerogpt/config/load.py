@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import traceback
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -82,6 +83,15 @@ _FOREIGN_KEYS = {
     "gradient_accumulation": "use GRADIENT_ACCUMULATION (upper case)",
     "clip_grad": "use clip_grad_norm",
 }
+
+
+_NAME_HINT = "; a name a config uses is imported at its top, e.g. from model_zoo.gpt import gpt2_small"
+
+
+def _failing_line(e: BaseException, filename: str) -> int | str:
+    """The line of `filename` (the config) that raised `e`: the innermost of its frames in the traceback."""
+    lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == filename]
+    return lines[-1] if lines else "?"
 
 
 def _default(name: str) -> Any:
@@ -166,7 +176,8 @@ class Config(dict):
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: a syntax error (file:line), an unknown key (with the closest valid key), a bad value.
+            ValueError: a syntax error or an exception while it runs (file:line), an unknown key (with the
+                closest valid key), a bad value.
             TypeError: a value of the wrong type.
         """
         path = Path(path)
@@ -179,7 +190,11 @@ class Config(dict):
             line = (e.text or "").rstrip("\n")
             raise ValueError(f"syntax error in config {path}:{e.lineno}: {e.msg}\n    {line}") from None
         namespace: dict[str, Any] = {"__file__": str(path), "__name__": "__zerogpt_config__"}
-        exec(code, namespace)
+        try:
+            exec(code, namespace)
+        except Exception as e:  # a misspelt import, an undefined name: the config's line, not zerogpt's traceback
+            raise ValueError(f"config {path}:{_failing_line(e, str(path))}: {type(e).__name__}: {e}"
+                             + (_NAME_HINT if isinstance(e, NameError) else "")) from None
         keys = {k: v for k, v in namespace.items()
                 if not k.startswith("_") and not inspect.ismodule(v) and not inspect.isroutine(v)
                 and not inspect.isclass(v)}
