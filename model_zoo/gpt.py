@@ -417,8 +417,7 @@ def load_pretrained_gpt(path: str, size: str, config: GPTConfig) -> GPT:
     from transformers import GPT2LMHeadModel
 
     hf.check_hf_dir(path)  # names a corrupt model.safetensors instead of a traceback
-    model = from_hf(GPT2LMHeadModel.from_pretrained(path, local_files_only=True),
-                    dropout=config.dropout, checkpoint=config.checkpoint)
+    model = from_hf(hf.load_checked(path, GPT2LMHeadModel), dropout=config.dropout, checkpoint=config.checkpoint)
     arch = ("n_layer", "n_head", "n_embd")
     if any(getattr(model.config, k) != getattr(config, k) for k in arch):
         got = ", ".join(f"{k}={getattr(model.config, k)}" for k in arch)

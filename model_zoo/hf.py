@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -25,8 +26,8 @@ import torch
 from torch import nn
 
 __all__ = ["GELU_APPROXIMATE", "hf_config", "to_hf_tensor", "from_hf_tensor", "gpt_config_from_hf",
-           "load_hf_causal_lm", "quiet_model_import", "check_safetensors", "check_hf_dir", "config_from_megatron", "megatron_args",
-           "to_megatron", "from_megatron"]
+           "load_hf_causal_lm", "load_checked", "quiet_model_import", "check_safetensors", "check_hf_dir",
+           "config_from_megatron", "megatron_args", "to_megatron", "from_megatron"]
 
 GELU_APPROXIMATE = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 """GPTConfig.activation -> nn.GELU's `approximate` (the names are transformers' activation_function values)."""
@@ -252,8 +253,7 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
         raise ValueError(f"model = dict(type='hf', path={path!r}): no config.json there; point path at a "
                          f"directory written by save_pretrained (nothing is downloaded)")
     check_hf_dir(path)
-    import transformers  # optional dependency
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # optional dependency
 
     # The "Loading weights" bar only where someone watches it, rank 0 in a terminal (as train_gpt's progress
     # bar): in a log every rank would add a line of it.
@@ -261,8 +261,7 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
     if bar_was_on and not (sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"):
         hf_logging.disable_progress_bar()
     try:
-        with quiet_model_import():
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+        model = load_checked(path, **kwargs)
     finally:
         if bar_was_on and not hf_logging.is_progress_bar_enabled():
             hf_logging.enable_progress_bar()
@@ -271,6 +270,61 @@ def load_hf_causal_lm(path: str, checkpoint: bool = False, **kwargs: Any) -> nn.
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def load_checked(path: str, model_class: Any = None, **kwargs: Any) -> nn.Module:
+    """`model_class.from_pretrained(path)` (default AutoModelForCausalLM) from local files, refusing in one line
+    weights that do not fill the model config.json describes.
+
+    transformers starts a tensor missing from the files at random (a Llama's weights under a hand-edited
+    architectures=GPT2LMHeadModel load as a random GPT-2, behind a 40-line table), and a shape mismatch ends in that
+    table and a traceback. Here both are a ValueError naming a tensor and the fix; files with extra tensors alone
+    load, with transformers' report.
+    """
+    hf = {}
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+    if model_class is None:
+        from transformers import AutoModelForCausalLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model_type = hf.get("model_type")
+        if "auto_map" not in hf and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise ValueError(f"{path}/config.json: model_type {model_type!r} (architectures "
+                             f"{hf.get('architectures')!r}) is not a causal LM the installed transformers knows; "
+                             f"fix config.json's model_type, or point at the model's own directory")
+        model_class = AutoModelForCausalLM
+    held: list[logging.LogRecord] = []
+
+    def hold_report(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            held.append(record)
+            return False
+        return True
+
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    report_logger.addFilter(hold_report)
+    try:
+        with quiet_model_import():
+            model, info = model_class.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                                      **{"ignore_mismatched_sizes": True, **kwargs})
+    finally:
+        report_logger.removeFilter(hold_report)
+    for name, in_files, in_model in sorted(info.get("mismatched_keys") or ()):
+        raise ValueError(f"{path}: tensor {name!r} has shape {list(in_files)} but config.json makes it "
+                         f"{list(in_model)}; config.json and the weights disagree")
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    if missing:
+        extra = f"; the files hold {len(unexpected)} tensors it has no place for (e.g. {unexpected[0]!r})" \
+            if unexpected else ""
+        raise ValueError(f"{path}: {len(missing)} tensors of the {type(model).__name__} that config.json describes "
+                         f"(architectures {hf.get('architectures')!r}, model_type {hf.get('model_type')!r}) are not "
+                         f"in its weight files (e.g. {missing[0]!r}){extra}; transformers would start them at random. "
+                         f"Check config.json's architectures, model_type and sizes against the checkpoint")
+    for record in held:  # extra tensors alone: transformers' own report, as it would have printed it
+        report_logger.handle(record)
     return model
 
 

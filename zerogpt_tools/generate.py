@@ -132,7 +132,7 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
     there is none.
     """
     from data_pipeline.tokenizer import load_tokenizer
-    from model_zoo.hf import check_hf_dir, quiet_model_import
+    from model_zoo.hf import check_hf_dir, load_checked
     from zerogpt.preflight import check_vocab, run_data_vocab
     from zerogpt_tools.run_tokenizer import find_tokenizer
 
@@ -140,11 +140,8 @@ def load_model(path: str, tokenizer: str | None = None, device: str = "cpu",
         raise ValueError(f"--model {path}: no such directory (an exported HF dir, a run dir or a checkpoint dir)")
     dataset = None
     if os.path.isfile(os.path.join(path, "config.json")):
-        from transformers import AutoModelForCausalLM
-
         check_hf_dir(path)  # a corrupt model.safetensors is named here, not in a transformers traceback
-        with quiet_model_import():
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        model = load_checked(path, dtype=dtype)  # weights that do not fit config.json: one line, not a random model
         tok_path = find_tokenizer(tokenizer, model_dir=path)
     else:
         from zerogpt.checkpoint import CheckpointReader, resolve_checkpoint

@@ -102,3 +102,35 @@ def test_from_hf_rejects_unsupported_variants():
                                      tie_word_embeddings=False)
     with pytest.raises(ValueError, match=r"'tie_word_embeddings': False.*generic=True"):
         from_hf(transformers.GPT2LMHeadModel(untied))
+
+
+def _edit_config(path, **changes):
+    import json
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    return path
+
+
+def test_weights_that_do_not_fit_config_json_are_refused_in_one_line(tmp_path, capfd):
+    """transformers starts tensors missing from the files at random and prints a table: a mislabelled or edited
+    config.json must not train or generate from a random model, nor end in a traceback."""
+    from model_zoo.hf import load_checked
+
+    deeper = _edit_config(save_hf_gpt2(tmp_path / "deeper", *SHAPES[0]), n_layer=3)  # files hold 2 blocks
+    with pytest.raises(ValueError, match=r"deeper: 12 tensors of the GPT2LMHeadModel .* not in its weight files "
+                                         r"\(e\.g\. 'transformer\.h\.2\..*random"):
+        build_model(dict(type="hf", path=str(deeper)), vocab_size=100)
+    llama = tmp_path / "llama"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2)).save_pretrained(llama)
+    with pytest.raises(ValueError, match=r"tensors it has no place for \(e\.g\. 'model\.embed_tokens\.weight'\)"):
+        gpt2_tiny(pretrained=str(llama))  # a Llama under a GPT-2 factory
+    wider = _edit_config(save_hf_gpt2(tmp_path / "wider", *SHAPES[0]), n_embd=16)
+    with pytest.raises(ValueError, match=r"has shape \[.*\] but config.json makes it \[.*\]; config.json and the "
+                                         r"weights disagree"):
+        load_checked(str(wider))
+    unknown = _edit_config(save_hf_gpt2(tmp_path / "unknown", *SHAPES[0]), model_type="foo")
+    with pytest.raises(ValueError, match=r"model_type 'foo' .* is not a causal LM the installed transformers knows"):
+        load_checked(str(unknown))
+    assert "LOAD REPORT" not in capfd.readouterr().err

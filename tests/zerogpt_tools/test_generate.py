@@ -158,3 +158,20 @@ def test_cli_output_ends_at_eos_and_at_the_last_visible_character(hf_dir, capsys
         monkeypatch.setattr(generate, "generate_text", lambda *a, new=new, **k: (tok("x ")["input_ids"], new))
         assert main(["--model", str(hf_dir), "--prompt", "x ", *flags]) == 0
         assert capsys.readouterr().out == expected + "\n", flags
+
+
+def test_a_config_json_that_does_not_fit_the_weights_is_one_line(hf_dir, tmp_path):
+    """config.json edited to 3 blocks over 2 blocks' weights: generate must not decode from random blocks
+    (transformers' default), nor end a mislabelled model_type in transformers' multi-paragraph error."""
+    import json
+    import shutil
+    for name, changes, expected in [("deeper", {"n_layer": 3}, "tensors of the GPT2LMHeadModel that config.json "
+                                     "describes .* are not in its weight files"),
+                                    ("unknown", {"model_type": "foo"}, "model_type 'foo' .* is not a causal LM")]:
+        bad = tmp_path / name
+        shutil.copytree(hf_dir, bad)
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, **changes}))
+        with pytest.raises(SystemExit, match=expected) as err:
+            main(["--model", str(bad), "--prompt", "hi"])
+        assert "\n" not in str(err.value)
