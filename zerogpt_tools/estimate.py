@@ -206,9 +206,28 @@ def would_fit(shape: ModelShape, args: argparse.Namespace) -> str:
     return f"fits with: {plan_flags(choice.best.plan)} (python -m zerogpt_tools.estimate --plan auto explains)"
 
 
+def _size(text: str) -> int:
+    """A size flag's bytes; parse_size's message (the accepted forms) in argparse's error, not 'invalid value'."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    """A count flag (--batch, --seq-len, ...): an int >= 1, where 0 or less would give negative memory."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _capacity(text: str) -> int:
     """A memory or disk capacity: a size below 1 MiB is a number given without its unit (`--gpu-mem 80`)."""
-    nbytes = parse_size(text)
+    nbytes = _size(text)
     if nbytes < 2**20:
         raise argparse.ArgumentTypeError(f"{text!r} is {nbytes} bytes; give the unit, e.g. {text}GiB or {text}GB")
     return nbytes
@@ -229,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     # ZeRO
     p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage")
     p.add_argument("--world", type=int, default=1, help="data-parallel ranks (GPUs)")
-    p.add_argument("--nodes", type=int, default=1, help="hosts sharing the ranks (host RAM is per node)")
+    p.add_argument("--nodes", type=_positive, default=1, help="hosts sharing the ranks (host RAM is per node)")
     p.add_argument("--offload", default="none", choices=("none", "cpu", "disk"), help="optimizer offload")
     p.add_argument("--offload-param", default="none", choices=("none", "cpu"), help="param offload (stage 3)")
     p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16"),
@@ -241,27 +260,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile = True: stage 3 gathers each block whole (a block's chunks at once, not one chunk)")
     # workload
     p.add_argument("--precision", default="bf16", choices=tuple(DTYPES), help="training precision")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="micro-batch per rank")
-    p.add_argument("--grad-accum", type=int, default=1, help="accumulation steps (stages 2-3 with the optimizer offloaded: an fp32 gradient shard sums on the GPU)")
+    p.add_argument("--seq-len", type=_positive, default=1024, help="tokens per sequence")
+    p.add_argument("--batch", type=_positive, default=1, help="micro-batch per rank")
+    p.add_argument("--grad-accum", type=_positive, default=1, help="accumulation steps (stages 2-3 with the optimizer offloaded: an fp32 gradient shard sums on the GPU)")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
     p.add_argument("--eager-attention", action="store_true", help="attention that stores s x s scores")
     p.add_argument("--chunked-loss", action="store_true",
                    help="the model's chunked_loss = True: one chunk's logits at a time, not (seq x batch x vocab)")
-    p.add_argument("--loss-chunk-size", type=int, default=256, help="tokens per chunk of the chunked loss")
+    p.add_argument("--loss-chunk-size", type=_positive, default=256, help="tokens per chunk of the chunked loss")
     p.add_argument("--dropout", action="store_true", help="dropout > 0 (1-byte masks are stored)")
     # capacities
     p.add_argument("--gpu-mem", type=_capacity, help="e.g. 80GiB or 80G (2**30), 80GB (10**9)")
     p.add_argument("--host-mem", type=_capacity, help="host RAM per node, e.g. 128GB")
     p.add_argument("--disk", dest="disk_space", type=_capacity, help="free space at the offload path")
-    p.add_argument("--gpu-overhead", type=parse_size, default=2**30, help="CUDA context + workspaces")
+    p.add_argument("--gpu-overhead", type=_size, default=2**30, help="CUDA context + workspaces")
     p.add_argument("--gpu", default="H100", help="GPU model for --plan auto's speed model (H100, A100, 4090, ...)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     # plan="auto"
     p.add_argument("--plan", default="manual", choices=("manual", "auto"),
                    help="auto: choose stage, offload, micro-batch x accumulation, checkpointing for the capacities "
                         "(the flags given stay fixed)")
-    p.add_argument("--tokens-per-step", type=int,
+    p.add_argument("--tokens-per-step", type=_positive,
                    help="tokens per optimizer step over all ranks (default seq-len x batch x grad-accum x world)")
     return p
 

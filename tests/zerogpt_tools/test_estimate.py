@@ -260,3 +260,17 @@ def test_cli_chunked_loss_and_llama_custom_shapes(capsys):
         main(["--model", "gpt2_xl", "--kv-heads", "4"])
     with pytest.raises(SystemExit, match=r"hidden \(64\) must be divisible by heads \(3\)"):
         main(["--layers", "2", "--hidden", "64", "--heads", "3"])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--batch", "-1"], "argument --batch: must be >= 1, got -1"),      # was: negative activations, exit 0
+    (["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
+    (["--nodes", "0"], "argument --nodes: must be >= 1, got 0"),        # was: ZeroDivisionError traceback
+    (["--gpu-mem", "24XB"], "argument --gpu-mem: size: cannot read '24XB' as a size; write bytes or e.g. 500MB"),
+    (["--gpu-overhead", "1QB"], "argument --gpu-overhead: size: cannot read '1QB'"),  # was: invalid _size value
+])
+def test_cli_refuses_counts_below_one_and_names_the_size_forms(argv, expected, capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["--model", "gpt2_tiny", *argv])
+    assert err.value.code == 2
+    assert expected in capsys.readouterr().err.splitlines()[-1]
