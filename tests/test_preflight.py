@@ -117,6 +117,21 @@ def test_data_from_the_environment_and_missing_data(tmp_path, monkeypatch):
         check_data(DataConfig())
 
 
+def test_data_path_naming_the_bin_file_gives_the_prefix(tmp_path):
+    """data.path=x.bin (the file a user sees) said 'x.bin.bin not found, create it with tokenize': the dataset is
+    there, only the prefix is wrong."""
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"train{ext}").write_bytes(b"")
+    for ext in (".bin", ".idx"):
+        with pytest.raises(PreflightError, match=rf"train{ext}' names one of the dataset's two files; give the "
+                                                 rf"prefix its .bin and .idx share: --set data.path=.*train$"):
+            check_data(DataConfig(path=str(tmp_path / f"train{ext}")))
+    check_data(DataConfig(path=str(tmp_path / "train")))
+    with pytest.raises(PreflightError, match=r"other.bin.bin and .*not found"):   # no dataset beside it: as before
+        (tmp_path / "other.bin").write_bytes(b"")
+        check_data(DataConfig(path=str(tmp_path / "other.bin")))
+
+
 def test_finished_message_says_how_to_extend_and_what_the_lr_does():
     from types import SimpleNamespace
     cosine = SimpleNamespace(lr_lambdas=[SimpleNamespace(kind="cosine", total_steps=300)])

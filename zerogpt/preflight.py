@@ -59,6 +59,10 @@ def check_data(data: Any, skip: bool = False) -> None:
         raise PreflightError(f"data.path={data.path!r}: no such file (a JSONL corpus, one {{\"text\": ...}} per "
                              f"line, or the prefix of a tokenized .bin/.idx dataset)")
     missing = [f"{data.path}{ext}" for ext in (".bin", ".idx") if not os.path.exists(data.path + ext)]
+    prefix, ext = os.path.splitext(data.path)
+    if missing and ext in (".bin", ".idx") and all(os.path.exists(prefix + e) for e in (".bin", ".idx")):
+        raise PreflightError(f"data.path={data.path!r} names one of the dataset's two files; give the prefix "
+                             f"its .bin and .idx share: --set data.path={prefix}")
     if missing and not is_jsonl(data.path):
         raise PreflightError(
             f"data.path={data.path!r}: {' and '.join(missing)} not found. Create it with\n"
