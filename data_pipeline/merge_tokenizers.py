@@ -63,7 +63,10 @@ def _bpe_json(path: str) -> dict:
     else:
         backend, _, _ = load_backend(path, require_eod=False)
         spec = json.loads(backend.to_str())
-    model = spec.get("model") or {}
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict):  # a JSONL line, a config.json: JSON, but no tokenizer
+        raise ValueError(f"tokenizer {path} is JSON but no tokenizer.json (it has no \"model\" section); pass a "
+                         f"tokenizer directory or its tokenizer.json (or a sentencepiece tokenizer.model)")
     if model.get("type") != "BPE":
         raise ValueError(f"tokenizer {path} is a {model.get('type')} model; merge-tokenizers merges byte-level "
                          "BPE tokenizer.json (GPT-2, Llama-3, Qwen) or sentencepiece tokenizer.model tokenizers")

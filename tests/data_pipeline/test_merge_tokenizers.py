@@ -74,6 +74,17 @@ def test_rejects_non_bpe(tokenizers_ab, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_json_file_that_is_no_tokenizer_is_named_so(tokenizers_ab, tmp_path):
+    """A model's config.json or a one-line JSONL given as OTHER was 'a None model'."""
+    from data_pipeline.merge_tokenizers import merge_tokenizers
+
+    root, _, _ = tokenizers_ab
+    for name, body in (("config.json", {"model_type": "gpt2"}), ("one.jsonl", {"text": "hello"})):
+        (tmp_path / name).write_text(json.dumps(body) + "\n")
+        with pytest.raises(ValueError, match=rf"{name} is JSON but no tokenizer.json \(it has no \"model\" section\)"):
+            merge_tokenizers(str(root / "a"), str(tmp_path / name), str(tmp_path / "out"))
+
+
 # ------------------------------------------------------------------------------------------------
 # Llama-3 / Qwen tokenizer.json with added special tokens, and Llama-2 sentencepiece tokenizer.model
 
