@@ -161,6 +161,25 @@ def test_reshard_across_world_size_stage_and_strategy(tmp_path):
                                        atol=1e-5, msg=lambda m: f"saved {saved} -> resumed {resumed}: {m}")
 
 
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_a_checkpoint_without_moments_starts_a_trained_engines_optimizer_fresh(tmp_path, offload):
+    """A checkpoint saved before the first step (or the weights alone, as import_megatron writes) holds no moments:
+    loaded into an engine that has trained, its optimizer starts fresh, as in a new engine, not from its own."""
+    batches = global_batches(5)
+    before_any_step = make_engine(2, offload=offload)
+    before_any_step.save_checkpoint(tmp_path / "step_0")
+    before_any_step.close()
+    fresh = make_engine(2, offload=offload, seed=5)
+    fresh.load_checkpoint(tmp_path / "step_0")
+    expected = train(fresh, batches[:3], 0, 1)
+    fresh.close()
+    trained = make_engine(2, offload=offload, seed=5)
+    train(trained, batches[3:], 0, 1)
+    trained.load_checkpoint(tmp_path / "step_0")
+    assert train(trained, batches[:3], 0, 1) == expected
+    trained.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # reading, consolidation, faults
 
@@ -361,3 +380,27 @@ def test_kill_during_save_keeps_latest_and_resume_works(tmp_path):
     assert json.loads(resumed.stdout.strip().splitlines()[-1]) == straight_losses[2:]
     assert (root / "latest").read_text().strip() == "step_6"
     assert not (root / ".step_4.tmp").exists()  # the partial save was cleaned up when step_4 was re-saved
+
+
+def test_a_resave_killed_between_its_renames_resumes_from_the_set_aside_checkpoint(tmp_path):
+    """Re-saving step N moves the old step_N aside (.step_N.old) before the new one takes its place; a kill between
+    the two renames leaves `latest` naming a directory that is gone. The next resume puts the old one back."""
+    from zerogpt.checkpoint import resolve_checkpoint
+    from zerogpt.trainer.hooks.checkpoint import latest_checkpoint
+
+    engine = make_engine(1)
+    train(engine, global_batches(1), 0, 1)
+    root = tmp_path / "checkpoints"
+    engine.save_checkpoint(root / "step_1")
+    (root / "latest").write_text("step_1\n")
+    os.replace(root / "step_1", root / ".step_1.old")  # the re-save's first rename, then the kill
+    assert resolve_checkpoint(str(tmp_path)) == str(root / "step_1")
+    os.replace(root / "step_1", root / ".step_1.old")
+    assert latest_checkpoint(str(tmp_path)) == str(root / "step_1")
+    assert sorted(os.listdir(root)) == ["latest", "step_1"]
+    fresh = make_engine(1, seed=3)
+    fresh.load_checkpoint(str(root / "step_1"))
+    for name, value in engine.state_dict_full().items():
+        assert torch.equal(fresh.state_dict_full()[name], value), name
+    engine.close()
+    fresh.close()

@@ -322,6 +322,14 @@ def _finish_save(engine: CheckpointedEngine, state: dict, ctx: DistContext, gath
     _fsync_dir(parent)
 
 
+def _start_fresh(live: dict[str, torch.Tensor], keep: set[str]) -> None:
+    """Zero the optimizer state a checkpoint does not hold (one saved before the first step, the weights alone),
+    as a new optimizer's is: an engine that has trained must not step on from its own moments and step count."""
+    for key, value in live.items():
+        if key not in keep and key != "master":
+            live[key] = value.new_zeros(()) if value.dim() == 0 else value.zero_()
+
+
 def _planned_bytes(state: dict, ctx: DistContext) -> int:
     """About what this rank's shard files take (fp32 pieces; the small RNG and buffer files left out)."""
     return sum(4 * len(_shard_sources(state, shard)) * sum(piece.end - piece.start for piece in shard.pieces)
@@ -432,8 +440,8 @@ def load_engine(engine: CheckpointedEngine, directory: str) -> dict:
         raise CheckpointError(errors[0])
     optim_state = state["optimizer"]
     if "state" in reader.meta["optimizer"] and reader.meta["optimizer"]["state"] is None:
-        # Weights alone (zerogpt_tools.import_megatron writes these): the masters are read below, while the
-        # optimizer's hyperparameters, moments and loss scale stay as this run built them.
+        # Weights alone (zerogpt_tools.import_megatron writes these): the masters are read below, the moments
+        # start fresh (below), while the optimizer's hyperparameters and loss scale stay as this run built them.
         ctx.logger.info(f"{reader.directory} holds no optimizer state ({reader.meta['optimizer']['reason']}): "
                         f"the optimizer starts fresh from these weights")
     else:
@@ -451,14 +459,17 @@ def load_engine(engine: CheckpointedEngine, directory: str) -> dict:
                 state["frozen"][shard.chunk].copy_(_read_shard(reader, shard, "param", layouts, tied))
                 continue
             live = optim_state["chunks"][shard.chunk]
-            for kind in reader.kinds(_saved_name(reader, shard.params[0], tied)):
+            kinds = reader.kinds(_saved_name(reader, shard.params[0], tied))
+            saved_scalars = scalars.get(str(shard.group), {})
+            _start_fresh(live, keep={*kinds, *saved_scalars})
+            for kind in kinds:
                 values = _read_shard(reader, shard, kind, layouts, tied)
                 target = live.get(kind)
                 if isinstance(target, torch.Tensor) and target.shape == values.shape:
                     target.copy_(values)  # in place: keeps its home (pinned host, memory-mapped disk)
                 else:
                     live[kind] = values
-            for key, value in scalars.get(str(shard.group), {}).items():
+            for key, value in saved_scalars.items():
                 live[key] = torch.tensor(value, dtype=torch.float32)
         for name in reader.meta["buffers"]:
             if name in state["buffers"]:

@@ -39,11 +39,25 @@ def resolve_checkpoint(path: str) -> str:
     if os.path.isfile(latest):
         with open(latest) as f:
             ckpt = os.path.join(path, "checkpoints", f.read().strip())
-        if os.path.isfile(os.path.join(ckpt, META)):
+        if restore_set_aside(ckpt) or os.path.isfile(os.path.join(ckpt, META)):
             return ckpt
         raise CheckpointError(f"{latest} names {ckpt}, which is not a complete checkpoint (no {META})")
     raise CheckpointError(f"{path} is neither a checkpoint directory (no {META}) nor a run directory "
                           f"(no checkpoints/latest); pass e.g. runs/x or runs/x/checkpoints/step_1000")
+
+
+def restore_set_aside(directory: str) -> bool:
+    """Put back the checkpoint a re-save of the same step set aside (`.step_N.old`) and was killed before the new
+    one took its place; True when it did. The set-aside copy is complete: it was a checkpoint before the re-save."""
+    parent, name = os.path.split(os.path.abspath(directory))
+    aside = os.path.join(parent, f".{name}.old")
+    if os.path.exists(directory) or not os.path.isfile(os.path.join(aside, META)):
+        return False
+    try:
+        os.replace(aside, directory)
+    except FileNotFoundError:  # another rank put it back first
+        pass
+    return os.path.isfile(os.path.join(directory, META))
 
 
 class CheckpointReader:

@@ -20,6 +20,8 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def latest_checkpoint(output_dir: str) -> str | None:
     """The directory `<output_dir>/checkpoints/latest` names, or None when there is none yet."""
+    from zerogpt.checkpoint_reader import restore_set_aside
+
     root = os.path.join(output_dir, "checkpoints")
     try:
         with open(os.path.join(root, "latest")) as f:
@@ -27,7 +29,7 @@ def latest_checkpoint(output_dir: str) -> str | None:
     except FileNotFoundError:
         return None
     path = os.path.join(root, name)
-    if not os.path.isdir(path):
+    if not restore_set_aside(path) and not os.path.isdir(path):
         raise FileNotFoundError(f"{root}/latest names {name!r} but {path} does not exist; pass "
                                 "--resume <checkpoint dir> explicitly or delete the stale 'latest' file")
     return path
