@@ -230,6 +230,19 @@ def test_overrides_parse_literals_and_bare_strings(tmp_path):
     assert cfg.train.max_steps is None and cfg.clip_grad_norm == 1
 
 
+def test_an_override_of_a_text_key_keeps_the_text_as_typed(tmp_path):
+    # `--set data.split=949,50,1` parsed as a tuple and was refused ("data.split must be str"), as was a run
+    # directory named by digits; a text key takes the text. None still means None, and other keys keep their checks.
+    cfg = Config.from_file(write(tmp_path, "BATCH_SIZE = 2\n"))
+    cfg.apply_overrides(["data.split=949,50,1", "train.output_dir=2024", "data.path=7", "data.seed=3"])
+    assert data_config(cfg).split == "949,50,1" and train_config(cfg).output_dir == "2024"
+    assert data_config(cfg).path == "7" and data_config(cfg).seed == 3
+    with pytest.raises(TypeError, match=r"train.output_dir must be str, got None"):
+        Config.from_file(write(tmp_path, "BATCH_SIZE = 2\n")).apply_overrides(["train.output_dir=None"])
+    with pytest.raises(TypeError, match=r"train.max_steps must be int \| None, got 1.5"):
+        Config.from_file(write(tmp_path, "BATCH_SIZE = 2\n")).apply_overrides(["train.max_steps=1.5"])
+
+
 def test_override_errors_name_the_set_flag(tmp_path):
     cfg = Config.from_file(write(tmp_path, "zero = dict(stage=3, offload_param=dict(device='cpu'))\n"))
     with pytest.raises(ValueError, match=r"unknown key 'zero.stagee' in --set zero.stagee=2; did you mean"):

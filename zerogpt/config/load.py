@@ -11,6 +11,7 @@ import ast
 import inspect
 import re
 import traceback
+import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -20,7 +21,7 @@ from zerogpt.config.colossalai import ColossalZeroConfig, zero_config
 from zerogpt.config.render import to_python
 from zerogpt.config.schema import (OPTIMIZER_NAMES, DataConfig, EngineConfig, EngineKeys, HostConfig, LRSchedulerConfig,
                                    ParallelConfig, TensorParallelConfig, TrainConfig, ZeroConfig, all_paths,
-                                   check_fields, check_tree, section_types, suggest)
+                                   check_fields, check_tree, field_hints, section_types, suggest)
 
 
 @dataclass
@@ -97,6 +98,22 @@ def _failing_line(e: BaseException, filename: str) -> int | str:
 def _default(name: str) -> Any:
     f = _SCALARS[name]
     return f.default_factory() if f.default is MISSING else f.default
+
+
+def _takes_text(parts: list[str], value: Any) -> bool:
+    """Whether the key at `parts` is a text field (str, str | None) and `value`, what `--set` parsed, is a number,
+    tuple or list it refuses: then the text as typed is meant (None and bools keep their meaning and checks)."""
+    if not isinstance(value, (int, float, tuple, list)) or isinstance(value, bool):
+        return False
+    classes, hint = (RunConfig,), None
+    for part in parts:
+        hints = field_hints(classes) if classes else {}
+        if part not in hints:
+            return False
+        hint = hints[part]
+        classes = section_types(hint)
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return str in options and type(value) not in options and not (float in options and type(value) is int)
 
 
 class Config(dict):
@@ -208,7 +225,9 @@ class Config(dict):
 
         VALUE is parsed with `ast.literal_eval` (`2`, `1e-4`, `None`, `True`, `'x'`, `[1, 2]`); anything
         that is not a Python literal is taken as a bare string (`precision=bf16`, `data.path=/d/x`), except
-        `true`/`false` in any case, which are bools (`compile=true`). Missing intermediate dicts are created.
+        `true`/`false` in any case, which are bools (`compile=true`), and a text key that would get a number, tuple or
+        list takes the text as typed (`data.split=949,50,1`, `train.output_dir=2024`). Missing intermediate dicts
+        are created.
 
         Example:
             >>> Config().apply_overrides(["zero.stage=2", "precision=bf16"]).zero.stage
@@ -225,8 +244,10 @@ class Config(dict):
                 value = ast.literal_eval(raw)
             except (ValueError, SyntaxError):
                 value = {"true": True, "false": False}.get(raw.lower(), raw)  # shell habit: compile=true
-            node = self
             parts = key.split(".")
+            if _takes_text(parts, value):   # data.split=949,50,1 or train.output_dir=2024: the text as typed
+                value = raw
+            node = self
             for depth, part in enumerate(parts[:-1]):
                 if part not in node:
                     node[part] = Config._nested({})
