@@ -37,6 +37,7 @@ from zerogpt.preflight import is_jsonl
 from zerogpt.preflight_memory import check_memory
 from zerogpt.trainer import (EvalHook, LogMetricByStepHook, MemoryHook, NaNGuardHook, PlotHook, ProgressBarHook,
                              SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer, latest_checkpoint)
+from zerogpt.trainer.hooks.nan_guard import NonFiniteLossError
 from zerogpt.trainer.hooks.wandb import WandbHook, check_installed as check_wandb_installed
 from model_zoo import GPTLMLoss, build_model, builds_on_meta
 import data_pipeline
@@ -194,7 +195,8 @@ def launch_and_train(args, cfg, train, data, dims, from_env) -> int:
                   file=sys.stderr, flush=True)
         return 130
     except Exception as e:  # before training, a mistake (data, vocabulary, checkpoint) is one line; then, a crash
-        user_error = trainer is None and isinstance(e, USER_ERRORS)
+        # the NaN guard's stop is a diagnosis with its advice, one line like a mistake, not a crash
+        user_error = (trainer is None and isinstance(e, USER_ERRORS)) or isinstance(e, NonFiniteLossError)
         return report_user_error(e, ctx.global_rank) if user_error else report_crash(e, ctx.global_rank)
     finally:
         ctx.destroy()
@@ -316,7 +318,10 @@ def check_run_vocab(dataset, data, model) -> None:
 
 def fit(trainer, cfg, train, train_dl, valid_dl, ctx) -> int:
     out = train.output_dir
-    state = trainer.fit(train_dl, epochs=cfg.NUM_EPOCHS, max_steps=train.max_steps, eval_dataloader=valid_dl)
+    # train.max_steps decides the run's length when set; else NUM_EPOCHS passes (one by default), as the LR
+    # schedule's length and the resume check in setup() count it
+    epochs = None if train.max_steps else cfg.NUM_EPOCHS or 1
+    state = trainer.fit(train_dl, epochs=epochs, max_steps=train.max_steps, eval_dataloader=valid_dl)
     trainer.engine.close()  # hooks off, offload files removed, the shared-memory transport and its thread closed
     if state.interrupted:
         ckpt = latest_checkpoint(out)

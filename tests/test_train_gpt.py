@@ -107,6 +107,41 @@ def test_resume_continues_with_the_same_losses(run_dir, data_dir, tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_max_steps_decides_the_length_over_num_epochs_and_neither_means_one_epoch(data_dir, tmp_path):
+    # 0.5% of the sample for training, 16 x 32-token windows per step: 22 steps per epoch. NUM_EPOCHS counts only
+    # without train.max_steps (docs/configs.md); a run with both used to stop at the epoch's end, short of
+    # max_steps and of its LR schedule, and its --resume auto then did nothing. With neither, fit() refused
+    # after the engine was built, though the schedule and the resume check count one epoch.
+    small = ["SEQ_LEN=32", "BATCH_SIZE=16", "data.split='5,994,1'", "train.log_interval=100", "train.eval_iters=1",
+             "lr_scheduler.warmup_steps=2", *data_args(data_dir)]
+    proc = one_process(["--config", DEMO, *overrides(small + ["NUM_EPOCHS=1", "train.max_steps=30",
+                                                              f"train.output_dir={tmp_path}/both"])])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train = [r for r in read_jsonl(tmp_path / "both" / "metrics.jsonl") if r["split"] == "train"]
+    assert [(r["step"], r["epoch"]) for r in train] == [(30, 1)]   # on into the second pass, its last step logged
+    assert "done: 30 steps" in proc.stdout + proc.stderr
+    proc = one_process(["--config", DEMO, *overrides(small + ["train.max_steps=None",
+                                                              f"train.output_dir={tmp_path}/neither"])])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train = [r for r in read_jsonl(tmp_path / "neither" / "metrics.jsonl") if r["split"] == "train"]
+    assert [(r["step"], r["epoch"]) for r in train] == [(22, 0)]   # one pass
+
+
+@pytest.mark.timeout(200)
+def test_the_nan_guards_stop_is_one_line_and_keeps_the_last_checkpoint(data_dir, tmp_path):
+    # lr 1e12: step 1 blows the weights up, every later loss is NaN and the guard stops at step 4. That used to print
+    # the trainer's 15-line traceback and the guard's message twice ("training failed on rank 0"), as for a crash.
+    proc = one_process(["--config", DEMO, *overrides(SHORT + data_args(data_dir) + [
+        "optimizer.lr=1e12", "lr_scheduler.warmup_steps=0", "train.log_interval=1", "train.save_interval=2",
+        f"train.output_dir={tmp_path}"])])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "Traceback" not in proc.stderr and "training failed" not in proc.stderr, proc.stderr[-5000:]
+    errors = [line for line in proc.stderr.splitlines() if "non-finite for 3 consecutive" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: loss is nan at step 4,"), errors
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_2"   # nothing after the stop
+
+
+@pytest.mark.timeout(200)
 def test_crash_on_one_rank_stops_all_ranks_with_its_error(data_dir, tmp_path):
     config = tmp_path / "crash.py"
     config.write_text(open(DEMO).read() + textwrap.dedent("""

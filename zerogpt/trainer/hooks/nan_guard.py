@@ -11,8 +11,13 @@ import math
 from zerogpt.trainer.hooks.base import Hook
 
 
+class NonFiniteLossError(FloatingPointError):
+    """NaNGuardHook's stop: a diagnosis with its advice, which train_gpt.py prints as one line (no traceback)."""
+
+
 class NaNGuardHook(Hook):
-    """Raises FloatingPointError after `max_bad_steps` consecutive non-finite logged losses, naming the steps.
+    """Raises NonFiniteLossError (a FloatingPointError) after `max_bad_steps` consecutive non-finite logged losses,
+    naming the steps.
 
     List it after the loggers (so the bad step is in metrics.jsonl) and before SaveCheckpointHook (so no
     checkpoint is written from the step that trips it).
@@ -34,7 +39,7 @@ class NaNGuardHook(Hook):
             return
         self._bad.append(s.step)
         if len(self._bad) >= self.max_bad_steps:
-            raise FloatingPointError(f"loss is {loss} at step {s.step}, non-finite for {len(self._bad)} consecutive "
+            raise NonFiniteLossError(f"loss is {loss} at step {s.step}, non-finite for {len(self._bad)} consecutive "
                                      f"logged steps (steps {self._bad[0]}..{s.step}). {advice(trainer.engine)}")
 
 
