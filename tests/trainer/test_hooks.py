@@ -248,13 +248,15 @@ class StepLog(Hook):
         self.steps.append((trainer.state.step, math.isfinite(m.loss), m.skipped))
 
 
-def test_nan_guard_ignores_fp16_skipped_steps_and_resets_on_finite():
-    # Steps 3..8 have a NaN loss and are fp16-skipped: 6 in a row, past max_bad_steps=2, yet no error.
+def test_nan_guard_counts_fp16_skipped_steps_and_resets_on_finite():
+    # Steps 3..8 have a NaN loss and are fp16-skipped: a lower loss scale never makes a forward loss finite, so the
+    # guard stops at step 4, the second in a row, as without fp16 (it would skip to the run's end).
     engine = EngineDouble(skip_steps=set(range(3, 9)), loss_scale=1024.0)
     engine.criterion = NaNAfter(start=3)
     log = StepLog()
-    Trainer(engine, hooks=[log, NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8), max_steps=8)
-    assert log.steps == [(1, True, False), (2, True, False)] + [(s, False, True) for s in range(3, 9)]
+    with pytest.raises(FloatingPointError, match="at step 4"):
+        Trainer(engine, hooks=[log, NaNGuardHook(max_bad_steps=2)]).fit(token_batches(8), max_steps=8)
+    assert log.steps == [(1, True, False), (2, True, False), (3, False, True), (4, False, True)]
 
     class Flaky:
         calls = 0

@@ -31,7 +31,9 @@ class NaNGuardHook(Hook):
 
     def after_step(self, trainer) -> None:
         s = trainer.state
-        if not s.metrics.logged or s.metrics.skipped:
+        # an fp16-skipped step counts too: a lower loss scale rescues a gradient, never a forward loss, and the
+        # weights a skip leaves unchanged give that loss again (an fp16 run would skip to its end, scale halving)
+        if not s.metrics.logged:
             return
         loss = s.metrics.loss
         if math.isfinite(loss):
