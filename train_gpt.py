@@ -36,7 +36,8 @@ from zerogpt.parallel.plan import parallelize
 from zerogpt.preflight import is_jsonl
 from zerogpt.preflight_memory import check_memory
 from zerogpt.trainer import (EvalHook, LogMetricByStepHook, MemoryHook, NaNGuardHook, PlotHook, ProgressBarHook,
-                             SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer, latest_checkpoint)
+                             SaveCheckpointHook, TensorboardHook, ThroughputHook, Trainer, epoch_steps,
+                             latest_checkpoint)
 from zerogpt.trainer.hooks.nan_guard import NonFiniteLossError
 from zerogpt.trainer.hooks.wandb import WandbHook, check_installed as check_wandb_installed
 from model_zoo import GPTLMLoss, build_model, builds_on_meta
@@ -244,7 +245,7 @@ def setup(cfg, train, data, ctx, dims, resume):
     accum = engine.gradient_accumulation
     lr_scheduler = None
     if "lr_scheduler" in cfg:
-        total_steps = train.max_steps or (cfg.NUM_EPOCHS or 1) * len(train_dl) // accum
+        total_steps = train.max_steps or epoch_steps(cfg.NUM_EPOCHS or 1, len(train_dl), accum)
         lr_scheduler = build_lr_scheduler(engine.optimizer, lr_scheduler_config(cfg), total_steps)
     ctx.logger.info(f"tokens/step: {cfg.BATCH_SIZE} seqs x {cfg.SEQ_LEN} tokens x {accum} accumulation x "
                     f"{dims.dp} data-parallel ranks = {cfg.BATCH_SIZE * cfg.SEQ_LEN * accum * dims.dp:,}")
@@ -273,7 +274,7 @@ def setup(cfg, train, data, ctx, dims, resume):
             with slow_phase(ctx.logger, f"resume: reading {ckpt} into this rank's shards"):
                 trainer.load_state_dict(engine.load_checkpoint(ckpt))
             ctx.logger.info(f"resumed from {ckpt} at step {trainer.state.step}")
-            last_step = train.max_steps or (cfg.NUM_EPOCHS or 1) * len(train_dl) // accum
+            last_step = train.max_steps or epoch_steps(cfg.NUM_EPOCHS or 1, len(train_dl), accum)
             if trainer.state.step >= last_step:
                 epochs = None if train.max_steps else cfg.NUM_EPOCHS or 1
                 ctx.logger.info(preflight.finished_message(ckpt, trainer.state.step, last_step, lr_scheduler, epochs))

@@ -90,6 +90,9 @@ def test_epochs_resolve_max_steps_and_stream_across_epochs():
     assert (s.max_steps, s.step, s.micro_step, s.epoch) == (3, 3, 6, 2)
     assert [e for e, _ in events_of(log, "r")].count("after_epoch") == 2
 
+    with pytest.raises(ValueError, match=r"1 epoch\(s\) of 3 micro-batches make no optimizer step of 4"):
+        Trainer(EngineDouble(accumulation=4)).fit(token_batches(3), epochs=1)
+
 
 def test_loss_falls():
     keep = KeepLosses()

@@ -4,9 +4,9 @@ from zerogpt.trainer.hooks import (EvalHook, Hook, LogMetricByEpochHook, LogMetr
                                    SaveCheckpointHook, TensorboardHook, ThroughputHook, WandbHook,
                                    latest_checkpoint, plot_losses)
 from zerogpt.trainer.metrics import EpochMetrics, StepMetrics
-from zerogpt.trainer.trainer import EVENTS, Trainer, TrainerState, split_batch
+from zerogpt.trainer.trainer import EVENTS, Trainer, TrainerState, epoch_steps, split_batch
 
-__all__ = ["Trainer", "TrainerState", "StepMetrics", "EpochMetrics", "EVENTS", "split_batch", "Hook", "LossHook",
+__all__ = ["Trainer", "TrainerState", "StepMetrics", "EpochMetrics", "EVENTS", "epoch_steps", "split_batch", "Hook", "LossHook",
            "LRSchedulerHook", "ThroughputHook", "MemoryHook", "LogMetricByStepHook", "LogMetricByEpochHook",
            "TensorboardHook", "EvalHook", "SaveCheckpointHook", "ProgressBarHook", "NaNGuardHook", "PlotHook",
            "WandbHook", "latest_checkpoint", "plot_losses"]

@@ -30,6 +30,17 @@ EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_
           "before_eval", "after_eval", "on_checkpoint")
 
 
+def epoch_steps(epochs: int, micro_batches_per_epoch: int, accumulation: int) -> int:
+    """The optimizer steps `epochs` passes make (a step's window may span two epochs). ValueError when they make
+    none: a run that would end before it starts (its LR schedule of 0 steps) is a mistake to say, not to run."""
+    steps = epochs * micro_batches_per_epoch // accumulation
+    if steps == 0 and epochs > 0:
+        raise ValueError(f"{epochs} epoch(s) of {micro_batches_per_epoch} micro-batches make no optimizer step of "
+                         f"{accumulation} (gradient accumulation); use more data, a smaller GRADIENT_ACCUMULATION "
+                         f"or BATCH_SIZE, or train.max_steps")
+    return steps
+
+
 @dataclass
 class TrainerState:
     """Counters and the latest numbers of a run; hooks read it instead of passing dicts around."""
@@ -366,7 +377,7 @@ class Trainer:
         except TypeError:
             raise ValueError("Trainer.fit(epochs=...) needs a dataloader with len(); pass max_steps "
                              "(train.max_steps) instead") from None
-        return epochs * batches_per_epoch // accum
+        return epoch_steps(epochs, batches_per_epoch, accum)
 
     # ---------------------------------------------------------------- eval
     @torch.no_grad()
