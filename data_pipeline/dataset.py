@@ -44,7 +44,9 @@ def split_document_ranges(splits: str | list | tuple, num_documents: int) -> lis
     for w in parse_splits(splits):
         bounds.append(bounds[-1] + int(round(w * num_documents)))
     excess = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [b - excess for b in bounds[1:]]
+    # Megatron takes the rounding excess off every bound; clamped at 0, so a split rounded up after an empty one
+    # ("0,1,1" of 3 documents: 0, -1, 1, 3) cannot give a negative bound, which a slice would read from the end.
+    bounds = [bounds[0]] + [max(0, b - excess) for b in bounds[1:]]
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 

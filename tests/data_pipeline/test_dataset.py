@@ -80,6 +80,15 @@ def test_split_ranges_follow_megatron_rounding():
     assert split_document_ranges([1, 1, 1], 10) == [(0, 4), (4, 7), (7, 10)]  # rounding excess shifts the bounds
 
 
+def test_split_ranges_are_disjoint_when_a_split_is_empty():
+    # Megatron's bounds would be 0, -1, 1, 3: train docs[0:-1] = 0..1 and test 1..2 overlap, valid reads nothing
+    assert split_document_ranges("0,1,1", 3) == [(0, 0), (0, 1), (1, 3)]
+    for n in range(1, 40):
+        for splits in ("0,1,1", "1,0,1", "0,0,1", "1,1,1", "0,1,0", "0.5,0.25,0.25"):
+            bounds = [b for r in split_document_ranges(splits, n) for b in r]
+            assert bounds == sorted(bounds) and bounds[0] == 0 and bounds[-1] == n, (splits, n, bounds)
+
+
 def test_splits_are_disjoint_documents(corpus):
     prefix, where, docs = corpus
     train = GPTDataset(prefix, seq_len=8, splits="8,2,0")
