@@ -22,7 +22,7 @@ NON_SEMANTIC_ARGS = frozenset({"workers", "strict", "quiet", "stage", "func", "p
                                "memory_limit", "force", "retry_failed", "log_interval",
                                # where a stage runs (executor.add_executor_args), not what it writes
                                "executor", "ray_address", "tasks", "shard_size", "slurm_partition",
-                               "slurm_time", "workdir"})
+                               "slurm_time", "workdir", "verbose"})
 
 
 def file_signature(path: str) -> dict[str, Any]:

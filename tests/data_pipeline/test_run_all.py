@@ -103,3 +103,19 @@ def test_two_stages_options_of_one_name_must_mean_the_same(monkeypatch):
     args = parse_all("--cleanup-seed", "8")
     sargs = {stage: run_all.stage_args(stage, argv, args) for stage, argv in run_all.chain_argvs(args)}
     assert sargs["cleanup"].seed == 8 and sargs["shuffle"].seed == 1234
+
+
+def test_a_stage_run_on_its_own_with_or_without_verbose_is_complete_for_all(tmp_path):
+    """-v only shows the tasks' output on the console: it does not make `all` redo a stage (or a killed stage's
+    tasks) that was run without it, nor the other way round."""
+    from data_pipeline.__main__ import main
+    from data_pipeline.stats import is_complete
+
+    (tmp_path / "dedup.jsonl").write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(20)))
+    args = build_parser("all").parse_args(["all", "--input", "in.jsonl", "--workdir", str(tmp_path)])
+    argv = dict(run_all.chain_argvs(args))["shuffle"]
+    sargs = run_all.stage_args("shuffle", argv, args)
+    for flags in ([], ["-v"]):
+        assert main(["shuffle", *argv, *flags]) == 0
+        assert is_complete(sargs.output, sargs), flags
+
