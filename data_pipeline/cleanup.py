@@ -28,6 +28,7 @@ from data_pipeline.cli_args import add_common_args, add_output_arg, check_input
 from data_pipeline.files import atomic_write
 from data_pipeline.jsonl import BadLineReporter, dumps, iter_line_batches, parse_jsonl_line
 from data_pipeline.stats import write_stats
+from data_pipeline.tokenizer import tokenizer_inputs
 from data_pipeline.workers import batched, imap_bounded, progress
 
 BATCH_LINES = 256  # lines per worker task: large enough to amortise pickling
@@ -276,8 +277,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         results.close()  # stops the worker pool even when a --strict error is raised
     unit = f"tokens ({args.tokenizer})" if args.tokenizer else "words (whitespace split; no --tokenizer)"
-    # the tokenizer (file or directory) is an input: `all` re-runs cleanup when it is replaced
-    write_stats(args.output, "cleanup", counts, args, inputs + ([args.tokenizer] if args.tokenizer else []),
+    # the tokenizer (a file, or a directory and its files) is an input: `all` re-runs cleanup when one changes
+    tokenizer = tokenizer_inputs(args.tokenizer) if args.tokenizer else []
+    write_stats(args.output, "cleanup", counts, args, inputs + tokenizer,
                 started, length_unit=unit,
                 kept_length_total=total_length, languages=dict(languages.most_common()), **extra)
     return 0

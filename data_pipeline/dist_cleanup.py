@@ -18,6 +18,7 @@ from data_pipeline.files import atomic_write, exists
 from data_pipeline.readers import Source, is_dir
 from data_pipeline.shards import concat, file_size, read_json, write_json
 from data_pipeline.stats import write_stats
+from data_pipeline.tokenizer import tokenizer_inputs
 from data_pipeline.workers import batched
 
 
@@ -76,6 +77,7 @@ def merge_outputs(work: str, parts: int, sargs: argparse.Namespace, inputs: list
         concat([unit_file(work, "out", u) for u in range(parts)], out)
         concat([unit_file(work, "rejected", u) for u in range(parts)], rej)
     unit = f"tokens ({sargs.tokenizer})" if sargs.tokenizer else "words (whitespace split; no --tokenizer)"
-    write_stats(sargs.output, "cleanup", counts, sargs, inputs + ([sargs.tokenizer] if sargs.tokenizer else []),
+    tokenizer = tokenizer_inputs(sargs.tokenizer) if sargs.tokenizer else []
+    write_stats(sargs.output, "cleanup", counts, sargs, inputs + tokenizer,
                 started, length_unit=unit, kept_length_total=total_length,
                 languages=dict(languages.most_common()), shards=parts, **stats)

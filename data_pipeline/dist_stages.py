@@ -26,7 +26,7 @@ import numpy as np
 from data_pipeline import dist_dedup
 from data_pipeline.cli_args import parse_size
 from data_pipeline.executor import Job, executor_session, num_tasks, run_jobs
-from data_pipeline.files import abspath, atomic_write, exists, local_path, remove_tree
+from data_pipeline.files import atomic_write, exists, local_path, remove_tree
 from data_pipeline.jsonl import BadLineReporter, dumps, parse_jsonl_line
 from data_pipeline.shards import concat, count_lines, file_size, first_line, iter_shard, read_json, write_json
 from data_pipeline.stages import load_stage
@@ -352,16 +352,17 @@ def tokenize_merge(rank: int, world: int, work: str, shards: int, sargs: argpars
 
     counts: Counter = Counter()
     parts = [IndexedDataset(part(work, "out", r, "")) for r in range(shards)]
-    for r in range(shards):
-        counts.update(read_stats(part(work, "out", r, ""))["counts"])
+    shard_stats = [read_stats(part(work, "out", r, "")) for r in range(shards)]
+    for stats in shard_stats:
+        counts.update(stats["counts"])
     with IndexedDatasetWriter(sargs.output_prefix, parts[0].dtype) as writer:
         for ds in parts:
             if len(ds):
                 writer.add_documents(np.asarray(ds.tokens), np.asarray(ds.sizes))
-    write_stats(sargs.output_prefix, "tokenize", counts, inputs=[sargs.input, sargs.tokenizer], started=started,
-                params=ts._params(sargs.tokenizer, sargs.json_key), shards=shards,
-                output_signatures=[file_signature(p) for p in ts._outputs(sargs.output_prefix)],
-                tokenizer=abspath(sargs.tokenizer), dtype=parts[0].dtype.name)
+    # the stats of the in-process stage (vocab_size and eod_id, which GPTDataset reads, included)
+    ts.write_tokenize_stats(sargs.input, sargs.tokenizer, sargs.output_prefix, sargs.json_key, counts, started,
+                            shard_stats[0]["vocab_size"], shard_stats[0]["eod_id"], parts[0].dtype,
+                            sum(stats["chars"] for stats in shard_stats), shards=shards)
 
 
 def tokenize_jobs(args, sargs, work, started) -> list[Job]:

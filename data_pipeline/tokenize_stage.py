@@ -180,17 +180,28 @@ def tokenize_file(input_path: str, tokenizer: str, output_prefix: str, workers: 
             counts["tokens"] += int(tokens.size)
             num_chars += chars
             bar.update(nbytes)
-    seconds = time.time() - started
     if counts["docs"] == 0:
         print(f"warning: {input_path} produced no documents (empty={counts['empty']}, "
               f"malformed={counts['malformed']}); {output_prefix}.bin is empty", file=sys.stderr)
+    return write_tokenize_stats(input_path, tokenizer, output_prefix, text_key, counts, started, vocab, eod, dtype,
+                                num_chars, workers=workers)
+
+
+def write_tokenize_stats(input_path: str, tokenizer: str, output_prefix: str, text_key: str, counts: Counter,
+                         started: float, vocab: int, eod: int, dtype, chars: int, **extra: Any) -> dict[str, Any]:
+    """Write `PREFIX.stats.json`, the same for the in-process stage and the sharded tasks' merge (dist_stages.py):
+    GPTDataset and train_gpt.py read `vocab_size`, `dtype` and `eod_id` from it."""
+    seconds = time.time() - started
     # The tokenizer is an input too, and the .bin/.idx signatures are recorded, so `all` can tell a
     # complete output (same corpus, tokenizer and key; files untouched) from a stale one (is_complete).
-    return write_stats(output_prefix, "tokenize", counts, inputs=[input_path, tokenizer], started=started,
-                       params=_params(tokenizer, text_key), workers=workers,
+    from data_pipeline.tokenizer import tokenizer_inputs
+
+    return write_stats(output_prefix, "tokenize", counts, inputs=[input_path, *tokenizer_inputs(tokenizer)],
+                       started=started,
+                       params=_params(tokenizer, text_key), **extra,
                        output_signatures=[file_signature(p) for p in _outputs(output_prefix)],
-                       tokenizer=os.path.abspath(tokenizer), vocab_size=vocab, eod_id=eod, dtype=dtype.name,
-                       chars=num_chars, tokens_per_s=round(counts["tokens"] / max(seconds, 1e-9), 1),
+                       tokenizer=os.path.abspath(tokenizer), vocab_size=vocab, eod_id=eod, dtype=np.dtype(dtype).name,
+                       chars=chars, tokens_per_s=round(counts["tokens"] / max(seconds, 1e-9), 1),
                        skipped={"empty": counts["empty"], "malformed": counts["malformed"]})
 
 

@@ -105,6 +105,15 @@ def load_tokenizer(path: str):
                          f"{_TRAIN_HINT}") from e
 
 
+def tokenizer_inputs(path: str) -> list[str]:
+    """What a stage that uses tokenizer `path` records as its inputs (stats.is_complete): the file, or the directory
+    and its tokenizer files (.json, .txt, .model); a file edited in place leaves the directory's mtime as it was."""
+    if not os.path.isdir(path):
+        return [path]
+    return [path] + [os.path.join(path, n) for n in sorted(os.listdir(path))
+                     if n.endswith((".json", ".txt", ".model")) and os.path.isfile(os.path.join(path, n))]
+
+
 def load_backend(path: str, require_eod: bool = True):
     """The Rust `tokenizers.Tokenizer` of a tokenizer dir/file, without importing transformers when it can (fast start).
 

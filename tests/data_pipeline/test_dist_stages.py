@@ -160,6 +160,28 @@ def test_cleanup_and_tokenize_tasks_give_the_single_process_outputs(tmp_path):
         assert counts[0] == counts[1], name
 
 
+def test_tokenize_tasks_write_the_single_process_stats(tmp_path):
+    """The merge's P.stats.json is the in-process stage's (vocab_size and eod_id included), so a GPTDataset of
+    `all`'s output takes its EOD and vocabulary from it as it does from `tokenize`'s."""
+    from data_pipeline.dataset import GPTDataset
+    from data_pipeline.tokenizer import save_tokenizer_dir
+    from data_pipeline.train_tokenizer import train_byte_level_bpe
+
+    docs = str(write_docs(tmp_path / "docs.jsonl", real_docs(12)))
+    save_tokenizer_dir(train_byte_level_bpe(real_docs(20), vocab_size=300), str(tmp_path / "tok"))
+    assert main(["tokenize", docs, "--tokenizer", str(tmp_path / "tok"), "--output-prefix", str(tmp_path / "one"),
+                 "--workers", "1"]) == 0
+    dist_stages.run_stage("tokenize", stage_args("tokenize", [docs, "--tokenizer", str(tmp_path / "tok"),
+                                                              "--output-prefix", str(tmp_path / "many")]),
+                          executor_args(tmp_path / "w", tasks=3))
+    where = {"output", "output_signatures", "seconds", "tokens_per_s", "workers", "shards"}  # paths, timing
+    one, many = (json.loads((tmp_path / f"{name}.stats.json").read_text()) for name in ("one", "many"))
+    assert {k: v for k, v in many.items() if k not in where} == {k: v for k, v in one.items() if k not in where}
+    assert many["shards"] == 3 and many["vocab_size"] == 300
+    ds = GPTDataset(str(tmp_path / "many"), seq_len=16, splits="1,0,0", loss_mask=True, vocab_size=300)
+    assert ds.eod_id == one["eod_id"] and ds[0]["loss_mask"].shape == (16,)
+
+
 def test_single_stage_commands_on_the_local_executor_give_todays_output(tmp_path):
     """`python -m data_pipeline STAGE ... --executor local` runs the stage as tasks (one shared flag
     set and dispatch) and writes what the stage's default in-process run writes."""

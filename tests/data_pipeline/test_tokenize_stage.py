@@ -89,3 +89,32 @@ def test_missing_input_and_tokenizer(setup, tmp_path):
                  "--output-prefix", str(tmp_path / "o")]) == 2
     with pytest.raises(ValueError, match=r"no_tok does not exist"):
         tokenize_file(str(root / "corpus.jsonl"), str(tmp_path / "no_tok"), str(tmp_path / "o"))
+
+
+def test_a_tokenizer_file_edited_in_place_makes_the_output_stale(setup, tmp_path):
+    """`all` re-runs tokenize (and cleanup, which counts --min-tokens with it) when a file of the tokenizer
+    directory is rewritten in place, which leaves the directory's own size and mtime as they were."""
+    import os
+    import shutil
+
+    from data_pipeline import tokenize_stage
+    from data_pipeline.__main__ import build_parser
+    from data_pipeline.stats import is_complete
+
+    root, _ = setup
+    tok = shutil.copytree(root / "tok", tmp_path / "tok")
+    argvs = {"tokenize": [str(root / "corpus.jsonl"), "--tokenizer", str(tok), "--output-prefix", str(tmp_path / "t")],
+             "cleanup": [str(root / "corpus.jsonl"), "--output", str(tmp_path / "c.jsonl"), "--tokenizer", str(tok),
+                         "--lang", "any", "--min-tokens", "5"]}
+    args = {stage: build_parser(stage).parse_args([stage, *argv, "--workers", "1"]) for stage, argv in argvs.items()}
+    for stage in argvs:
+        assert main([stage, *argvs[stage], "--workers", "1"]) == 0
+    complete = {"tokenize": lambda: tokenize_stage.is_complete(args["tokenize"]),
+                "cleanup": lambda: is_complete(str(tmp_path / "c.jsonl"), args["cleanup"])}
+    assert all(check() for check in complete.values())
+    mtime = os.stat(tok).st_mtime_ns
+    config = json.loads((tok / "tokenizer.json").read_text())
+    config["model"]["merges"] = config["model"]["merges"][:-1]  # another tokenizer, written over the old file
+    (tok / "tokenizer.json").write_text(json.dumps(config))
+    assert os.stat(tok).st_mtime_ns == mtime
+    assert not any(check() for check in complete.values())
