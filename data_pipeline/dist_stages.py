@@ -363,6 +363,7 @@ def tokenize_merge(rank: int, world: int, work: str, shards: int, sargs: argpars
     ts.write_tokenize_stats(sargs.input, sargs.tokenizer, sargs.output_prefix, sargs.json_key, counts, started,
                             shard_stats[0]["vocab_size"], shard_stats[0]["eod_id"], parts[0].dtype,
                             sum(stats["chars"] for stats in shard_stats), shards=shards)
+    ts.refuse_no_documents(counts, sargs.input, sargs.output_prefix, sargs.json_key)
 
 
 def tokenize_jobs(args, sargs, work, started) -> list[Job]:

@@ -210,6 +210,20 @@ def _params(tokenizer: str, text_key: str) -> dict[str, Any]:
     return {"tokenizer": os.path.abspath(tokenizer), "text_key": text_key}
 
 
+def refuse_no_documents(counts: Counter, input_path: str, output_prefix: str, text_key: str) -> None:
+    """A corpus whose every line is malformed (a .bin, a CSV, another key: the wrong file) is a mistake, not an
+    empty dataset to train on: its outputs are removed (so `all` does not take them as complete) and the stage fails
+    in one line. Empty documents alone stay a warning."""
+    if counts["docs"] or not counts["malformed"]:
+        return
+    for path in (*_outputs(output_prefix), f"{output_prefix}.stats.json"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    raise ValueError(f"{input_path}: none of its lines is a document ({counts['malformed']} malformed, the first "
+                     f"reported above), so no dataset was written; tokenize reads JSONL, one {{\"{text_key}\": "
+                     f"\"...\"}} per line (--json-key names another field)")
+
+
 def _outputs(prefix: str) -> list[str]:
     return [data_file_path(prefix), index_file_path(prefix)]
 
@@ -238,6 +252,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     stats = tokenize_file(args.input, args.tokenizer, args.output_prefix, workers=args.workers,
                           text_key=args.json_key, strict=args.strict)
+    refuse_no_documents(stats["counts"], args.input, args.output_prefix, args.json_key)
     print(f"[tokenize] {stats['counts']['docs']} docs, {stats['counts']['tokens']} tokens, "
           f"{stats['tokens_per_s']:.0f} tokens/s -> {args.output_prefix}.bin/.idx ({stats['dtype']})")
     return 0

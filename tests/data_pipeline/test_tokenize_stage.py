@@ -118,3 +118,19 @@ def test_a_tokenizer_file_edited_in_place_makes_the_output_stale(setup, tmp_path
     (tok / "tokenizer.json").write_text(json.dumps(config))
     assert os.stat(tok).st_mtime_ns == mtime
     assert not any(check() for check in complete.values())
+
+
+def test_a_file_with_no_document_among_its_lines_is_one_error_and_no_dataset(setup, tmp_path, capsys):
+    """The wrong file (another key, a CSV) gives every line malformed: a one-line error and nothing written, where it
+    wrote an empty dataset and exited 0. A corpus of empty documents alone stays a warning."""
+    root, _ = setup
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text(json.dumps({"body": "hello"}) + "\n" + "a,b,c\n")
+    assert main(["tokenize", str(wrong), "--tokenizer", str(root / "tok"), "--output-prefix",
+                 str(tmp_path / "o")]) == 2
+    assert "none of its lines is a document (2 malformed" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wrong.jsonl"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"text": ""}) + "\n")
+    assert main(["tokenize", str(empty), "--tokenizer", str(root / "tok"), "--output-prefix",
+                 str(tmp_path / "e")]) == 0
