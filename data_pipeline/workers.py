@@ -12,11 +12,19 @@ from typing import Iterable, Iterator
 
 def progress(iterable: Iterable | None = None, total: int | None = None, desc: str = "",
              unit: str = "doc"):
-    """A tqdm bar on stderr; silent when stderr is not a terminal (logs, tests)."""
+    """A tqdm bar on stderr; silent when stderr is not a terminal (logs, tests).
+
+    Without tqdm's monitor thread: it outlives the bar, and a process with a thread alive no longer forks its
+    workers (imap_bounded), so every later stage in the process, `all`'s included, would spawn them (slower, and a
+    script without an `if __name__ == "__main__":` guard would start itself again in each worker).
+    """
     from tqdm import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True,
-                disable=None, file=sys.stderr, mininterval=0.5)
+    class Bar(tqdm):
+        monitor_interval = 0
+
+    return Bar(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True,
+               disable=None, file=sys.stderr, mininterval=0.5)
 
 
 def imap_bounded(fn, tasks: Iterable, workers: int, initializer=None, initargs: tuple = (),
