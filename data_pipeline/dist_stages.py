@@ -424,14 +424,24 @@ def run_on_executor(stage: str, sargs: argparse.Namespace, args: argparse.Namesp
     return 0
 
 
+def task_identity(sargs: argparse.Namespace) -> dict:
+    """What a stage's finished tasks were made from: its parameters and the signatures of its inputs, the tokenizer's
+    files among them (one retrained at the same path makes a killed stage's finished shards stale)."""
+    from data_pipeline.tokenizer import tokenizer_inputs
+
+    inputs = [getattr(sargs, k) for k in ("input", "groups", "pairs") if isinstance(getattr(sargs, k, None), str)]
+    if isinstance(getattr(sargs, "tokenizer", None), str) and exists(sargs.tokenizer):
+        inputs += tokenizer_inputs(sargs.tokenizer)
+    identity = {"params": stage_params(sargs), "inputs": [file_signature(p) for p in inputs if exists(p)]}
+    return json.loads(json.dumps(identity, default=str))
+
+
 def run_stage(stage: str, sargs: argparse.Namespace, args: argparse.Namespace) -> dict[str, int]:
     """Run `stage` (parsed as `sargs`) as tasks on args.executor, in WORKDIR/.tasks/STAGE; the task
     files are deleted once the stage's output and stats are in place. Returns the peak RSS (KiB)
     of each job's tasks."""
     work = os.path.join(args.workdir, ".tasks", stage)
-    inputs = [getattr(sargs, k) for k in ("input", "groups", "pairs") if isinstance(getattr(sargs, k, None), str)]
-    identity = {"params": stage_params(sargs), "inputs": [file_signature(p) for p in inputs if exists(p)]}
-    identity = json.loads(json.dumps(identity, default=str))
+    identity = task_identity(sargs)
     marker = os.path.join(work, "identity.json")
     if exists(marker) and read_json(marker) != identity:  # tasks of another input or parameters
         remove_tree(work)

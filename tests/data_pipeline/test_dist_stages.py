@@ -390,3 +390,20 @@ def test_slurm_stage_is_a_datatrove_job_array_chain(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="still queued or running"):  # a re-run now would submit them twice
         dist_stages.run_stage("find-duplicates", stage_args("find-duplicates", [docs, "--output", "p"]), args)
     assert len(arrays) == 5
+
+
+def test_a_tokenizer_retrained_at_the_same_path_makes_finished_tasks_stale(tmp_path):
+    """A killed sharded tokenize, re-run after its tokenizer was retrained in place, must not keep the shards the old
+    tokenizer made: the tokenizer's files are part of the tasks' identity."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {"a": 0}}}')
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    sargs = argparse.Namespace(input=str(corpus), tokenizer=str(tok), output_prefix=str(tmp_path / "out"),
+                               json_key="text")
+    before = dist_stages.task_identity(sargs)
+    (tok / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {"b": 0}}}')  # same size, new tokens
+    os.utime(tok, ns=(os.stat(tok).st_atime_ns, os.stat(tok).st_mtime_ns))
+    os.utime(tok / "tokenizer.json", ns=(1, 10**18))
+    assert dist_stages.task_identity(sargs) != before
