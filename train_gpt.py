@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import zerogpt
 from zerogpt import preflight
 from zerogpt.atomic_write import write_text_atomic
+from data_pipeline.cli_args import ArgumentParser
 from zerogpt.cli import HelpFormatter
 from zerogpt.config import data_config, lr_scheduler_config, parallel_config, train_config
 from zerogpt.errors import USER_ERRORS, env_rank, report_crash, report_user_error
@@ -51,7 +52,7 @@ SAMPLE_VOCAB = 2048
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--config", required=True, help="Python config file, e.g. configs/demo_cpu.py")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, repeatable: --set zero.stage=2 --set train.max_steps=100")

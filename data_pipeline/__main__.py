@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from data_pipeline.cli_args import ArgumentParser
 from data_pipeline.stages import DIST_JOBS, STAGES, load_stage
 
 # Errors that come from user input (paths, flags, data); anything else is a bug and keeps its traceback.
@@ -32,7 +33,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     """The CLI parser; only `stage`'s module is imported (all stages get a stub for --help)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m data_pipeline",
         description="Webtext data pipeline: " + " -> ".join(n for n in STAGES if n != "all"))
     sub = parser.add_subparsers(dest="stage", metavar="STAGE")

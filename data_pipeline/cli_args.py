@@ -44,6 +44,15 @@ def parse_size(text: str, name: str = "size") -> int:
     return value
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose mistake is one line, `PROG: error: MESSAGE (PROG --help lists the options)`, exit 2,
+    where argparse prints its whole usage block first (27 lines for estimate, before the line that matters).
+    Every command of the project uses it: the pipeline's stages (subparsers inherit it), train_gpt.py, the tools."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def add_common_args(parser: Any) -> None:
     """--strict, the flag every stage that reads JSONL shares."""
     parser.add_argument("--strict", action="store_true",

@@ -26,7 +26,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from data_pipeline.cli_args import parse_size
+from data_pipeline.cli_args import ArgumentParser, parse_size
 from model_zoo.gpt import SIZES, GPTConfig
 from model_zoo.llama import SIZES as LLAMA_SIZES
 from model_zoo.llama import LlamaConfig
@@ -234,7 +234,7 @@ def _capacity(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zerogpt_tools.estimate", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="python -m zerogpt_tools.estimate", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     # model
     p.add_argument("--model", default="gpt2_small", choices=sorted(MODELS), help="size from the table")

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
-from data_pipeline.cli_args import parse_size
+from data_pipeline.cli_args import ArgumentParser, parse_size
 from data_pipeline.files import atomic_dir as atomic_output_dir  # the output directory appears whole or not at all
 from data_pipeline.tokenizer import load_tokenizer
 from model_zoo.hf import check_safetensors
@@ -240,7 +240,7 @@ def export_checkpoint(path: str, out_dir: str, dtype: str = AUTO, tokenizer: str
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerogpt-export", description=__doc__,
+    p = ArgumentParser(prog="zerogpt-export", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("checkpoint", help="run directory (uses checkpoints/latest) or checkpoint directory")
     p.add_argument("--out", required=True, help="output directory (Hugging Face layout); replaced atomically")

@@ -23,6 +23,7 @@ import torch
 
 from model_zoo.llama import ARCHITECTURES
 from model_zoo.llama_adapter import VOCAB_ROWS
+from data_pipeline.cli_args import ArgumentParser
 from zerogpt.cli import HelpFormatter
 
 __all__ = ["VOCAB_TENSORS", "grow_rows", "check_ids_kept", "extend_vocab", "main"]
@@ -196,7 +197,7 @@ def extend_vocab(model_dir: str, tokenizer: str, out_dir: str, divisible_by: int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerogpt-extend-vocab", description=__doc__,
+    p = ArgumentParser(prog="zerogpt-extend-vocab", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face directory of a GPT-2 (e.g. a zerogpt_tools.export "
                    "output), Llama, Qwen2, Qwen3 or Mistral")

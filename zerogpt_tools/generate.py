@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from data_pipeline.cli_args import ArgumentParser
 from zerogpt.cli import HelpFormatter
 
 __all__ = ["SamplingConfig", "load_model", "next_token", "generate_ids", "generate_text", "main"]
@@ -175,7 +176,7 @@ def generate_text(model: torch.nn.Module, tok: Any, prompt: str, max_new_tokens:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerogpt-generate", description=__doc__,
+    p = ArgumentParser(prog="zerogpt-generate", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="exported HF dir, run dir (checkpoints/latest) or checkpoint dir")
     p.add_argument("--prompt", required=True, help="text to continue ('' starts from the tokenizer's BOS/EOS)")

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from zerogpt.checkpoint_reader import FORMAT, META, VERSION
+from data_pipeline.cli_args import ArgumentParser
 from zerogpt.cli import HelpFormatter
 from zerogpt_tools.megatron_files import MegatronCheckpoint, open_checkpoint, read_tensors
 from zerogpt_tools.megatron_layout import FAMILIES, MegatronLayoutError, family_of_args
@@ -288,7 +289,7 @@ def import_megatron(path: str, run_dir: str, tokenizer: str | None = None, vocab
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zerogpt_tools.import_megatron", description=__doc__,
+    p = ArgumentParser(prog="python -m zerogpt_tools.import_megatron", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("checkpoint", help="Megatron checkpoint: the --save directory (latest_checkpointed_iteration.txt) "
                                       "or one iter_N / release directory")
