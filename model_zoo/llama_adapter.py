@@ -73,6 +73,7 @@ def as_llama_config(config: Any) -> _LlamaFields:
 _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
                "tie_word_embeddings", "initializer_range", "attention_dropout")
+_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window where config.json omits the key (transformers 4 and 5)
 _KEPT = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype")
 
 
@@ -109,7 +110,8 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, 
         bad["hidden_act"] = hf["hidden_act"]
     if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":  # Llama's and Qwen3's would add an o_proj bias too
         bad["attention_bias"] = True
-    if hf.get("use_sliding_window") and arch == "Qwen2ForCausalLM":
+    # Qwen2's and Qwen3's window covers the layers from max_window_layers on; ours attend in full
+    if hf.get("use_sliding_window") and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         bad["use_sliding_window"] = True
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         bad["partial_rotary_factor"] = hf["partial_rotary_factor"]
@@ -120,7 +122,7 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, 
     shape = {k: hf[k] for k in _SHAPE_KEYS if hf.get(k) is not None}
     return dict(**shape, rope_theta=theta, rope_scaling=scaling, architecture=arch,
                 qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
-                sliding_window=hf.get("sliding_window") if arch == "MistralForCausalLM" else None,
+                sliding_window=hf.get("sliding_window", _MISTRAL_WINDOW) if arch == "MistralForCausalLM" else None,
                 extra={k: hf[k] for k in _KEPT if hf.get(k) is not None})
 
 

@@ -2,6 +2,7 @@
 saved to a directory: the fixtures every native-family test loads (nothing is downloaded)."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ def make_hf_model(family: str, path: Path, seed: int = 0, dtype: torch.dtype = t
     import transformers
 
     config_cls, model_cls, kwargs = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**kwargs, **overrides})
+    # a copy: transformers 5 writes rope_theta (and a partial_rotary_factor override) into the rope_scaling dict
+    config = getattr(transformers, config_cls)(**copy.deepcopy({**kwargs, **overrides}))
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():

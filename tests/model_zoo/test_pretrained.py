@@ -144,6 +144,29 @@ def test_a_label_that_contradicts_the_fields_loads_natively_with_a_note(tmp_path
                                    atol=1e-5, rtol=0)
 
 
+def test_qwen_sliding_window_layers_are_refused_not_attended_in_full(tmp_path):
+    """Qwen3, like Qwen2, slides its window over the layers from max_window_layers on when use_sliding_window is
+    set; the native model attends in full, so it refuses in one line rather than differ past the window."""
+    for family in ("qwen2", "qwen3"):
+        hf = make_hf_model(family, tmp_path / family, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+        assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+        with pytest.raises(ValueError, match=r"\{'use_sliding_window': True\} is not supported"):
+            from_pretrained(str(tmp_path / family))
+
+
+def test_mistral_without_a_sliding_window_key_has_transformers_default_window(tmp_path):
+    """A Mistral config.json that omits sliding_window gets MistralConfig's default, 4096, in transformers; the
+    native model takes the same window (so a longer sequence is refused), not none."""
+    import transformers
+
+    make_hf_model("mistral", tmp_path, sliding_window=None)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["sliding_window"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert transformers.AutoConfig.from_pretrained(tmp_path).sliding_window == 4096
+    assert from_pretrained(str(tmp_path)).config.sliding_window == 4096
+
+
 def test_each_path_says_what_it_costs(tmp_path):
     """A native directory loads in one line and no note; any other causal LM says it takes transformers' generic
     path with the whole model on every rank, and names the four native architectures."""
