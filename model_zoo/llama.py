@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from model_zoo import generation, llama_adapter
 from model_zoo.factory_args import check_overrides
 from model_zoo.layers import CausalAttention, LMHead, RealVocab
-from model_zoo.llama_adapter import ARCHITECTURES
+from model_zoo.llama_adapter import ARCHITECTURES, ROPE_TYPES
 from model_zoo.loss import LOSS_BACKENDS, GPTLMLoss
 from model_zoo.meta_weights import weights_are_real
 from model_zoo.safetensors_source import SafetensorsDir, read_hf_config
@@ -36,8 +36,6 @@ __all__ = ["LlamaConfig", "Llama", "DecoderLayer", "Attention", "SwiGLU", "RMSNo
            "load_pretrained"]
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each (B, n_kv, T_past, hs)
-
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass

@@ -24,6 +24,8 @@ __all__ = ["ARCHITECTURES", "MODEL_TYPES", "GENERIC_PATH", "native_architecture"
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 """The Hugging Face classes the family reproduces (LlamaConfig.architecture names the one it exports as)."""
+ROPE_TYPES = ("default", "linear", "llama3")
+"""The rope_scaling types the family computes (yarn, dynamic and longrope are not implemented)."""
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "mistral": "MistralForCausalLM"}
@@ -84,11 +86,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling = dict(hf.get("rope_scaling") or params)
     if "type" in scaling and "rope_type" not in scaling:  # the older spelling
         scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={scaling['partial_rotary_factor']} (RoPE on part of each head) is "
-                         f"not supported by model_zoo's Llama family")
-    scaling.pop("partial_rotary_factor", None)
-    if scaling.get("rope_type", "default") == "default":
+    if scaling.get("rope_type", "default") == "default" and scaling.get("partial_rotary_factor", 1.0) == 1.0:
         return float(theta), None
     return float(theta), scaling
 
@@ -113,12 +111,15 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, 
     # Qwen2's and Qwen3's window covers the layers from max_window_layers on; ours attend in full
     if hf.get("use_sliding_window") and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         bad["use_sliding_window"] = True
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        bad["partial_rotary_factor"] = hf["partial_rotary_factor"]
+    theta, scaling = _rope(hf)
+    partial = {hf.get("partial_rotary_factor", 1.0), (scaling or {}).pop("partial_rotary_factor", 1.0)} - {1.0}
+    if partial:  # RoPE on part of each head
+        bad["partial_rotary_factor"] = partial.pop()
+    if (scaling or {}).get("rope_type", "default") not in ROPE_TYPES:
+        bad["rope_type"] = scaling["rope_type"]
     if bad:
         raise ValueError(f"{where}: {bad} is not supported by model_zoo's Llama family; use the generic "
                          f"transformers path, model = dict(type='hf', path=DIR, generic=True)")
-    theta, scaling = _rope(hf)
     shape = {k: hf[k] for k in _SHAPE_KEYS if hf.get(k) is not None}
     return dict(**shape, rope_theta=theta, rope_scaling=scaling, architecture=arch,
                 qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",

@@ -154,6 +154,21 @@ def test_qwen_sliding_window_layers_are_refused_not_attended_in_full(tmp_path):
             from_pretrained(str(tmp_path / family))
 
 
+@pytest.mark.parametrize("rope, refused", [(dict(rope_type="yarn", factor=4.0), "'rope_type': 'yarn'"),
+                                           (dict(rope_type="default", partial_rotary_factor=0.5),
+                                            "'partial_rotary_factor': 0.5")])
+def test_rope_the_family_does_not_compute_is_refused_naming_config_json(tmp_path, rope, refused):
+    """yarn RoPE and partial rotary were refused from inside LlamaConfig, naming neither the file nor the generic
+    path that trains them; they are now refused with the other keys."""
+    make_hf_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(rope_scaling=rope, rope_theta=10000.0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"config.json: \{{{refused}\}} is not supported .* generic=True"):
+        from_pretrained(str(tmp_path))
+
+
 def test_mistral_without_a_sliding_window_key_has_transformers_default_window(tmp_path):
     """A Mistral config.json that omits sliding_window gets MistralConfig's default, 4096, in transformers; the
     native model takes the same window (so a longer sequence is refused), not none."""
