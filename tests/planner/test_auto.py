@@ -131,3 +131,53 @@ def test_the_loss_is_chosen_by_measurement_when_every_fast_plan_takes_one_loss()
     losses = [p.chunked_loss for p in trials.plans]
     assert losses[0] == losses[1] != losses[2], [p.describe() for p in trials.plans]
     assert result.chosen.plan == trials.plans[2]
+
+
+def test_a_resumed_run_plans_again_when_its_config_changed(tmp_path):
+    """plan.json was reused whatever the config now asked: a new TOKENS_PER_STEP ran at the old one, a stage or
+    BATCH_SIZE the config now fixes was ignored."""
+    choose(Trials([5.0, 4.0, 6.0]), trials=3, run_dir=str(tmp_path))
+    saved = (tmp_path / PLAN_JSON).read_text()
+    for keys in (dict(TOKENS_PER_STEP=128 * 1024), dict(zero=dict(stage=3)), dict(BATCH_SIZE=1)):
+        cfg = xl_cfg(**keys)
+        resumed = choose_plan(cfg, XL, 1, MACHINE, K, model_config=XL_CONFIG, trial=Trials([5.0, 4.0, 6.0]),
+                              trials=3, run_dir=str(tmp_path), resume=True, version="1.0", log=lambda _: None,
+                              machine_print="machine-a")
+        assert resumed.notes[0].startswith("resumed on another config"), resumed.notes
+        plan = resumed.chosen.plan
+        assert plan.micro_batch * plan.accumulation * 1024 == cfg.get("TOKENS_PER_STEP")
+        assert plan.stage == dict(cfg.get("zero", {})).get("stage", plan.stage)
+        assert plan.micro_batch == cfg.get("BATCH_SIZE", plan.micro_batch)
+        (tmp_path / PLAN_JSON).write_text(saved)  # the first run's again
+
+
+def test_a_cached_plan_that_does_not_reach_the_tokens_per_step_is_planned_again(tmp_path):
+    cache = PlanCache(str(tmp_path / "plans.json"))
+    first = choose(Trials([5.0, 4.0, 6.0]), trials=3, cache=cache)
+    data = json.loads(cache.path.read_text())
+    for entry in data.values():  # hand-edited: half the sequences per step
+        entry["plan"]["accumulation"] = first.chosen.plan.accumulation * 2
+    cache.path.write_text(json.dumps(data))
+    again = choose(Trials([5.0, 4.0, 6.0]), trials=3, cache=cache)
+    assert any("does not reach this config's tokens per step" in n for n in again.notes), again.notes
+    assert again.chosen.plan.micro_batch * again.chosen.plan.accumulation == 64
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"plans"', '{"KEY": [1]}', '{"KEY": {"version": "1.0", "plan": null}}',
+                                  '{"KEY": {"version": "1.0", "machine": "machine-a", "plan": {"stage": 0}}}',
+                                  '{"KEY": {"version": "1.0", "machine": "machine-a", "plan": PLAN, "factors": [1]}}',
+                                  '{"KEY": {"version": "1.0", "machine": "machine-a", "plan": PLAN, '
+                                  '"factors": {"compute": 0}}}'])
+def test_a_corrupt_cache_or_plan_json_is_planned_again_not_a_crash(tmp_path, text):
+    from zerogpt.planner.config_plan import workload_from_config
+
+    key = PlanCache.key(workload_from_config(xl_cfg(), XL, 1, XL_CONFIG))
+    plan = json.dumps(choose(None).chosen.plan.to_dict())
+    text = text.replace("KEY", key).replace("PLAN", plan)
+    (tmp_path / "plans.json").write_text(text)
+    cached = choose(Trials([5.0]), trials=1, cache=PlanCache(str(tmp_path / "plans.json")))
+    assert cached.chosen.fits and cached.measured  # planned, with its trial
+    saved = json.loads(text)
+    (tmp_path / PLAN_JSON).write_text(json.dumps(saved[key]) if isinstance(saved, dict) else text)
+    resumed = choose(Trials([5.0]), trials=1, run_dir=str(tmp_path), resume=True)
+    assert resumed.chosen.fits and resumed.measured

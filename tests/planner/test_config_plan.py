@@ -6,6 +6,7 @@ from tests.planner.shapes import TINY
 from zerogpt.config import BucketTensorShardStrategy, Config, engine_config
 from zerogpt.planner.config_plan import apply_plan, workload_from_config
 from zerogpt.planner.plan import Plan, PlanError
+from zerogpt.planner.search import enumerate_plans
 
 MODEL_CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=1024, max_position_embeddings=256)
 
@@ -66,3 +67,18 @@ def test_the_written_config_loads_back_as_a_hand_set_run(tmp_path):
     path.write_text(apply_plan(cfg(), plan).to_python())
     back = Config.from_file(path)
     assert back.plan == "manual" and back.zero.stage == 2 and back.BATCH_SIZE == 4
+
+
+@pytest.mark.parametrize("keys, named", [(dict(BATCH_SIZE=3), "BATCH_SIZE=3"), (dict(BATCH_SIZE=8), "BATCH_SIZE=8"),
+                                         (dict(GRADIENT_ACCUMULATION=3), "GRADIENT_ACCUMULATION=3"),
+                                         (dict(BATCH_SIZE=2, GRADIENT_ACCUMULATION=1),
+                                          "BATCH_SIZE=2 x GRADIENT_ACCUMULATION=1")])
+def test_a_fixed_micro_batch_that_does_not_split_the_tokens_per_step_is_one_line(keys, named):
+    """4 sequences per rank: a micro-batch of 3 made a 3 x 1 plan (3 sequences), one of 8 an 8 x 0 plan."""
+    work = workload_from_config(cfg(**keys), TINY, dp=1, model_config=MODEL_CONFIG)
+    with pytest.raises(PlanError, match=rf"^{named} \(fixed in the config\) does not split the 4 sequences per "
+                                        rf"rank of tokens per step 512 .*; use a divisor of 4: 1, 2, 4$"):
+        work.check()
+    kept = workload_from_config(cfg(BATCH_SIZE=2), TINY, dp=1, model_config=MODEL_CONFIG)
+    kept.check()
+    assert {(p.micro_batch, p.accumulation) for p in enumerate_plans(kept)} == {(2, 2)}

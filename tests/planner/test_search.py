@@ -109,3 +109,18 @@ def test_a_shorter_sequence_when_one_micro_batch_is_too_much_for_the_device():
         search(xl_work(tokens_per_step=2 * 1024), machine, default_constants(machine))
     assert str(e.value).endswith("smallest change that fits: fewer tokens per micro-batch: SEQ_LEN=512 (1,024 "
                                  "tokens per step)")
+
+
+def test_a_larger_device_names_the_least_device_any_plan_needs():
+    """The unfit are in order of device + host: the first one's device need (2.29 GiB for GPT-2 small over 2 ranks
+    on 1 GiB) was named where the least was 1.33 GiB, the figure the same line gave as the least the model needs."""
+    from zerogpt_tools.estimate import MODELS
+
+    machine = gpu(1, 64, ranks=2)
+    work = xl_work(shape=MODELS["gpt2_small"], tokens_per_step=8 * 1024, world=2)
+    with pytest.raises(PlanError) as e:
+        search(work, machine, default_constants(machine))
+    least = min(evaluate(p, work, machine, default_constants(machine)).need["device"] for p in enumerate_plans(work))
+    assert str(e.value).endswith(f"smallest change that fits: a larger device: the least any plan needs is "
+                                 f"{least / 2**30:.2f} GiB")
+    assert f"needs at least {least / 2**30:.2f} GiB device" in str(e.value)

@@ -8,7 +8,7 @@ chosen before for this workload on this machine and zerogpt version comes from t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,9 +17,9 @@ from zerogpt.memory_model import ModelShape
 from zerogpt.planner.config_plan import apply_plan, fixed_keys_line, workload_from_config
 from zerogpt.planner.explain import explain
 from zerogpt.atomic_write import write_json_atomic, write_text_atomic
-from zerogpt.planner.machine import PlanCache, fingerprint
+from zerogpt.planner.machine import PlanCache, fingerprint, saved_plan
 from zerogpt.planner.plan import Machine, Plan, PlanError, Workload
-from zerogpt.planner.search import Candidate, Choice, evaluate, search
+from zerogpt.planner.search import Candidate, Choice, enumerate_plans, evaluate, search
 from zerogpt.planner.speed import SpeedConstants, calibrate
 
 __all__ = ["AutoPlan", "choose_plan", "trial_candidates", "PLAN_JSON", "PLAN_TABLE"]
@@ -65,15 +65,21 @@ def trial_candidates(choice: Choice, count: int) -> list[Candidate]:
     return out
 
 
-def _resumed_plan(run_dir: Path, machine_print: str, version: str, notes: list) -> Plan | None:
+def _resumed_plan(run_dir: Path, work: Workload, machine_print: str, version: str, notes: list) -> Plan | None:
     try:
         saved = json.loads((run_dir / PLAN_JSON).read_text())
     except (OSError, ValueError):
         return None
-    if saved.get("machine") == machine_print and saved.get("version") == version:
+    found = saved_plan(saved) if isinstance(saved, dict) else None
+    if found is None:
+        notes.append(f"resumed: {run_dir / PLAN_JSON} is not a plan: planning again")
+        return None
+    same_work = saved.get("workload", PlanCache.key(work)) == PlanCache.key(work)  # older plan.json: no key
+    if saved.get("machine") == machine_print and saved.get("version") == version and same_work:
         notes.append(f"resumed: reusing this run's plan ({run_dir / PLAN_JSON})")
-        return Plan(**saved["plan"])
-    what = "machine" if saved.get("machine") != machine_print else "zerogpt version"
+        return found[0]
+    what = ("machine" if saved.get("machine") != machine_print else "zerogpt version"
+            if saved.get("version") != version else "config (model, tokens per step or fixed keys)")
     notes.append(f"resumed on another {what} than this run's plan was chosen on ({run_dir / PLAN_JSON}): "
                  f"planning again")
     return None
@@ -93,9 +99,15 @@ def _run_trials(cfg: Config, work: Workload, choice: Choice, trial: Trial, count
 
 def _still_fits(known: Plan | None, work: Workload, machine: Machine, k: SpeedConstants,
                 notes: list) -> Candidate | None:
-    """A plan found before (the run's, the cache's) as a candidate, or None when there is none or it does not fit
-    now (the free memory moved since; said in `notes`)."""
+    """A plan found before (the run's, the cache's) as a candidate, or None when there is none, it is not one of
+    this workload's plans (another tokens per step, a key the config now fixes) or it does not fit now (the free
+    memory moved since); said in `notes`."""
     if known is None:
+        return None
+    as_searched = known if "device_budget" in work.fixed else replace(known, device_budget=0)  # sized to the room
+    if as_searched not in set(enumerate_plans(work)):
+        notes.append(f"the plan found ({known.describe()}) does not reach this config's tokens per step with its "
+                     f"fixed keys: planning again")
         return None
     found = evaluate(known, work, machine, k)
     if not found.fits:
@@ -127,13 +139,13 @@ def choose_plan(cfg: Config, shape: ModelShape, dp: int, machine: Machine, const
     machine_print = machine_print or fingerprint(machine)
     notes: list[str] = []
     out_dir = Path(run_dir) if run_dir else None
-    known = _resumed_plan(out_dir, machine_print, version, notes) if resume and out_dir else None
+    known = _resumed_plan(out_dir, work, machine_print, version, notes) if resume and out_dir else None
     factors: dict = {}
     if known is None and cache is not None:
         entry, note = cache.lookup(work, machine_print, version)
         notes += [note] if note else []
         if entry:
-            known, factors = Plan(**entry["plan"]), entry.get("factors", {})
+            known, factors = saved_plan(entry)
     known, factors, notes = agree((known, factors, notes))
     k = constants.scaled(factors) if factors else constants
     choice = search(work, machine, k)
@@ -155,7 +167,8 @@ def choose_plan(cfg: Config, shape: ModelShape, dp: int, machine: Machine, const
     if out_dir is not None and write:
         write_text_atomic(out_dir / PLAN_TABLE, table + "\n")
         write_json_atomic(out_dir / PLAN_JSON, dict(version=version, machine=machine_print,
-                                                    plan=chosen.plan.to_dict(), factors=factors))
+                                                    workload=PlanCache.key(work), plan=chosen.plan.to_dict(),
+                                                    factors=factors))
     if cache is not None and not reused and write:
         cache.store(work, machine_print, version, chosen.plan, factors)
     return AutoPlan(apply_plan(cfg, chosen.plan), chosen, table, measured, factors, notes)

@@ -14,12 +14,13 @@ import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from zerogpt.atomic_write import write_json_atomic
 from zerogpt.planner.plan import Machine, Plan, PlanError, Workload
 
 __all__ = ["DEVICE_MEM_ENV", "CACHE_ENV", "detect_machine", "fingerprint", "cpu_flops_per_s", "PlanCache",
-           "parse_bytes"]
+           "parse_bytes", "saved_plan"]
 
 DEVICE_MEM_ENV = "ZEROGPT_DEVICE_MEM"
 CACHE_ENV = "ZEROGPT_PLAN_CACHE"
@@ -95,6 +96,17 @@ def cpu_flops_per_s(size: int = 512, repeats: int = 3) -> float:
     return 2 * size**3 / max(best, 1e-9)
 
 
+def saved_plan(entry: Any) -> tuple[Plan, dict] | None:
+    """(plan, speed factors) of a plan saved as JSON (a cache entry, a run directory's plan.json), or None where the
+    JSON is not one (hand-edited, another layout): then it is planned again, not a crash."""
+    try:
+        plan = Plan(**entry["plan"])
+        factors = {str(term): float(f) for term, f in dict(entry.get("factors") or {}).items()}
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+    return (plan, factors) if all(f > 0 for f in factors.values()) else None  # a factor divides a rate
+
+
 class PlanCache:
     """The chosen plan and the calibrated speed factors, per (machine fingerprint, workload, zerogpt version).
 
@@ -113,15 +125,18 @@ class PlanCache:
 
     def _read(self) -> dict:
         try:
-            return json.loads(self.path.read_text())
+            data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return {}
+        return data if isinstance(data, dict) else {}
 
     def lookup(self, work: Workload, machine_print: str, version: str) -> tuple[dict | None, str]:
         """(the entry for this workload on this machine and version, or None; a note on what was ignored)."""
         entry = self._read().get(self.key(work))
         if entry is None:
             return None, ""
+        if not isinstance(entry, dict) or saved_plan(entry) is None:
+            return None, f"plan cache {self.path}: this workload's entry is not a plan; ignored, planning again"
         if entry.get("version") != version:
             return None, (f"plan cache {self.path}: written by zerogpt {entry.get('version')}, this is {version}; "
                           f"ignored, planning again")

@@ -4,6 +4,7 @@ user asked for (model shape, tokens per step, world, precision, the keys they fi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -98,12 +99,22 @@ class Workload:
         return self.tokens_per_step // (self.world * self.seq_len)
 
     def check(self) -> None:
-        """Refuse (PlanError, one line) a tokens per step the world and sequence cannot split."""
+        """Refuse (PlanError, one line) a tokens per step the world and sequence cannot split, and a fixed
+        micro-batch or accumulation that does not split a rank's sequences (the plan would miss the target)."""
         per = self.world * self.seq_len
         if self.tokens_per_step < per or self.tokens_per_step % per:
             below = max(per, self.tokens_per_step // per * per)
             raise PlanError(f"tokens per step {self.tokens_per_step:,} is not a multiple of world {self.world} x "
                             f"SEQ_LEN {self.seq_len} = {per:,}; use {below:,} or {below + per:,}")
+        samples = self.samples_per_rank  # a fixed micro-batch or accumulation must split them exactly
+        split = [(k, self.fixed[k]) for k in ("micro_batch", "accumulation") if k in self.fixed]
+        product = math.prod(v for _, v in split)
+        if split and (samples % product or (len(split) == 2 and product != samples)):
+            keys = " x ".join(f"{CONFIG_KEYS[k]}={v}" for k, v in split)
+            raise PlanError(f"{keys} (fixed in the config) does not split the {samples} sequences per rank of "
+                            f"tokens per step {self.tokens_per_step:,} (world {self.world} x SEQ_LEN "
+                            f"{self.seq_len}); use a divisor of {samples}: "
+                            f"{', '.join(str(d) for d in range(1, samples + 1) if samples % d == 0)}")
 
 
 @dataclass(frozen=True)

@@ -208,4 +208,7 @@ def _smallest_change(work: Workload, machine: Machine, k: SpeedConstants, unfit:
         if _fits(shorter, machine, k):
             return f"fewer tokens per micro-batch: SEQ_LEN={seq} ({shorter.tokens_per_step:,} tokens per step)"
         seq //= 2
-    return f"a larger device: the least any plan needs is {unfit[0].need['device'] / GIB:.2f} GiB" if unfit else "none"
+    if not unfit:
+        return "none"
+    least = min(c.need["device"] for c in unfit)  # unfit is in order of device + host, not of device alone
+    return f"a larger device: the least any plan needs is {least / GIB:.2f} GiB"
