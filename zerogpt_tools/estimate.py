@@ -183,7 +183,7 @@ def _given(argv: list[str] | None) -> set[str]:
 def plan_report(shape: ModelShape, args: argparse.Namespace, given: set[str]) -> str:
     """--plan auto: the choice's table and its flags."""
     fixed = {field: getattr(args, dest) for field, dest in _PLAN_FLAGS.items() if dest in given}
-    if "batch" in given and "grad_accum" not in given and args.tokens_per_step:
+    if "batch" in given and "grad_accum" not in given and not args.tokens_per_step:
         fixed.pop("micro_batch")  # the batch sized the tokens per step only when none was given
     try:
         work, machine, choice = plan_for(shape, args, fixed)
@@ -267,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager-attention", action="store_true", help="attention that stores s x s scores")
     p.add_argument("--chunked-loss", action="store_true",
                    help="the model's chunked_loss = True: one chunk's logits at a time, not (seq x batch x vocab)")
-    p.add_argument("--loss-chunk-size", type=_positive, default=256, help="tokens per chunk of the chunked loss")
+    p.add_argument("--loss-chunk-size", type=_positive, default=GPTConfig.loss_chunk_size,
+                   help="tokens per chunk of the chunked loss (the model's loss_chunk_size)")
     p.add_argument("--dropout", action="store_true", help="dropout > 0 (1-byte masks are stored)")
     # capacities
     p.add_argument("--gpu-mem", type=_capacity, help="e.g. 80GiB or 80G (2**30), 80GB (10**9)")
@@ -294,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     args.model_name = args.model if not custom else "custom"
     if args.world % args.nodes:
         raise SystemExit(f"error: --world {args.world} must be a multiple of --nodes {args.nodes}")
+    if args.plan == "manual" and args.state_dtype == "bf16" and args.offload == "none":  # the config refuses it too
+        raise SystemExit("error: --state-dtype bf16 is for optimizer state on the host or disk (the fused host Adam "
+                         "step keeps it); add --offload cpu or --offload disk")
     try:
         if custom:  # kv_heads, head_dim and ffn left unset follow the new hidden/heads (their family's defaults)
             shape = ModelShape(**{**asdict(shape), **custom})

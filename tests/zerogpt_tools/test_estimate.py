@@ -274,3 +274,12 @@ def test_cli_refuses_counts_below_one_and_names_the_size_forms(argv, expected, c
         main(["--model", "gpt2_tiny", *argv])
     assert err.value.code == 2
     assert expected in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_bf16_moments_without_offload_are_refused_as_the_config_refuses_them():
+    """--state-dtype bf16 with the optimizer on the device printed 4 bytes/param less device memory for a plan the
+    config refuses (zero.offload_optimizer.state_dtype='bf16' needs the state on the host or disk)."""
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "gpt2_xl", "--state-dtype", "bf16"])
+    assert str(e.value) == ("error: --state-dtype bf16 is for optimizer state on the host or disk (the fused host "
+                            "Adam step keeps it); add --offload cpu or --offload disk")
