@@ -35,7 +35,7 @@ from zerogpt.config.dtypes import DTYPES
 from zerogpt.memory_model import (CATEGORIES, HOMES, ModelShape, activation_bytes, buffer_bytes, estimate,
                                   model_state_bytes, zero_paper_bytes)
 from zerogpt.planner.explain import explain
-from zerogpt.planner.plan import CONFIG_KEYS, Machine, Plan, PlanError, Workload
+from zerogpt.planner.plan import CONFIG_KEYS, UNBOUNDED, Machine, Plan, PlanError, Workload
 from zerogpt.planner.search import search
 from zerogpt.planner.speed import default_constants
 
@@ -167,7 +167,7 @@ def plan_for(shape: ModelShape, args: argparse.Namespace, fixed: dict) -> tuple:
                     precision="bf16" if args.precision == "fp8" else args.precision, fixed=fixed,
                     disk_path="(--disk)" if args.disk_space else None, compile=args.compile,
                     loss_chunk=args.loss_chunk_size)
-    machine = Machine(device_bytes=args.gpu_mem or 2**62, host_bytes=args.host_mem or 2**62,
+    machine = Machine(device_bytes=args.gpu_mem or UNBOUNDED, host_bytes=args.host_mem or UNBOUNDED,
                       disk_bytes=args.disk_space, local_ranks=args.world // args.nodes, on_gpu=True,
                       name=args.gpu, gpu_overhead=args.gpu_overhead)
     return work, machine, search(work, machine, default_constants(machine))

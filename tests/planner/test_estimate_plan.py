@@ -84,3 +84,10 @@ def test_the_numbers_for_a_plan_are_the_planners_for_the_config(capsys):
     code, out = run(capsys, "--model", "gpt2_small", "--plan", "auto", "--tokens-per-step", str(16 * 1024),
                     "--gpu-mem", "4GiB", "--host-mem", "64GiB", "--gpu", machine.name)
     assert out.splitlines()[-1] == f"chosen: {plan_flags(chosen.plan)}"
+
+
+def test_a_capacity_not_given_is_said_unbounded(capsys):
+    """Without --host-mem the host has no limit; the line said 'host RAM 4294967296.0 GiB'."""
+    main(["--model", "gpt2_small", "--plan", "auto", "--gpu-mem", "24GiB"])
+    out = capsys.readouterr().out
+    assert "host RAM unbounded for 1 rank(s)" in out and "4294967296" not in out

@@ -136,7 +136,15 @@ class Machine:
     gpu_overhead: int = 2**30  # CUDA context and workspaces (0 on CPU)
 
     def describe(self) -> str:
-        disk = "" if self.disk_bytes is None else f", disk {self.disk_bytes / GIB:.1f} GiB free"
+        disk = "" if self.disk_bytes is None else f", disk {_gib(self.disk_bytes)} free"
         kind = "device" if self.on_gpu else "device (simulated)"
-        return (f"{self.name}: {kind} {self.device_bytes / GIB:.1f} GiB per rank, host RAM "
-                f"{self.host_bytes / GIB:.1f} GiB for {self.local_ranks} rank(s){disk}")
+        return (f"{self.name}: {kind} {_gib(self.device_bytes)} per rank, host RAM "
+                f"{_gib(self.host_bytes)} for {self.local_ranks} rank(s){disk}")
+
+
+UNBOUNDED = 2**62
+"""A capacity nobody gave (estimate without --host-mem): no limit, said as such."""
+
+
+def _gib(nbytes: int) -> str:
+    return "unbounded" if nbytes >= UNBOUNDED else f"{nbytes / GIB:.1f} GiB"

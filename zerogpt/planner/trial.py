@@ -162,7 +162,8 @@ def run_trial(build_engine: Callable[[], Any], micro_batch: int, accumulation: i
             raise TrialOutOfMemory(f"device peak {device_peak / 2**30:.2f} GiB > simulated capacity "
                                    f"{device_capacity / 2**30:.2f} GiB")
         peak = _status("VmHWM")
-        host_peak = None if peak is None or before is None else peak - before
+        # RSS can fall below what it was before (pages freed): a trial that added nothing is 0, not negative
+        host_peak = None if peak is None or before is None else max(0, peak - before)
         timed = clock.seconds[1:] or clock.seconds  # the first step pays for warm-up (allocations, recorded orders)
         return dict(seconds=min(timed), device_peak=device_peak, host_peak=host_peak)
     except (torch.OutOfMemoryError, TrialOutOfMemory) as e:
