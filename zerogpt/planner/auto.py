@@ -47,8 +47,10 @@ def trial_candidates(choice: Choice, count: int) -> list[Candidate]:
     checkpointing): plans alike but for bucket size, prefetch or the chunked loss are one trial.
 
     The speed model has no term for the loss's kernel, whose speed is the machine's (on one H200 the chunked loss
-    ran at 0.78x the plain loss's; on a CPU they are even). So when every trial would take the same loss and a plan
-    with the other one fits, the fastest of those takes the last trial: the loss is chosen by measurement too."""
+    ran at 0.78x the plain loss's; on a CPU they are even), and predicts offload a little faster where the memory it
+    frees buys a larger micro-batch. So when every trial would take the same loss, or every one would offload, and a
+    plan with the other fits, the fastest of those takes one of the last trials: both are chosen by measurement too.
+    """
     out, seen = [], set()
     for c in choice.ranked:
         p = c.plan
@@ -58,11 +60,26 @@ def trial_candidates(choice: Choice, count: int) -> list[Candidate]:
             out.append(c)
         if len(out) == count:
             break
-    if count > 1 and out and len({c.plan.chunked_loss for c in out}) == 1:
-        other = next((c for c in choice.ranked if c.plan.chunked_loss != out[0].plan.chunked_loss), None)
-        if other is not None:
-            out = out[:count - 1] + [other]
+    traits = (lambda p: p.chunked_loss, offloads)
+    for i, trait in enumerate(traits):
+        other = next((c for c in choice.ranked if trait(c.plan) != trait(out[0].plan)), None) if out else None
+        if len(out) < 2 or other is None or len({trait(c.plan) for c in out}) > 1:
+            continue
+        for j in range(len(out) - 1, 0, -1):  # the slowest trial whose place keeps the traits already varied
+            rest = out[:j] + out[j + 1:] + [other]
+            if all(len({t(c.plan) for c in rest}) >= len({t(c.plan) for c in out}) for t in traits[:i]):
+                out = rest
+                break
     return out
+
+
+def offloads(plan: Plan) -> bool:
+    return plan.offload_optimizer != "none" or plan.offload_param != "none"
+
+
+MEASUREMENT_NOISE = 0.03
+"""Trial steps of one plan differ by about this much between runs: a measured plan that offloads nothing, within it of
+the fastest, is taken over one that offloads (which holds host RAM and adds the host step for no gain measured)."""
 
 
 def _resumed_plan(run_dir: Path, work: Workload, machine_print: str, version: str, notes: list) -> Plan | None:
@@ -121,7 +138,10 @@ def _fastest_measured(choice: Choice, measured: dict, machine: Machine) -> Candi
     if not ran:
         errors = "; ".join(f"{p.describe()}: {m.get('error')}" for p, m in measured.items())
         raise PlanError(f"plan='auto': every trial failed ({errors}); {machine.describe()}")
-    return max(ran, key=lambda c: measured[c.plan]["tokens_per_s"])
+    fastest = max(ran, key=lambda c: measured[c.plan]["tokens_per_s"])
+    close = [c for c in ran if not offloads(c.plan)
+             and measured[c.plan]["tokens_per_s"] >= (1 - MEASUREMENT_NOISE) * measured[fastest.plan]["tokens_per_s"]]
+    return fastest if not offloads(fastest.plan) or not close else max(close, key=lambda c: measured[c.plan]["tokens_per_s"])
 
 
 def choose_plan(cfg: Config, shape: ModelShape, dp: int, machine: Machine, constants: SpeedConstants,

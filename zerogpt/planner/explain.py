@@ -17,6 +17,9 @@ def why_lost(c: Candidate, chosen: Candidate, measured: dict) -> str:
     if mine is not None and mine.get("error"):
         return f"trial failed: {mine['error']}"
     if mine is not None and theirs is not None and "tokens_per_s" in mine:
+        if mine["tokens_per_s"] > theirs["tokens_per_s"]:  # auto.MEASUREMENT_NOISE: offloading, for no gain measured
+            return (f"offloads, within measurement noise of the chosen: {mine['tokens_per_s']:,.0f} vs "
+                    f"{theirs['tokens_per_s']:,.0f} tokens/s")
         return f"measured slower: {mine['tokens_per_s']:,.0f} < {theirs['tokens_per_s']:,.0f} tokens/s"
     slowest = max(c.terms, key=c.terms.get)
     ratio = f"{c.tokens_per_s / chosen.tokens_per_s:.0%} of the chosen's predicted tokens/s"
