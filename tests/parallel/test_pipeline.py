@@ -136,6 +136,78 @@ def test_pp2_dp2_matches_one_process(stage):
     assert torch.equal(runs[0]["tied"], runs[2]["tied"])
 
 
+# -- fewer micro-batches than stages; each stage's own dropout masks -----------------------------------------
+
+def _pp2_one_micro_batch(rank: int, world: int) -> dict:
+    """PP2 at GRADIENT_ACCUMULATION=1 (GLOBAL_BATCH_SIZE = BATCH_SIZE x D): losses and grad norms."""
+    import zerogpt
+    from zerogpt.parallel import ParallelDims
+
+    torch.set_num_threads(1)
+    config = zerogpt.Config(dict(zero=zero_config(1), precision="fp32", GRADIENT_ACCUMULATION=1, clip_grad_norm=CLIP))
+    engine, pipe = parallel_engine(tiny_gpt4(), ParallelDims(pp=2), config, adamw, criterion)
+    losses, norms = [], []
+    for batch in token_batches(STEPS, 1, 1)[:, 0, 0]:
+        loss = pipe.train_step([(batch[:, :-1], batch[:, 1:])])
+        norms.append(engine.step().item())
+        engine.zero_grad()
+        losses.append(pipe.from_last_stage(loss).item())
+    engine.close()
+    return {"losses": losses, "norms": norms}
+
+
+@pytest.mark.timeout(240)
+def test_fewer_micro_batches_than_stages_train_as_plain_pytorch():
+    """One micro-batch through two stages (torch's 1F1B refuses fewer micro-batches than stages; the pipeline runs
+    them in GPipe's order, which is 1F1B's then): plain single-process PyTorch's losses and grad norms."""
+    runs = run_distributed(_pp2_one_micro_batch, 2, timeout=200)
+    with single_thread():
+        model = tiny_gpt4()
+        optimizer = adamw(model)
+        ref = {"losses": [], "norms": []}
+        for batch in token_batches(STEPS, 1, 1)[:, 0, 0]:
+            loss = criterion(model(batch[:, :-1]), batch[:, 1:])
+            loss.backward()
+            ref["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+            optimizer.step()
+            optimizer.zero_grad()
+            ref["losses"].append(loss.item())
+    for r, run in enumerate(runs):
+        for key in ("losses", "norms"):
+            torch.testing.assert_close(run[key], ref[key], rtol=RTOL, atol=0, msg=lambda m: f"rank {r} {key}: {m}")
+
+
+def _dropout_rng_states(rank: int, world: int) -> list[torch.Tensor]:
+    """The global RNG state at every dropout of one PP2 training step (GPT, dropout 0.1), on this stage."""
+    from model_zoo.layers import CausalAttention
+
+    engine, pipe, dp_rank, dp = build_pp(2, 1)
+    engine.module.config.dropout = 0.1  # (built at 0.0 by build_pp; the modules read their own p)
+    states = []
+    for module in engine.module.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+        elif isinstance(module, CausalAttention):
+            module.dropout = 0.1
+        else:
+            continue
+        module.register_forward_pre_hook(
+            lambda m, args: None if args[0].is_meta else states.append(torch.get_rng_state()))
+    train(engine, pipe, dp_rank, dp, range(1))
+    engine.close()
+    return states
+
+
+@pytest.mark.timeout(240)
+def test_each_stage_draws_its_own_dropout_masks():
+    """Every rank is seeded alike; without a stream per stage, stage 1's blocks 2-3 drew from exactly the RNG states
+    stage 0's embedding and blocks 0-1 drew from: the same masks in layer 2 as in layer 0 (Megatron offsets the seed
+    by the pipeline rank)."""
+    first, last = run_distributed(_dropout_rng_states, 2, timeout=200)
+    assert first and last
+    assert not [i for i, state in enumerate(last) if any(torch.equal(state, s) for s in first)]
+
+
 # -- offload and memory accounting (one PP2 run at ZeRO-2 with the optimizer on the host) --------------------
 
 @pytest.fixture(scope="module")

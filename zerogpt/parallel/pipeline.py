@@ -7,10 +7,10 @@ checkpoints and HF export are keyed by), the embeddings on the first stage and t
 last. A tied head (GPT's; a Llama with tie_word_embeddings) becomes on the last stage its own Parameter with the
 embedding's values; after every backward the two gradients are summed over a two-rank "tied" group, so both
 copies take the same update and stay equal. An untied head is the last stage's own. `Pipeline` runs one optimizer
-step's micro-batches (GRADIENT_ACCUMULATION of them) through `torch.distributed.pipelining.Schedule1F1B` inside
-the engine's `scheduled_backward`, which reduces each chunk once after the last micro-batch; `engine.step()`
-follows as at P=1. The Trainer takes it as its schedule (`Trainer(engine, pipeline=...)`). ZeRO-3 is refused by
-ParallelDims.check_zero_stage.
+step's micro-batches (GRADIENT_ACCUMULATION of them) through `torch.distributed.pipelining.Schedule1F1B` (fewer
+than P: `ScheduleGPipe`, the order 1F1B would take) inside the engine's `scheduled_backward`, which reduces each
+chunk once after the last micro-batch; `engine.step()` follows as at P=1. The Trainer takes it as its schedule
+(`Trainer(engine, pipeline=...)`). ZeRO-3 is refused by ParallelDims.check_zero_stage.
 """
 from __future__ import annotations
 
@@ -121,9 +121,11 @@ class Pipeline:
         self.tied_param = params.get(family.embedding_weight if self.is_first else HEAD) if ends else None
         self._micro_losses: list[torch.Tensor] = []
         stage = PipelineStage(engine.module, self.stage, self.stages, self.device, group=self.group)
+        # torch's 1F1B refuses fewer micro-batches than stages; with M < P, 1F1B's warm-up (Megatron's:
+        # min(P - 1 - r, M) forwards) runs every forward before any backward anyway, which is GPipe's order.
+        schedule = Schedule1F1B if engine.gradient_accumulation >= self.stages else ScheduleGPipe
         # The engine scales the loss (1/accumulation, fp16's scale) so gradients mean what they mean at P=1.
-        self.schedule = Schedule1F1B(stage, engine.gradient_accumulation, loss_fn=self._train_loss,
-                                     scale_grads=False)
+        self.schedule = schedule(stage, engine.gradient_accumulation, loss_fn=self._train_loss, scale_grads=False)
         self._eval_schedule: ScheduleGPipe | None = None  # one micro-batch per call, built at the first eval
 
     def _train_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -26,13 +26,16 @@ from zerogpt.parallel.layout import ParamLayout, global_runs
 from zerogpt.parallel.mesh import ParallelDims
 from zerogpt.parallel.parallel_model import ParallelModel
 from zerogpt.parallel.pipeline import split_stage, tied_copies
+from zerogpt.parallel.rng import seed_stage
 from zerogpt.parallel.tensor import apply_tensor_parallel, tensor_parallel_layout
 
 __all__ = ["ParallelModel", "parallelize", "init_local_ranges"]
 
 
 def parallelize(model: nn.Module, mesh: Any, sequence_parallel: bool = False) -> ParallelModel:
-    """Apply the tensor-parallel plan, then keep this rank's pipeline stage, in place (every rank calls).
+    """Apply the tensor-parallel plan, then keep this rank's pipeline stage, in place (every rank calls); with
+    P > 1 the global random stream is then forked per stage (`rng.seed_stage`), so stages draw different dropout
+    masks.
 
     `model` is a model_zoo GPT or Llama-family model built with the same seed on every rank, whole or on the
     meta device (then `initialize` fills each rank's shards from `init_param_range`, the fresh init or a
@@ -50,6 +53,8 @@ def parallelize(model: nn.Module, mesh: Any, sequence_parallel: bool = False) ->
     stage, stages = pp.get_local_rank(), pp.size()
     tied = tied_copies(model, stage, stages)  # a tied head's last-stage copy of the embedding
     split_stage(model, stage, stages)
+    if stages > 1:  # the model is built: each stage's dropouts draw from a stream of their own (rng.py)
+        seed_stage(stage)
     if sequence_parallel and tp.size() > 1 and stage > 0 and family.later_stage_sp is not None:
         family.later_stage_sp(model, tp.size())
     duplicates |= set(tied)

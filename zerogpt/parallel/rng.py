@@ -13,6 +13,11 @@ checkpointing restores the RNG state before it recomputes a segment, so the reco
 and the same masks. Nothing happens in eval mode or with p = 0: runs without dropout draw nothing extra, and a
 module built with p = 0 is left as it is.
 
+Pipeline stages are the converse: every rank starts from one seed, so stage s's blocks would draw exactly the masks
+stage 0's blocks draw (layer L/P's the same as layer 0's). `seed_stage(stage)` forks the shared stream once per
+stage after the model is built, as Megatron offsets its seed by 100 x the pipeline rank; the ranks of one stage
+(its tensor- and data-parallel ranks) still draw alike.
+
 The wrapper is a function torch.compile does not trace (`torch.compiler.disable`): inside a compiled block
 (zerogpt/compile.py) the module runs eagerly between two compiled graphs, on its own stream, while the block's other
 dropouts draw from inductor's generator, seeded from the shared stream alike on every rank. Forward hooks would be
@@ -27,7 +32,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-__all__ = ["own_stream", "rank_stream"]
+__all__ = ["own_stream", "rank_stream", "seed_stage"]
 
 
 def _mixed_seed(seed: int, rank: int) -> int:
@@ -46,6 +51,12 @@ def rank_stream(rank: int, device: torch.device) -> Iterator[None]:
             torch.cuda.default_generators[device.index if device.index is not None else
                                           torch.cuda.current_device()].manual_seed(seed)
         yield
+
+
+def seed_stage(stage: int) -> None:
+    """Put pipeline stage `stage` on its own stream: one draw from the shared global CPU generator (the same on
+    every rank), mixed with the stage, seeds torch's generators (the CPU's and every CUDA device's)."""
+    torch.manual_seed(_mixed_seed(int(torch.randint(0, 2**62, (), device="cpu")), stage))
 
 
 def _dropout_p(module: nn.Module) -> float:
