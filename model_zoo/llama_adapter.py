@@ -91,6 +91,15 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
+def _qwen_slides(hf: dict[str, Any]) -> bool:
+    """Whether a Qwen2/Qwen3 config.json has a layer that attends through a window (ours attend in full):
+    its layer_types, else transformers' rule, use_sliding_window from max_window_layers (default 28) on."""
+    if hf.get("layer_types"):
+        return "sliding_attention" in hf["layer_types"]
+    window = hf.get("use_sliding_window") and ("sliding_window" not in hf or hf["sliding_window"] is not None)
+    return bool(window) and hf.get("max_window_layers", 28) < hf.get("num_hidden_layers", 0)
+
+
 def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
     """LlamaConfig's keyword arguments for a Hugging Face config.json dict; ValueError naming the key for what the
     family cannot reproduce (other architectures, biases Llama checkpoints do not have, sliding windows, yarn RoPE).
@@ -104,12 +113,11 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, 
                          f"{hf.get('model_type')!r}) is not one of the four native architectures "
                          f"({', '.join(ARCHITECTURES)}); other causal LMs train through {GENERIC_PATH}")
     bad = {k: hf[k] for k in ("mlp_bias",) if hf.get(k)}
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' "swish" is SiLU too
         bad["hidden_act"] = hf["hidden_act"]
     if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":  # Llama's and Qwen3's would add an o_proj bias too
         bad["attention_bias"] = True
-    # Qwen2's and Qwen3's window covers the layers from max_window_layers on; ours attend in full
-    if hf.get("use_sliding_window") and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and _qwen_slides(hf):
         bad["use_sliding_window"] = True
     theta, scaling = _rope(hf)
     partial = {hf.get("partial_rotary_factor", 1.0), (scaling or {}).pop("partial_rotary_factor", 1.0)} - {1.0}

@@ -154,6 +154,19 @@ def test_qwen_sliding_window_layers_are_refused_not_attended_in_full(tmp_path):
             from_pretrained(str(tmp_path / family))
 
 
+def test_a_qwen_window_no_layer_takes_and_swish_load_natively(tmp_path):
+    """use_sliding_window with max_window_layers at or past the layer count slides no layer in transformers, and
+    hidden_act "swish" is its SiLU: both were refused; they load natively with transformers' logits."""
+    for family, keys in (("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+                         ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+                         ("llama", dict(hidden_act="swish"))):
+        hf = make_hf_model(family, tmp_path / family, **keys)
+        assert "sliding_attention" not in (getattr(hf.config, "layer_types", None) or [])
+        with torch.no_grad():
+            torch.testing.assert_close(from_pretrained(str(tmp_path / family), device="cpu")(IDS), hf(IDS).logits,
+                                       atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("rope, refused", [(dict(rope_type="yarn", factor=4.0), "'rope_type': 'yarn'"),
                                            (dict(rope_type="default", partial_rotary_factor=0.5),
                                             "'partial_rotary_factor': 0.5")])
@@ -325,3 +338,14 @@ def test_the_docs_describe_the_paths_the_code_takes():
     native, _, generic = row.partition("generic path")
     assert all(arch in native for arch in ARCHITECTURES) and "stream" in native, row
     assert "every rank loads all of it" in generic and "every rank loads all of it" not in native, row
+
+
+@pytest.mark.parametrize("keys, slides", [(dict(max_window_layers=1), True), (dict(max_window_layers=2), False),
+                                          (dict(max_window_layers=1, sliding_window=None), False),
+                                          (dict(), False), (dict(max_window_layers=1, use_sliding_window=False), False)])
+def test_a_transformers_4_qwen_config_without_layer_types_slides_by_transformers_rule(keys, slides):
+    """A config.json without layer_types (transformers 4 wrote none): windowed from max_window_layers (default 28)
+    on, when use_sliding_window is set and the window is not null."""
+    from model_zoo.llama_adapter import _qwen_slides
+
+    assert _qwen_slides({"use_sliding_window": True, "sliding_window": 8, "num_hidden_layers": 2, **keys}) == slides
