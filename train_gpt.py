@@ -246,7 +246,7 @@ def setup(cfg, train, data, ctx, dims, resume):
     accum = engine.gradient_accumulation
     lr_scheduler = None
     if "lr_scheduler" in cfg:
-        total_steps = train.max_steps or epoch_steps(cfg.NUM_EPOCHS or 1, len(train_dl), accum)
+        total_steps = last_step(cfg, train, len(train_dl), accum)
         lr_scheduler = build_lr_scheduler(engine.optimizer, lr_scheduler_config(cfg), total_steps)
     ctx.logger.info(f"tokens/step: {cfg.BATCH_SIZE} seqs x {cfg.SEQ_LEN} tokens x {accum} accumulation x "
                     f"{dims.dp} data-parallel ranks = {cfg.BATCH_SIZE * cfg.SEQ_LEN * accum * dims.dp:,}")
@@ -275,10 +275,10 @@ def setup(cfg, train, data, ctx, dims, resume):
             with slow_phase(ctx.logger, f"resume: reading {ckpt} into this rank's shards"):
                 trainer.load_state_dict(engine.load_checkpoint(ckpt))
             ctx.logger.info(f"resumed from {ckpt} at step {trainer.state.step}")
-            last_step = train.max_steps or epoch_steps(cfg.NUM_EPOCHS or 1, len(train_dl), accum)
-            if trainer.state.step >= last_step:
-                epochs = None if train.max_steps else cfg.NUM_EPOCHS or 1
-                ctx.logger.info(preflight.finished_message(ckpt, trainer.state.step, last_step, lr_scheduler, epochs))
+            end = last_step(cfg, train, len(train_dl), accum)
+            if trainer.state.step >= end:
+                ctx.logger.info(preflight.finished_message(ckpt, trainer.state.step, end, lr_scheduler,
+                                                           fit_epochs(cfg, train)))
                 engine.close()
                 return None, None, None
     return trainer, train_dl, valid_dl
@@ -318,12 +318,20 @@ def check_run_vocab(dataset, data, model) -> None:
                           data_key=(data.vocab_size, "data.vocab_size") if data.vocab_size else None)
 
 
+def fit_epochs(cfg, train) -> int | None:
+    """The epochs Trainer.fit runs: None when train.max_steps decides the run's length, else NUM_EPOCHS (one by
+    default); the LR schedule's length and the resume check count the same (last_step)."""
+    return None if train.max_steps else cfg.NUM_EPOCHS or 1
+
+
+def last_step(cfg, train, micro_batches: int, accum: int) -> int:
+    """The step the run ends at: train.max_steps, else the optimizer steps fit_epochs() passes make."""
+    return train.max_steps or epoch_steps(fit_epochs(cfg, train), micro_batches, accum)
+
+
 def fit(trainer, cfg, train, train_dl, valid_dl, ctx) -> int:
     out = train.output_dir
-    # train.max_steps decides the run's length when set; else NUM_EPOCHS passes (one by default), as the LR
-    # schedule's length and the resume check in setup() count it
-    epochs = None if train.max_steps else cfg.NUM_EPOCHS or 1
-    state = trainer.fit(train_dl, epochs=epochs, max_steps=train.max_steps, eval_dataloader=valid_dl)
+    state = trainer.fit(train_dl, epochs=fit_epochs(cfg, train), max_steps=train.max_steps, eval_dataloader=valid_dl)
     trainer.engine.close()  # hooks off, offload files removed, the shared-memory transport and its thread closed
     if state.interrupted:
         ckpt = latest_checkpoint(out)

@@ -278,8 +278,7 @@ def run(args: argparse.Namespace) -> int:
         results.close()  # stops the worker pool even when a --strict error is raised
     unit = f"tokens ({args.tokenizer})" if args.tokenizer else "words (whitespace split; no --tokenizer)"
     # the tokenizer (a file, or a directory and its files) is an input: `all` re-runs cleanup when one changes
-    tokenizer = tokenizer_inputs(args.tokenizer) if args.tokenizer else []
-    write_stats(args.output, "cleanup", counts, args, inputs + tokenizer,
+    write_stats(args.output, "cleanup", counts, args, inputs + tokenizer_inputs(args.tokenizer),
                 started, length_unit=unit,
                 kept_length_total=total_length, languages=dict(languages.most_common()), **extra)
     return 0

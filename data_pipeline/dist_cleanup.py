@@ -77,7 +77,6 @@ def merge_outputs(work: str, parts: int, sargs: argparse.Namespace, inputs: list
         concat([unit_file(work, "out", u) for u in range(parts)], out)
         concat([unit_file(work, "rejected", u) for u in range(parts)], rej)
     unit = f"tokens ({sargs.tokenizer})" if sargs.tokenizer else "words (whitespace split; no --tokenizer)"
-    tokenizer = tokenizer_inputs(sargs.tokenizer) if sargs.tokenizer else []
-    write_stats(sargs.output, "cleanup", counts, sargs, inputs + tokenizer,
+    write_stats(sargs.output, "cleanup", counts, sargs, inputs + tokenizer_inputs(sargs.tokenizer),
                 started, length_unit=unit, kept_length_total=total_length,
                 languages=dict(languages.most_common()), shards=parts, **stats)

@@ -430,8 +430,7 @@ def task_identity(sargs: argparse.Namespace) -> dict:
     from data_pipeline.tokenizer import tokenizer_inputs
 
     inputs = [getattr(sargs, k) for k in ("input", "groups", "pairs") if isinstance(getattr(sargs, k, None), str)]
-    if isinstance(getattr(sargs, "tokenizer", None), str) and exists(sargs.tokenizer):
-        inputs += tokenizer_inputs(sargs.tokenizer)
+    inputs += tokenizer_inputs(getattr(sargs, "tokenizer", None))
     identity = {"params": stage_params(sargs), "inputs": [file_signature(p) for p in inputs if exists(p)]}
     return json.loads(json.dumps(identity, default=str))
 

@@ -207,13 +207,14 @@ class Source:
         from datatrove.io import get_datafolder
 
         skipped: list[Item] = []
-        with get_datafolder(self._folder()).open(unit, "rb", compression="infer") as f:
+        folder = self._folder()
+        with get_datafolder(folder).open(unit, "rb", compression="infer") as f:
             for index, raw in enumerate(f):
                 rec, err = parse_jsonl_line(raw, None)
                 if rec is not None:
                     yield from self._row_items(rec, unit, index, skipped)
                 elif err:
-                    yield ("malformed", f"{os.path.join(self._folder(), unit)}:{index + 1}", err,
+                    yield ("malformed", f"{os.path.join(folder, unit)}:{index + 1}", err,
                            raw.decode("utf-8", errors="replace").rstrip("\n"))
 
     def _row_items(self, data: dict, where: str, index: Any, skipped: list[Item]) -> Iterator[Item]:

@@ -105,9 +105,12 @@ def load_tokenizer(path: str):
                          f"{_TRAIN_HINT}") from e
 
 
-def tokenizer_inputs(path: str) -> list[str]:
+def tokenizer_inputs(path: str | None) -> list[str]:
     """What a stage that uses tokenizer `path` records as its inputs (stats.is_complete): the file, or the directory
-    and its tokenizer files (.json, .txt, .model); a file edited in place leaves the directory's mtime as it was."""
+    and its tokenizer files (.json, .txt, .model); a file edited in place leaves the directory's mtime as it was.
+    None (a stage run without one): nothing."""
+    if not path:
+        return []
     if not os.path.isdir(path):
         return [path]
     return [path] + [os.path.join(path, n) for n in sorted(os.listdir(path))

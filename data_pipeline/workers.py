@@ -6,6 +6,7 @@ The sharded-task path (executor.py) is the other way a stage runs; this is the i
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Iterable, Iterator
 
@@ -18,13 +19,20 @@ def progress(iterable: Iterable | None = None, total: int | None = None, desc: s
     workers (imap_bounded), so every later stage in the process, `all`'s included, would spawn them (slower, and a
     script without an `if __name__ == "__main__":` guard would start itself again in each worker).
     """
+    return _bar_class()(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True,
+                        disable=None, file=sys.stderr, mininterval=0.5)
+
+
+@functools.cache
+def _bar_class() -> type:
+    """tqdm without its monitor thread (a class attribute tqdm reads when a bar is made); built once, on first use,
+    so importing this module does not import tqdm."""
     from tqdm import tqdm
 
     class Bar(tqdm):
         monitor_interval = 0
 
-    return Bar(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True,
-               disable=None, file=sys.stderr, mininterval=0.5)
+    return Bar
 
 
 def imap_bounded(fn, tasks: Iterable, workers: int, initializer=None, initargs: tuple = (),

@@ -138,10 +138,14 @@ def _fastest_measured(choice: Choice, measured: dict, machine: Machine) -> Candi
     if not ran:
         errors = "; ".join(f"{p.describe()}: {m.get('error')}" for p, m in measured.items())
         raise PlanError(f"plan='auto': every trial failed ({errors}); {machine.describe()}")
-    fastest = max(ran, key=lambda c: measured[c.plan]["tokens_per_s"])
-    close = [c for c in ran if not offloads(c.plan)
-             and measured[c.plan]["tokens_per_s"] >= (1 - MEASUREMENT_NOISE) * measured[fastest.plan]["tokens_per_s"]]
-    return fastest if not offloads(fastest.plan) or not close else max(close, key=lambda c: measured[c.plan]["tokens_per_s"])
+    def rate(c: Candidate) -> float:
+        return measured[c.plan]["tokens_per_s"]
+
+    fastest = max(ran, key=rate)
+    if not offloads(fastest.plan):
+        return fastest
+    close = [c for c in ran if not offloads(c.plan) and rate(c) >= (1 - MEASUREMENT_NOISE) * rate(fastest)]
+    return max(close, key=rate) if close else fastest
 
 
 def choose_plan(cfg: Config, shape: ModelShape, dp: int, machine: Machine, constants: SpeedConstants,
@@ -162,10 +166,10 @@ def choose_plan(cfg: Config, shape: ModelShape, dp: int, machine: Machine, const
     known = _resumed_plan(out_dir, work, machine_print, version, notes) if resume and out_dir else None
     factors: dict = {}
     if known is None and cache is not None:
-        entry, note = cache.lookup(work, machine_print, version)
+        found, note = cache.lookup(work, machine_print, version)
         notes += [note] if note else []
-        if entry:
-            known, factors = saved_plan(entry)
+        if found:
+            known, factors = found
     known, factors, notes = agree((known, factors, notes))
     k = constants.scaled(factors) if factors else constants
     choice = search(work, machine, k)

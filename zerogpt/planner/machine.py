@@ -130,19 +130,21 @@ class PlanCache:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def lookup(self, work: Workload, machine_print: str, version: str) -> tuple[dict | None, str]:
-        """(the entry for this workload on this machine and version, or None; a note on what was ignored)."""
+    def lookup(self, work: Workload, machine_print: str, version: str) -> tuple[tuple[Plan, dict] | None, str]:
+        """((plan, speed factors) chosen for this workload on this machine and version, or None; a note on what was
+        reused or ignored)."""
         entry = self._read().get(self.key(work))
         if entry is None:
             return None, ""
-        if not isinstance(entry, dict) or saved_plan(entry) is None:
+        found = saved_plan(entry) if isinstance(entry, dict) else None
+        if found is None:
             return None, f"plan cache {self.path}: this workload's entry is not a plan; ignored, planning again"
         if entry.get("version") != version:
             return None, (f"plan cache {self.path}: written by zerogpt {entry.get('version')}, this is {version}; "
                           f"ignored, planning again")
         if entry.get("machine") != machine_print:
             return None, f"plan cache {self.path}: written on another machine; ignored, planning again"
-        return entry, f"plan cache {self.path}: reusing the plan chosen on this machine at {entry.get('when')}"
+        return found, f"plan cache {self.path}: reusing the plan chosen on this machine at {entry.get('when')}"
 
     def store(self, work: Workload, machine_print: str, version: str, plan: Plan, factors: dict) -> None:
         data = self._read()
